@@ -1,0 +1,168 @@
+"""Engine configuration: frozen dataclasses, validated once, from which CLI flags are generated.
+
+Every option is spelled exactly once, as a dataclass field. `add_cli_args` turns the fields
+into argparse flags (`max_num_seqs` -> `--max-num-seqs`, booleans as `--x/--no-x`), and
+`from_cli_args` / `from_kwargs` turn flags or keyword arguments back into the dataclass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+T = TypeVar("T")
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+               "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """'4GiB', '512MB', '1e9' or an int -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 4GiB, 512MiB or a byte count")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = field(default=None, metadata=_help(
+        "GGUF file or Hugging Face folder; default: the bundled SmolLM2-135M-Instruct"))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=_help(
+        "weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA"))
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_help(
+        "auto = cuda when available, else cpu"))
+    max_model_len: int | None = field(default=None, metadata=_help(
+        "longest prompt + output in tokens; default: the model's context length"))
+    num_threads: int | None = field(default=None, metadata=_help(
+        "CPU threads for torch; default: the cores this process may use"))
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata=_help("tokens per KV cache block"))
+    num_kv_blocks: int | None = field(default=None, metadata=_help(
+        "number of KV blocks (overrides --kv-cache-memory)"))
+    kv_cache_memory: str | None = field(default=None, metadata=_help(
+        "KV cache size, e.g. 2GiB; default: 25%% of available RAM (at most 4 GiB) on CPU, "
+        "85%% of free GPU memory"))
+    enable_prefix_caching: bool = field(default=True, metadata=_help(
+        "reuse KV blocks of shared prompt prefixes"))
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = field(default=512, metadata=_help(
+        "token budget of one scheduler step (decodes + prefill chunks)"))
+    max_num_seqs: int = field(default=64, metadata=_help("sequences in one step at most"))
+    enable_chunked_prefill: bool = field(default=True, metadata=_help(
+        "split prompts longer than the remaining budget across steps"))
+    scheduler: Literal["continuous", "static"] = field(default="continuous", metadata=_help(
+        "continuous batching, or the fixed-batch baseline"))
+    scheduling_policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=_help(
+        "admission order: arrival, or per-request priority (lower first)"))
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError("max_num_seqs cannot exceed max_num_batched_tokens "
+                             f"({self.max_num_seqs} > {self.max_num_batched_tokens})")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    SECTIONS = ("model", "cache", "scheduler")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Flat keyword arguments (as `LLM(...)` takes them) -> nested config."""
+        sections = {}
+        for name in cls.SECTIONS:
+            section_cls = _field_type(cls, name)
+            own = {f.name for f in dataclasses.fields(section_cls)}
+            sections[name] = section_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in own})
+        if kwargs:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
+        return cls(**sections)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for name in cls.SECTIONS:
+            add_cli_args(parser, _field_type(cls, name))
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{name: from_cli_args(_field_type(cls, name), args) for name in cls.SECTIONS})
+
+
+def _field_type(cls: type, name: str) -> type:
+    return typing.get_type_hints(cls)[name]
+
+
+def _flag_type(hint: Any) -> tuple[Any, list[Any] | None]:
+    """(argparse type, choices) for a field's type hint."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _flag_type(inner)
+    if origin is Literal:
+        choices = list(typing.get_args(hint))
+        return type(choices[0]), choices
+    return hint, None
+
+
+def add_cli_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per dataclass field, named after it, with the field's default and help."""
+    group = parser.add_argument_group(cls.__name__)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if hint is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help_text)
+            continue
+        arg_type, choices = _flag_type(hint)
+        group.add_argument(flag, type=arg_type, choices=choices, default=argparse.SUPPRESS,
+                           help=f"{help_text} (default: {f.default})")
+
+
+def from_cli_args(cls: type[T], args: argparse.Namespace) -> T:
+    """Build `cls` from the flags that were given; the rest keep the dataclass defaults."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+             if hasattr(args, f.name)}
+    return cls(**given)

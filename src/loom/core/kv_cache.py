@@ -1,0 +1,92 @@
+"""Per-request block tables over the block pool, and prefix-cache lookup.
+
+Full blocks are named by a hash chained over (parent hash, token ids of the block), so two
+requests share a block only if every token before and inside it is the same.
+"""
+
+from __future__ import annotations
+
+from loom.core.block_pool import BlockPool
+from loom.request import Request
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_tables: dict[str, list[int]] = {}
+        self.block_hashes: dict[str, list[int]] = {}
+        self.num_published_blocks: dict[str, int] = {}
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_block_table(self, request_id: str) -> list[int]:
+        return self.block_tables.get(request_id, [])
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids of the longest cached run of full blocks at the start of the request.
+
+        The last token is never taken from the cache: the model must run on at least one token
+        to produce the logits the next token is sampled from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self._full_block_hashes(request, (request.num_tokens - 1) // self.block_size)
+        found = []
+        for block_hash in hashes:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_block_ids: list[int] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens (after any cached prefix); False if the
+        pool cannot, in which case nothing changes."""
+        cached_block_ids = cached_block_ids or []
+        table = self.block_tables.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(cached_block_ids) * self.block_size
+        num_needed = self.num_blocks_for(num_computed + num_new_tokens)
+        num_new_blocks = num_needed - len(table) - len(cached_block_ids)
+        num_revived = sum(1 for b in cached_block_ids if self.pool.ref_cnt[b] == 0)
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            if not table:
+                del self.block_tables[request.request_id]
+            return False
+        self.pool.touch(cached_block_ids)
+        table.extend(cached_block_ids)
+        table.extend(self.pool.allocate(max(num_new_blocks, 0)))
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Return a request's blocks; tail blocks first so the shared head stays cached longest."""
+        table = self.block_tables.pop(request.request_id, [])
+        self.block_hashes.pop(request.request_id, None)
+        self.num_published_blocks.pop(request.request_id, None)
+        self.pool.free(reversed(table))
+
+    def _full_block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        hashes = self.block_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(request.token_ids_slice(i * bs, (i + 1) * bs))))
+        return hashes[:num_full_blocks]
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        table = self.block_tables[request.request_id]
+        hashes = self._full_block_hashes(request, num_tokens // self.block_size)
+        start = self.num_published_blocks.get(request.request_id, 0)
+        for i in range(start, len(hashes)):
+            self.pool.cache(table[i], hashes[i])
+        self.num_published_blocks[request.request_id] = len(hashes)

@@ -1,0 +1,233 @@
+"""Continuous batching: the batch is re-formed at every model iteration.
+
+Each step fills a token budget: running requests first (one decode token each, or the next
+chunk of a prefill in progress), then waiting requests in policy order while the budget, the
+sequence limit and the KV cache allow. When the cache cannot hold a running request's next
+tokens, the lowest-priority / latest-arrived running request is preempted: its blocks are freed
+and it goes back to the waiting queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from loom.config import SchedulerConfig
+from loom.core.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from loom.core.kv_cache import KVCacheManager
+from loom.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request: the token it sampled, if any, and whether it ended."""
+
+    request: Request
+    new_token_id: int | None
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[tuple[tuple[int, int], Request]] = []  # sorted by policy key
+        self.running: list[Request] = []
+        self.finished_request_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # -- queue bookkeeping ---------------------------------------------------------------------
+
+    def _key(self, request: Request) -> tuple[int, int]:
+        """Admission order; the largest key is the first preemption victim."""
+        priority = request.priority if self.config.scheduling_policy == "priority" else 0
+        return (priority, request.arrival_order)
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, (self._key(request), request), key=lambda e: e[0])
+
+    def _dequeue(self, request: Request) -> None:
+        index = bisect.bisect_left(self.waiting, self._key(request), key=lambda e: e[0])
+        del self.waiting[index]
+
+    def _admission_candidates(self) -> Iterator[Request]:
+        for _, request in list(self.waiting):
+            yield request
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; it may join the very next step. Raises ValueError if it can never
+        run (too long for the model or for the whole KV cache)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; this model's "
+                             f"max_model_len is {self.max_model_len} (prompt + at least one "
+                             "output token must fit)")
+        needed_tokens = min(request.max_num_tokens, self.max_model_len)
+        needed_blocks = self.kv_cache.num_blocks_for(needed_tokens)
+        if needed_blocks > self.kv_cache.pool.num_blocks:
+            raise ValueError(f"request needs up to {needed_tokens} tokens of KV cache "
+                             f"({needed_blocks} blocks) but the whole cache holds "
+                             f"{self.kv_cache.pool.num_blocks} blocks; shorten it or enlarge "
+                             "kv_cache_memory / num_kv_blocks")
+        if (not self.config.enable_chunked_prefill
+                and request.num_prompt_tokens > self.config.max_num_batched_tokens):
+            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens, more than "
+                             f"max_num_batched_tokens={self.config.max_num_batched_tokens} "
+                             "with chunked prefill disabled")
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """End a request for a reason found outside the scheduler (a stop string, an error)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self._dequeue(request)
+        self.kv_cache.free(request)
+        request.status = status
+        del self.requests[request.request_id]
+        self.finished_request_ids.append(request.request_id)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[str] = []
+
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = max(self.running, key=self._key)
+                if victim.request_id in scheduled:
+                    budget += len(scheduled.pop(victim.request_id).token_ids)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = self._scheduled(request, num_new)
+                budget -= num_new
+
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+
+        output = SchedulerOutput(scheduled=list(scheduled.values()),
+                                 preempted_request_ids=preempted,
+                                 finished_request_ids=self.finished_request_ids)
+        self.finished_request_ids = []
+        return output
+
+    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
+        for request in self._admission_candidates():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            cached_blocks = self.kv_cache.find_cached_prefix(request)
+            num_cached = len(cached_blocks) * self.kv_cache.block_size
+            num_new = request.num_tokens - num_cached
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, cached_blocks):
+                break
+            self._dequeue(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            request.num_cached_tokens = num_cached
+            self.running.append(request)
+            scheduled[request.request_id] = self._scheduled(request, num_new)
+            budget -= num_new
+        return budget
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_ids_slice(start, start + num_new),
+            start_position=start,
+            block_ids=self.kv_cache.get_block_table(request.request_id),
+            sampling_params=request.sampling_params,
+            sample=start + num_new == request.num_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request)
+        logger.warning(
+            "Request %s is preempted by PreemptionMode.RECOMPUTE mode because there is not "
+            "enough KV cache space. This can affect the end-to-end performance. Increase "
+            "kv_cache_memory or num_kv_blocks, or decrease max_num_seqs or "
+            "max_num_batched_tokens. total_num_preemptions=%d",
+            request.request_id, self.num_preemptions)
+
+    def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput
+               ) -> list[RequestUpdate]:
+        """Advance every scheduled request by what the model computed; end those that stop."""
+        updates = []
+        for item in output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(item.token_ids)
+            if not item.sample:
+                continue
+            token_id = runner_output.sampled_token_ids[item.request_id]
+            request.output_token_ids.append(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+            updates.append(RequestUpdate(request, token_id, status is not None))
+        return updates
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens and (
+                token_id in params.stop_token_ids
+                or (token_id == request.eos_token_id and not params.ignore_eos)):
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,288 @@
+"""EngineCore: the step loop. Schedule, run the model, update, detokenize, report."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loom.config import EngineConfig, parse_size
+from loom.core.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprob
+from loom.core.kv_cache import KVCacheManager
+from loom.core.scheduler import RequestUpdate, Scheduler
+from loom.core.static import StaticScheduler
+from loom.engine.detokenizer import IncrementalDetokenizer
+from loom.engine.metrics import EngineMetrics
+from loom.model.llama import LlamaModel
+from loom.model.loader import ModelArch, load_model
+from loom.model.runner import ModelRunner
+from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from loom.request import Request, RequestStatus
+from loom.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_KV_SHARE, _CPU_KV_CAP = 0.25, 4 * 2**30
+_GPU_KV_SHARE = 0.85
+
+
+@dataclass
+class _RequestState:
+    """Engine-side state of a live request that the scheduler does not need."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprob] | None
+    prompt_logprobs: list[TokenLogprob | None] | None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    last_token_time: float = 0.0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if mc.device == "auto" else mc.device)
+        self.dtype = _DTYPES[mc.dtype] if mc.dtype != "auto" else (
+            torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if self.device.type == "cpu":
+            torch.set_num_threads(mc.num_threads or len(os.sched_getaffinity(0)))
+        loaded = load_model(mc.model)
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        arch = loaded.arch
+        self.max_model_len = _max_model_len(mc.max_model_len, arch)
+        sc = config.scheduler
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"with chunked prefill disabled, max_num_batched_tokens "
+                f"({sc.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
+        model = LlamaModel(arch, loaded.weights, self.dtype, self.device)
+        del loaded
+        num_blocks = self._num_kv_blocks(arch)
+        block_size = config.cache.block_size
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        scheduler_cls = StaticScheduler if sc.scheduler == "static" else Scheduler
+        self.scheduler: Scheduler = scheduler_cls(sc, self.kv_cache, self.max_model_len)
+        self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
+        self.metrics = EngineMetrics(self.model_name)
+        self.states: dict[str, _RequestState] = {}
+        self._arrivals = 0
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _num_kv_blocks(self, arch: ModelArch) -> int:
+        cc = self.config.cache
+        bytes_per_block = (2 * arch.num_layers * cc.block_size * arch.num_kv_heads
+                           * arch.head_dim * self.dtype.itemsize)
+        if cc.num_kv_blocks is not None:
+            num_blocks, source = cc.num_kv_blocks, "num_kv_blocks"
+        else:
+            if cc.kv_cache_memory is not None:
+                budget, source = parse_size(cc.kv_cache_memory), "kv_cache_memory"
+            elif self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * _GPU_KV_SHARE)
+                source = f"{_GPU_KV_SHARE:.0%} of free GPU memory"
+            else:
+                budget = min(int(_available_ram() * _CPU_KV_SHARE), _CPU_KV_CAP)
+                source = f"{_CPU_KV_SHARE:.0%} of available RAM, at most 4 GiB"
+            num_blocks = budget // bytes_per_block
+            if num_blocks < 1:
+                raise ValueError(f"KV cache budget {budget} bytes is less than one block "
+                                 f"({bytes_per_block} bytes)")
+        num_tokens = num_blocks * cc.block_size
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, from %s); "
+            "max concurrency at max_model_len=%d: %.2fx",
+            num_blocks, cc.block_size, num_tokens, num_blocks * bytes_per_block / 2**30, source,
+            self.max_model_len, num_tokens / self.max_model_len)
+        return num_blocks
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        """Tokenize and queue a request. Raises ValueError naming the problem if it can never
+        run; nothing else is affected."""
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < max(vocab, self.runner.model.arch.vocab_size) for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        request = Request(request_id, token_ids, params, eos_token_id=self.tokenizer.eos_token_id,
+                          priority=priority, arrival_order=self._arrivals)
+        self._arrivals += 1
+        self.scheduler.add_request(request)
+        self.states[request_id] = _RequestState(
+            request=request, prompt=text,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
+            logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        if self.scheduler.abort_request(request_id) is None:
+            return None
+        return self._finish_output(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: returns an output for every request that progressed or finished."""
+        batch = self.scheduler.schedule()
+        now = time.monotonic()
+        self._note_scheduled(batch, now)
+        if batch.is_empty:
+            self._update_gauges()
+            return []
+        runner_output = self._execute(batch)
+        updates = self.scheduler.update(batch, runner_output)
+        outputs = self._process(batch, runner_output, updates)
+        self.metrics.iteration_tokens.observe(batch.num_scheduled_tokens)
+        self._update_gauges()
+        return outputs
+
+    def _execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the batch; if it throws, rerun each request alone so only the culprit fails."""
+        try:
+            return self.runner.execute(batch)
+        except Exception:
+            logger.exception("model step failed; retrying its %d requests one by one",
+                             len(batch.scheduled))
+        merged = ModelRunnerOutput()
+        for item in batch.scheduled:
+            try:
+                single = self.runner.execute(SchedulerOutput(scheduled=[item]))
+            except Exception as e:  # noqa: BLE001 - any failure ends this request only
+                logger.exception("request %s failed", item.request_id)
+                self.states[item.request_id].error = f"{type(e).__name__}: {e}"
+                continue
+            merged.sampled_token_ids.update(single.sampled_token_ids)
+            merged.logprobs.update(single.logprobs)
+            merged.prompt_logprobs.update(single.prompt_logprobs)
+        return merged
+
+    def _note_scheduled(self, batch: SchedulerOutput, now: float) -> None:
+        self.metrics.preemptions.inc(len(batch.preempted_request_ids))
+        for item in batch.scheduled:
+            state = self.states[item.request_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+                self.metrics.queue_time.observe(now - state.metrics.arrival_time)
+                request = state.request
+                self.metrics.prefix_queries.inc(request.num_prompt_tokens)
+                self.metrics.prefix_hits.inc(request.num_cached_tokens)
+            if item.start_position < item.num_prompt_tokens:
+                self.metrics.prompt_tokens.inc(
+                    min(item.start_position + len(item.token_ids), item.num_prompt_tokens)
+                    - item.start_position)
+
+    def _process(self, batch: SchedulerOutput, runner_output: ModelRunnerOutput,
+                 updates: list[RequestUpdate]) -> list[RequestOutput]:
+        now = time.monotonic()
+        for request_id, (start, entries) in runner_output.prompt_logprobs.items():
+            state = self.states.get(request_id)
+            if state is not None and state.prompt_logprobs is not None:
+                known = len(state.prompt_logprobs)  # recomputation after preemption repeats some
+                state.prompt_logprobs.extend(entries[known - start:])
+        outputs = []
+        for update in updates:
+            request, state = update.request, self.states[update.request.request_id]
+            self.metrics.generation_tokens.inc()
+            m = state.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+                self.metrics.ttft.observe(now - m.arrival_time)
+                self.metrics.prefill_time.observe(now - (m.first_scheduled_time or now))
+            else:
+                self.metrics.itl.observe(now - state.last_token_time)
+            state.last_token_time = now
+            if state.logprobs is not None:
+                state.logprobs.append(runner_output.logprobs[request.request_id])
+            state.detokenizer.push(update.new_token_id)
+            if update.finished:
+                if request.status == RequestStatus.FINISHED_STOPPED:
+                    state.stop_reason = (update.new_token_id
+                                         if update.new_token_id != request.eos_token_id else None)
+            elif state.detokenizer.stopped_on is not None:
+                state.stop_reason = state.detokenizer.stopped_on
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            outputs.append(self._output(request.request_id))
+        for item in batch.scheduled:  # requests whose step failed
+            state = self.states.get(item.request_id)
+            if state is not None and state.error is not None:
+                self.scheduler.finish_request(item.request_id, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._output(item.request_id))
+        return outputs
+
+    def _output(self, request_id: str) -> RequestOutput:
+        state = self.states[request_id]
+        if state.request.status.finished:
+            return self._finish_output(request_id)
+        return self._build_output(state, finished=False)
+
+    def _finish_output(self, request_id: str) -> RequestOutput:
+        state = self.states.pop(request_id)
+        request, m = state.request, state.metrics
+        m.finished_time = time.monotonic()
+        m.num_preemptions = request.num_preemptions
+        reason = request.status.value
+        self.metrics.finished(reason)
+        self.metrics.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_token_time is not None:
+            self.metrics.decode_time.observe(m.finished_time - m.first_token_time)
+        return self._build_output(state, finished=True)
+
+    def _build_output(self, state: _RequestState, finished: bool) -> RequestOutput:
+        request = state.request
+        completion = CompletionOutput(
+            index=0,
+            text=state.detokenizer.visible_text(finished),
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.status.value if finished else None,
+            stop_reason=state.stop_reason,
+            logprobs=state.logprobs,
+        )
+        return RequestOutput(
+            request_id=request.request_id, prompt=state.prompt,
+            prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
+            prompt_logprobs=state.prompt_logprobs, num_cached_tokens=request.num_cached_tokens,
+            error=state.error, metrics=state.metrics)
+
+    def _update_gauges(self) -> None:
+        self.metrics.running.set(self.scheduler.num_running)
+        self.metrics.waiting.set(self.scheduler.num_waiting)
+        self.metrics.kv_usage.set(self.kv_cache.pool.usage)
+        self.metrics.maybe_log_stats(busy=self.has_unfinished_requests())
+
+
+def _max_model_len(requested: int | None, arch: ModelArch) -> int:
+    if requested is None:
+        return arch.max_position_embeddings
+    if requested > arch.max_position_embeddings:
+        raise ValueError(f"max_model_len {requested} exceeds the model's context length "
+                         f"{arch.max_position_embeddings}")
+    return requested
+
+
+def _available_ram() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,80 @@
+"""Paged attention: K/V live in fixed-size blocks addressed through per-request block tables.
+
+This is the torch reference used on CPU (and as a fallback elsewhere). Requests with a single
+query token (decodes) are batched into one SDPA call over their gathered contexts; prefill
+chunks run one SDPA call each, causal within the chunk and over the cached context before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    query_start: int  # offset of this request's first query token in the flat batch
+    query_len: int
+    context_len: int  # tokens of KV after this chunk is written (cached prefix + chunk)
+    block_ids: torch.Tensor  # blocks covering context_len
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token's K/V goes and what each query attends to, for one step."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot (block * block_size + offset)
+    num_decodes: int  # the first num_decodes tokens are single-token requests
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    prefills: list[PrefillSpan]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys/values ([tokens, kv_heads, head_dim]) into their slots."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """q: [tokens, heads, head_dim]; k, v: this step's [tokens, kv_heads, head_dim], already
+    written to the caches ([blocks, block_size, kv_heads, head_dim]). Returns [tokens, heads *
+    head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    out = torch.empty_like(q)
+    n = meta.num_decodes
+    if n:
+        group = num_heads // num_kv_heads
+        tables = meta.decode_block_tables
+        k_ctx = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [n, kv_heads, ctx, head_dim]
+        v_ctx = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        q_dec = q[:n].view(n, num_kv_heads, group, head_dim)
+        out[:n] = F.scaled_dot_product_attention(
+            q_dec, k_ctx, v_ctx, attn_mask=meta.decode_mask).reshape(n, num_heads, head_dim)
+    for span in meta.prefills:
+        rows = slice(span.query_start, span.query_start + span.query_len)
+        q_span = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q, head_dim]
+        if span.context_len == span.query_len:  # nothing cached before: use this step's K/V
+            k_ctx, v_ctx, mask, causal = k[rows], v[rows], None, True
+        else:
+            k_ctx = k_cache[span.block_ids].flatten(0, 1)[:span.context_len]
+            v_ctx = v_cache[span.block_ids].flatten(0, 1)[:span.context_len]
+            mask = _chunk_causal_mask(span.query_len, span.context_len, q.device)
+            causal = False
+        out[rows] = F.scaled_dot_product_attention(
+            q_span, k_ctx.transpose(0, 1).unsqueeze(0), v_ctx.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask, is_causal=causal, enable_gqa=True)[0].transpose(0, 1)
+    return out.view(num_tokens, num_heads * head_dim)
+
+
+def _chunk_causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:
+    """Query i (at position context_len - query_len + i) sees keys 0..its own position."""
+    offset = context_len - query_len
+    rows = torch.arange(query_len, device=device).unsqueeze(1)
+    cols = torch.arange(context_len, device=device).unsqueeze(0)
+    return cols <= rows + offset

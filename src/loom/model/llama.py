@@ -1,0 +1,119 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a flat batch of tokens.
+
+Tokens of many requests are concatenated into one [num_tokens, hidden] matrix, so every
+projection is one matmul for the whole step; only attention looks at request boundaries,
+through the paged KV cache. Q/K/V and gate/up projections are fused to cut per-step ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from loom.model.attention import AttentionMetadata, paged_attention, write_kv
+from loom.model.loader import ModelArch, ModelLoadError
+
+
+class LlamaLayer:
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, bias: bool) -> None:
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        self.qkv_weight = torch.cat([w[attn + f"{x}_proj.weight"] for x in "qkv"])
+        self.qkv_bias = torch.cat([w[attn + f"{x}_proj.bias"] for x in "qkv"]) if bias else None
+        self.o_weight = w[attn + "o_proj.weight"]
+        self.gate_up_weight = torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])
+        self.down_weight = w[mlp + "down_proj.weight"]
+        self.input_norm = w[prefix + "input_layernorm.weight"]
+        self.post_attn_norm = w[prefix + "post_attention_layernorm.weight"]
+
+
+class LlamaModel:
+    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.arch = arch
+        missing = [n for n in _required_names(arch) if n not in weights]
+        if missing:
+            raise ModelLoadError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
+        w = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = self.embed if arch.tie_word_embeddings else w["lm_head.weight"]
+        self.final_norm = w["model.norm.weight"]
+        self.layers = [LlamaLayer(w, f"model.layers.{i}.", arch.attention_bias)
+                       for i in range(arch.num_layers)]
+        inv_freq = rope_inv_freq(arch).to(device)
+        positions = torch.arange(arch.max_position_embeddings, device=device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        self.rope_cos = freqs.cos().to(dtype)
+        self.rope_sin = freqs.sin().to(dtype)
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """[num_tokens] ids -> [num_tokens, hidden] final hidden states (normed)."""
+        arch = self.arch
+        eps = arch.rms_norm_eps
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        hidden = F.embedding(input_ids, self.embed)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = F.rms_norm(hidden, (arch.hidden_size,), layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = _rope(q.view(-1, arch.num_heads, arch.head_dim), cos, sin)
+            k = _rope(k.view(-1, arch.num_kv_heads, arch.head_dim), cos, sin)
+            v = v.reshape(-1, arch.num_kv_heads, arch.head_dim)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta)
+            hidden = hidden + F.linear(attn, layer.o_weight)
+            x = F.rms_norm(hidden, (arch.hidden_size,), layer.post_attn_norm, eps)
+            gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight)
+        return F.rms_norm(hidden, (arch.hidden_size,), self.final_norm, eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (transformers' layout) on [tokens, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def _required_names(arch: ModelArch) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not arch.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    return names
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """RoPE inverse frequencies, with linear or Llama-3 style scaling when configured."""
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = arch.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq.float()
+    factor = scaling["factor"]
+    if kind == "linear":
+        return (inv_freq / factor).float()
+    if kind == "llama3":
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled).float()
+    raise ModelLoadError(f"unsupported rope_scaling type {kind!r}")

