@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 
+from loom.bench.cli import add_bench_parsers
 from loom.config import EngineConfig
 
 
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    add_bench_parsers(sub)
     return parser
 
 
