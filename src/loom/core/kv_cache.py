@@ -63,9 +63,20 @@ class KVCacheManager:
         self.pool.touch(cached_block_ids)
         table.extend(cached_block_ids)
         table.extend(self.pool.allocate(max(num_new_blocks, 0)))
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(request, num_computed + num_new_tokens)
         return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publish the request's full blocks whose KV has been computed. Only after the step
+        ran: a block published at allocation could be freed uncomputed by a preemption in the
+        same step and then served, garbage, to the next request with that prefix."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables[request.request_id]
+        hashes = self._full_block_hashes(request, request.num_computed_tokens // self.block_size)
+        start = self.num_published_blocks.get(request.request_id, 0)
+        for i in range(start, len(hashes)):
+            self.pool.cache(table[i], hashes[i])
+        self.num_published_blocks[request.request_id] = len(hashes)
 
     def free(self, request: Request) -> None:
         """Return a request's blocks; tail blocks first so the shared head stays cached longest."""
@@ -82,11 +93,3 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, tuple(request.token_ids_slice(i * bs, (i + 1) * bs))))
         return hashes[:num_full_blocks]
-
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        table = self.block_tables[request.request_id]
-        hashes = self._full_block_hashes(request, num_tokens // self.block_size)
-        start = self.num_published_blocks.get(request.request_id, 0)
-        for i in range(start, len(hashes)):
-            self.pool.cache(table[i], hashes[i])
-        self.num_published_blocks[request.request_id] = len(hashes)

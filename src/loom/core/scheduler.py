@@ -42,6 +42,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_request_ids: list[str] = []
         self.num_preemptions = 0
+        self._num_arrivals = 0
 
     # -- queue bookkeeping ---------------------------------------------------------------------
 
@@ -95,6 +96,8 @@ class Scheduler:
             raise ValueError(f"prompt has {request.num_prompt_tokens} tokens, more than "
                              f"max_num_batched_tokens={self.config.max_num_batched_tokens} "
                              "with chunked prefill disabled")
+        request.arrival_order = self._num_arrivals  # unique: ties in the queue key are impossible
+        self._num_arrivals += 1
         self.requests[request.request_id] = request
         self._enqueue(request)
 
@@ -211,6 +214,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(item.token_ids)
+            self.kv_cache.cache_computed_blocks(request)
             if not item.sample:
                 continue
             token_id = runner_output.sampled_token_ids[item.request_id]

@@ -75,7 +75,6 @@ class EngineCore:
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
         self.metrics = EngineMetrics(self.model_name)
         self.states: dict[str, _RequestState] = {}
-        self._arrivals = 0
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -123,8 +122,7 @@ class EngineCore:
         if any(not 0 <= t < max(vocab, self.runner.model.arch.vocab_size) for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         request = Request(request_id, token_ids, params, eos_token_id=self.tokenizer.eos_token_id,
-                          priority=priority, arrival_order=self._arrivals)
-        self._arrivals += 1
+                          priority=priority)
         self.scheduler.add_request(request)
         self.states[request_id] = _RequestState(
             request=request, prompt=text,

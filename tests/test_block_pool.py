@@ -1,0 +1,118 @@
+"""Block pool and KV cache manager: reference counts, free list order, prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loom.core.block_pool import BlockPool
+from loom.core.kv_cache import KVCacheManager
+from loom.request import Request
+from loom.sampling import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+
+def test_allocate_free_and_double_free() -> None:
+    pool = BlockPool(4)
+    ids = pool.allocate(3)
+    assert len(set(ids)) == 3 and pool.num_free_blocks == 1
+    with pytest.raises(ValueError, match="only 1 free"):
+        pool.allocate(2)
+    pool.free(ids)
+    assert pool.num_free_blocks == 4
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free([ids[0]])
+
+
+def test_cached_blocks_are_evicted_least_recently_freed_first() -> None:
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    for block_id, block_hash in ((a, 11), (b, 22), (c, 33)):
+        pool.cache(block_id, block_hash)
+    pool.free([b])
+    pool.free([a])
+    pool.free([c])
+    assert pool.lookup(22) == b  # still cached while free
+    (first,) = pool.allocate(1)
+    assert first == b and pool.lookup(22) is None  # evicted LRU, its hash forgotten
+    assert pool.lookup(11) == a and pool.lookup(33) == c
+
+
+def test_touch_revives_a_free_cached_block() -> None:
+    pool = BlockPool(2)
+    (a,) = pool.allocate(1)
+    pool.cache(a, 7)
+    pool.free([a])
+    assert pool.num_free_blocks == 2
+    pool.touch([pool.lookup(7)])
+    assert pool.num_free_blocks == 1 and pool.ref_cnt[a] == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "cache", "touch"]),
+                          st.integers(0, 6)), max_size=60))
+def test_pool_invariants_under_random_operations(ops: list[tuple[str, int]]) -> None:
+    """Every block is free xor referenced; ref counts match the holders; cached map agrees."""
+    pool = BlockPool(8)
+    held: list[int] = []  # one entry per reference we hold
+    for op, arg in ops:
+        if op == "alloc" and arg <= pool.num_free_blocks:
+            held += pool.allocate(arg)
+        elif op == "free" and held:
+            pool.free([held.pop(arg % len(held))])
+        elif op == "cache" and held:
+            pool.cache(held[arg % len(held)], hash(("h", arg)))
+        elif op == "touch" and pool.cached_block_id:
+            block_id = sorted(pool.cached_block_id.values())[arg % len(pool.cached_block_id)]
+            pool.touch([block_id])
+            held.append(block_id)
+        for block_id in range(pool.num_blocks):
+            assert pool.ref_cnt[block_id] == held.count(block_id)
+            assert (block_id in pool.free_block_ids) == (pool.ref_cnt[block_id] == 0)
+        for block_hash, block_id in pool.cached_block_id.items():
+            assert pool.block_hash[block_id] == block_hash
+    pool.free(held)
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def _request(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id, tokens, SamplingParams(max_tokens=4))
+
+
+def _compute(kv: KVCacheManager, request: Request, num_tokens: int) -> None:
+    """Allocate and 'run' num_tokens: blocks are published only once computed."""
+    assert kv.allocate_slots(request, num_tokens)
+    request.num_computed_tokens += num_tokens
+    kv.cache_computed_blocks(request)
+
+
+def test_prefix_is_shared_only_for_full_identical_blocks() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    first = _request("a", list(range(10)))
+    assert kv.find_cached_prefix(first) == []
+    assert kv.allocate_slots(first, 10)
+    assert kv.find_cached_prefix(_request("x", list(range(10)))) == []  # not computed yet
+    first.num_computed_tokens = 10
+    kv.cache_computed_blocks(first)
+    # 10 tokens = 2 full blocks + 2 tokens; the full ones are published
+    same_prefix = _request("b", list(range(8)) + [99, 98, 97])
+    hit = kv.find_cached_prefix(same_prefix)
+    assert hit == kv.get_block_table("a")[:2]
+    other = _request("c", [0, 1, 2, 5] + list(range(4, 11)))
+    assert kv.find_cached_prefix(other) == []  # first block differs, so nothing after counts
+
+
+def test_last_token_is_never_served_from_cache() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    _compute(kv, _request("a", list(range(8))), 8)
+    again = _request("b", list(range(8)))
+    assert len(kv.find_cached_prefix(again)) == 1  # 8 tokens: only the first block, not both
+
+
+def test_failed_allocation_changes_nothing() -> None:
+    kv = KVCacheManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
+    request = _request("a", list(range(12)))
+    assert not kv.allocate_slots(request, 12)
+    assert kv.pool.num_free_blocks == 2 and kv.get_block_table("a") == []

@@ -1,0 +1,237 @@
+"""Scheduler + KV cache driven by a stand-in model that checks every KV read.
+
+`SlotModel` plays the model runner: each scheduled token is written into its slot (block id *
+block_size + offset) together with its position, and a sampled token is a hash of the whole
+context read back through the block table. A wrong block, a reused slot, a stale prefix-cache
+hit or a botched preemption therefore changes the tokens, which are compared with the tokens
+the request's own history dictates.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loom.config import SchedulerConfig
+from loom.core.batch import ModelRunnerOutput, SchedulerOutput
+from loom.core.kv_cache import KVCacheManager
+from loom.core.scheduler import Scheduler
+from loom.core.static import StaticScheduler
+from loom.request import Request, RequestStatus
+from loom.sampling import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+VOCAB = 1000
+
+
+def next_token(history: list[int]) -> int:
+    return hash(tuple(history)) % VOCAB
+
+
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    history = list(prompt)
+    for _ in range(max_tokens):
+        history.append(next_token(history))
+    return history[len(prompt):]
+
+
+class SlotModel:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: dict[int, tuple[int, int]] = {}
+
+    def slot(self, block_ids: list[int], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + \
+            position % self.block_size
+
+    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        out = ModelRunnerOutput()
+        for item in batch.scheduled:  # all writes first, as the runner does per layer
+            assert item.token_ids, "a scheduled request must feed at least one token"
+            for i, token in enumerate(item.token_ids):
+                position = item.start_position + i
+                self.slots[self.slot(item.block_ids, position)] = (position, token)
+        for item in batch.scheduled:
+            if item.sample:
+                end = item.start_position + len(item.token_ids)
+                context = [self.slots[self.slot(item.block_ids, p)] for p in range(end)]
+                assert [p for p, _ in context] == list(range(end)), "KV read from a wrong slot"
+                out.sampled_token_ids[item.request_id] = next_token([t for _, t in context])
+        return out
+
+
+def make(config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int = 4096,
+         prefix_caching: bool = True) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, prefix_caching)
+    cls = StaticScheduler if config.scheduler == "static" else Scheduler
+    return cls(config, kv, max_model_len)
+
+
+def add(scheduler: Scheduler, request_id: str, prompt: list[int], max_tokens: int,
+        priority: int = 0) -> Request:
+    request = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      priority=priority)
+    scheduler.add_request(request)
+    return request
+
+
+def run_step(scheduler: Scheduler, model: SlotModel) -> SchedulerOutput:
+    batch = scheduler.schedule()
+    cfg = scheduler.config
+    assert batch.num_scheduled_tokens <= cfg.max_num_batched_tokens
+    assert len(batch.scheduled) <= cfg.max_num_seqs
+    assert len(scheduler.running) <= cfg.max_num_seqs
+    scheduler.update(batch, model.execute(batch))
+    return batch
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> dict:
+    chunked = draw(st.booleans())
+    budget = draw(st.integers(4, 48))
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    max_model_len = draw(st.integers(8, 60)) if chunked else budget
+    prefixes = [draw(st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=20))
+                for _ in range(2)]
+    requests = []
+    for i in range(draw(st.integers(1, 10))):
+        prefix = draw(st.sampled_from(prefixes))
+        tail = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30))
+        prompt = (prefix + tail)[:max_model_len - 1]
+        requests.append(dict(
+            request_id=f"r{i}", prompt=prompt, max_tokens=draw(st.integers(1, 20)),
+            priority=draw(st.integers(0, 3)), arrive_at=draw(st.integers(0, 15)),
+            abort_at=draw(st.one_of(st.none(), st.integers(0, 40)))))
+    longest = max(min(len(r["prompt"]) + r["max_tokens"], max_model_len) for r in requests)
+    min_blocks = -(-longest // block_size)
+    return dict(
+        config=SchedulerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=draw(st.integers(1, min(6, budget))),
+            enable_chunked_prefill=chunked,
+            scheduler=draw(st.sampled_from(["continuous", "static"])),
+            scheduling_policy=draw(st.sampled_from(["fcfs", "priority"]))),
+        block_size=block_size, max_model_len=max_model_len,
+        num_blocks=draw(st.integers(min_blocks, min_blocks + 12)),
+        prefix_caching=draw(st.booleans()), requests=requests)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_finish_correctly_without_leaks(w: dict) -> None:
+    scheduler = make(w["config"], w["num_blocks"], w["block_size"], w["max_model_len"],
+                     w["prefix_caching"])
+    model = SlotModel(w["block_size"])
+    live: dict[str, Request] = {}
+    aborted: set[str] = set()
+    for step in range(3000):
+        for spec in w["requests"]:
+            if spec["arrive_at"] == step:
+                live[spec["request_id"]] = add(scheduler, spec["request_id"], spec["prompt"],
+                                               spec["max_tokens"], spec["priority"])
+            if spec["abort_at"] == step and spec["request_id"] in scheduler.requests:
+                scheduler.abort_request(spec["request_id"])
+                aborted.add(spec["request_id"])
+        if isinstance(scheduler, StaticScheduler):
+            assert {r.request_id for r in scheduler.running} <= scheduler.batch_ids
+            assert len(scheduler.batch_ids) <= w["config"].max_num_seqs
+        run_step(scheduler, model)
+        if step > 15 and not scheduler.has_unfinished_requests():
+            break
+    else:
+        pytest.fail("requests were starved: the workload never finished")
+
+    pool = scheduler.kv_cache.pool
+    assert pool.num_free_blocks == pool.num_blocks, "KV blocks leaked"
+    assert all(c == 0 for c in pool.ref_cnt)
+    assert not scheduler.kv_cache.block_tables
+    for spec in w["requests"]:
+        request = live[spec["request_id"]]
+        if spec["request_id"] in aborted:
+            assert request.status == RequestStatus.FINISHED_ABORTED
+            continue
+        allowed = min(spec["max_tokens"], w["max_model_len"] - len(spec["prompt"]))
+        assert request.status == RequestStatus.FINISHED_LENGTH
+        assert request.output_token_ids == expected_output(spec["prompt"], allowed)
+
+
+def test_decodes_are_scheduled_before_new_prefills_and_long_prompts_are_chunked() -> None:
+    scheduler = make(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4), 64, 4)
+    model = SlotModel(4)
+    add(scheduler, "a", [1, 2, 3], 5)
+    run_step(scheduler, model)  # a's prefill; a now decodes
+    add(scheduler, "b", list(range(20)), 2)
+    batch = run_step(scheduler, model)
+    assert [(s.request_id, len(s.token_ids)) for s in batch.scheduled] == [("a", 1), ("b", 7)]
+    batch = run_step(scheduler, model)
+    assert [(s.request_id, len(s.token_ids)) for s in batch.scheduled] == [("a", 1), ("b", 7)]
+    assert not batch.scheduled[1].sample  # 14 of 20 prompt tokens done: nothing to sample yet
+
+
+def test_without_chunked_prefill_a_prompt_runs_whole_or_waits() -> None:
+    config = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4,
+                             enable_chunked_prefill=False)
+    scheduler = make(config, 64, 4, max_model_len=16)
+    model = SlotModel(4)
+    add(scheduler, "a", [1, 2, 3], 3)
+    run_step(scheduler, model)
+    add(scheduler, "b", list(range(8)), 1)  # 8 tokens do not fit next to a's decode token
+    steps = [[(s.request_id, len(s.token_ids)) for s in run_step(scheduler, model).scheduled]
+             for _ in range(3)]
+    assert steps == [[("a", 1)], [("a", 1)], [("b", 8)]]
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        add(scheduler, "c", list(range(9)), 1)
+
+
+def test_priority_policy_admits_lowest_value_first() -> None:
+    config = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=1,
+                             scheduling_policy="priority")
+    scheduler = make(config, 64, 4)
+    model = SlotModel(4)
+    for i, priority in enumerate([2, 0, 1]):
+        add(scheduler, f"p{priority}", [5, 6, 7], 1, priority=priority)
+    order = [run_step(scheduler, model).scheduled[0].request_id for _ in range(3)]
+    assert order == ["p0", "p1", "p2"]
+
+
+def test_preemption_recomputes_the_latest_arrival_and_logs_it(caplog) -> None:
+    # 6 blocks of 2 tokens: two requests growing to 8 tokens each cannot both fit.
+    scheduler = make(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=2), 6, 2,
+                     prefix_caching=False)
+    model = SlotModel(2)
+    first = add(scheduler, "first", [1, 2, 3], 5)
+    second = add(scheduler, "second", [4, 5, 6], 5)
+    with caplog.at_level(logging.WARNING):
+        while scheduler.has_unfinished_requests():
+            run_step(scheduler, model)
+    assert second.num_preemptions >= 1 and first.num_preemptions == 0
+    assert scheduler.num_preemptions == second.num_preemptions
+    assert "PreemptionMode.RECOMPUTE" in caplog.text
+    assert first.output_token_ids == expected_output([1, 2, 3], 5)
+    assert second.output_token_ids == expected_output([4, 5, 6], 5)
+
+
+def test_static_batch_admits_nobody_until_the_whole_batch_is_done() -> None:
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2, scheduler="static")
+    scheduler = make(config, 64, 4)
+    model = SlotModel(4)
+    add(scheduler, "short", [1], 1)
+    add(scheduler, "long", [2], 6)
+    add(scheduler, "next", [3], 1)
+    admitted_at = {}
+    for step in range(10):
+        for s in run_step(scheduler, model).scheduled:
+            admitted_at.setdefault(s.request_id, step)
+    # "short" finishes at step 0, but "next" waits until "long" (6 tokens) is done too.
+    assert admitted_at == {"short": 0, "long": 0, "next": 6}
+
+
+def test_requests_that_can_never_fit_are_refused_up_front() -> None:
+    scheduler = make(SchedulerConfig(), num_blocks=2, block_size=4, max_model_len=32)
+    with pytest.raises(ValueError, match="whole cache holds 2 blocks"):
+        add(scheduler, "big", list(range(6)), 10)
+    with pytest.raises(ValueError, match="max_model_len is 32"):
+        add(scheduler, "long", list(range(32)), 1)
