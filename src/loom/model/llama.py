@@ -104,6 +104,8 @@ def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return inv_freq.float()
+    if kind == "freq_factors":  # llama.cpp's rope_freqs tensor: divisors per frequency
+        return (inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float64)).float()
     factor = scaling["factor"]
     if kind == "linear":
         return (inv_freq / factor).float()

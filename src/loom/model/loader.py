@@ -118,6 +118,7 @@ def _load_gguf(path: Path) -> LoadedModel:
     num_heads = meta[p + "attention.head_count"]
     hidden = meta[p + "embedding_length"]
     tensor_names = {t.name for t in reader.tensors}
+    rope_scaling = _gguf_rope_scaling(reader, meta, p)
     arch = ModelArch(
         architecture=arch_name,
         hidden_size=hidden,
@@ -132,9 +133,12 @@ def _load_gguf(path: Path) -> LoadedModel:
         max_position_embeddings=meta.get(p + "context_length", 2048),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        rope_scaling=rope_scaling,
     )
     weights = {}
     for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue  # folded into arch.rope_scaling above
         array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         array = array.reshape(tuple(reversed([int(d) for d in tensor.shape])))
         if arch_name == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
@@ -146,13 +150,14 @@ def _load_gguf(path: Path) -> LoadedModel:
         weights[_hf_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(array))
 
     fields = reader.fields
+    # Checked before reading merges: a SentencePiece ('llama') vocabulary has none.
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise ModelLoadError(f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} is not "
+                             "supported (only byte-level BPE); load a Hugging Face folder")
     tokens = fields["tokenizer.ggml.tokens"].contents()
     backend = bpe_from_gguf(tokens, fields["tokenizer.ggml.merges"].contents(),
                             fields["tokenizer.ggml.token_type"].contents(),
                             meta.get("tokenizer.ggml.pre", "default"))
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ModelLoadError(f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} is not "
-                             "supported (only byte-level BPE); load a Hugging Face folder")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     tokenizer = Tokenizer(
         backend=backend,
@@ -162,6 +167,27 @@ def _load_gguf(path: Path) -> LoadedModel:
         chat_template=meta.get("tokenizer.chat_template"),
     )
     return LoadedModel(arch, weights, tokenizer, meta.get("general.name", path.stem))
+
+
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def _gguf_rope_scaling(reader: Any, meta: dict[str, Any], p: str) -> dict[str, Any] | None:
+    """RoPE scaling as llama.cpp stores it. Llama-3 style scaling has no metadata: the converter
+    writes a `rope_freqs` tensor of per-frequency divisors instead; linear scaling is metadata."""
+    from gguf.quants import dequantize
+
+    for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            factors = dequantize(tensor.data, tensor.tensor_type).astype(np.float64).reshape(-1)
+            return {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+    kind = meta.get(p + "rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": meta[p + "rope.scaling.factor"]}
+    raise ModelLoadError(f"unsupported GGUF rope scaling {kind!r}; loom runs none, linear and "
+                         "Llama-3 (rope_freqs) scaling")
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -185,6 +211,7 @@ def _load_hf_folder(path: Path) -> LoadedModel:
         raise ModelLoadError(f"unsupported model_type {model_type!r}; loom runs "
                              f"{sorted(SUPPORTED_ARCHITECTURES)}")
     num_heads = config["num_attention_heads"]
+    rope_theta, rope_scaling = _hf_rope(config)
     arch = ModelArch(
         architecture=model_type,
         hidden_size=config["hidden_size"],
@@ -195,11 +222,11 @@ def _load_hf_folder(path: Path) -> LoadedModel:
         head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
         vocab_size=config["vocab_size"],
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=config.get("rope_theta", 10000.0),
-        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        rope_theta=rope_theta,
+        max_position_embeddings=_hf_context_length(config, model_type),
         tie_word_embeddings=config.get("tie_word_embeddings", False),
         attention_bias=config.get("attention_bias", model_type == "qwen2"),
-        rope_scaling=config.get("rope_scaling"),
+        rope_scaling=rope_scaling,
     )
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -208,6 +235,40 @@ def _load_hf_folder(path: Path) -> LoadedModel:
     for file in files:
         weights.update(load_file(str(file)))
     return LoadedModel(arch, weights, _hf_tokenizer(path, config), path.name)
+
+
+def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either config.json layout: transformers >= 5 writes
+    `rope_parameters` (theta inside, rope_type "default" when unscaled); older configs, and most
+    on the Hub, have top-level `rope_theta` and `rope_scaling`."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        kind = params.get("rope_type", params.get("type", "default"))
+        return params["rope_theta"], (None if kind == "default" else params)
+    return config.get("rope_theta", 10000.0), config.get("rope_scaling")
+
+
+def _hf_context_length(config: dict[str, Any], model_type: str) -> int:
+    """max_position_embeddings, capped at the sliding window when the model uses one: loom's
+    attention is full attention, which equals sliding-window attention only for contexts no
+    longer than the window."""
+    length = config.get("max_position_embeddings", 2048)
+    window = config.get("sliding_window")
+    if not window:
+        return length
+    if "layer_types" in config:
+        used = "sliding_attention" in config["layer_types"]
+    elif model_type == "qwen2":
+        used = bool(config.get("use_sliding_window", False)) and \
+            config.get("max_window_layers", 0) < config["num_hidden_layers"]
+    else:
+        used = True
+    if used and window < length:
+        logger.warning("the model uses sliding-window attention (window %d tokens), which loom "
+                       "does not implement; capping its context length at %d (was %d)",
+                       window, window, length)
+        return window
+    return length
 
 
 def _hf_tokenizer(path: Path, config: dict[str, Any]) -> Tokenizer:

@@ -1,0 +1,299 @@
+"""Shared helpers for the model-layer tests: tiny random-weight models of each supported family
+(saved as a Hugging Face folder and written as a GGUF file the way llama.cpp's converter does),
+and a way to run loom's model on hand-built steps and read back every token's logits.
+
+Nothing here downloads anything; the only real model is the bundled SmolLM2 GGUF.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from loom.core.batch import ScheduledRequest
+from loom.model.llama import LlamaModel
+from loom.model.loader import LoadedModel, default_model_path, load_model
+from loom.model.runner import ModelRunner
+from loom.sampling import SamplingParams
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+EOS_ID = 2
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "def forward(self, hidden_states):\n    return self.proj(hidden_states)\n",
+    "Continuous batching schedules every iteration; the KV cache is paged into blocks.",
+    "In 2024 there were 365 days, 12 months and 52 weeks; 3.14159 is about pi.",
+    "hello world, hello there, hello again! What is the answer? It is 42.",
+]
+
+
+# -- tiny models ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TinySpec:
+    """One tiny random-weight model: a transformers config plus how to perturb its weights."""
+
+    name: str
+    model_type: str  # llama | qwen2 | mistral
+    config: dict[str, Any] = field(hash=False)
+    seed: int = 0
+    extra_vocab: int = 0  # embedding rows beyond the tokenizer's vocabulary (padded, as Qwen2)
+
+
+_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+             bos_token_id=0, eos_token_id=EOS_ID)
+
+TINY_SPECS = {
+    # SmolLM-like: tied embeddings, rope_theta 1e5
+    "llama": TinySpec("llama", "llama", dict(_BASE, rope_theta=100000.0,
+                                             tie_word_embeddings=True), seed=1),
+    # Llama-3.1 style RoPE scaling; untied. original_max_position_embeddings 64 with head_dim 16
+    # puts frequencies in all three regions (kept, smoothed, divided by factor).
+    "llama3": TinySpec("llama3", "llama", dict(
+        _BASE, rope_theta=500000.0, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), seed=2),
+    # Qwen2: q/k/v biases, tied, rope_theta 1e6, embedding padded past the tokenizer's vocab
+    "qwen2": TinySpec("qwen2", "qwen2", dict(_BASE, rope_theta=1000000.0,
+                                             tie_word_embeddings=True), seed=3, extra_vocab=37),
+    # Mistral: untied, no sliding window, rope_theta 1e4
+    "mistral": TinySpec("mistral", "mistral", dict(_BASE, rope_theta=10000.0, sliding_window=None,
+                                                   tie_word_embeddings=False), seed=4),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_tokenizer() -> Any:
+    """A byte-level BPE (`tokenizers`) trained on a few lines: ~320 tokens, specials first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    return tok
+
+
+def build_tiny_model(spec: TinySpec) -> Any:
+    """transformers' model for `spec`, fp32, eval mode, with weights large enough (and norms and
+    biases non-trivial) that a wrong permutation, bias or scale shows in the logits."""
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig}[spec.model_type]
+    vocab = tiny_tokenizer().get_vocab_size() + spec.extra_vocab
+    config = cls(vocab_size=vocab, **spec.config)
+    torch.manual_seed(spec.seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = model.float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.15)
+    return model
+
+
+def save_hf_folder(model: Any, path: Path) -> Path:
+    """save_pretrained (safetensors) + tokenizer.json + tokenizer_config.json."""
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tiny_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE}))
+    return path
+
+
+def rope_theta(config: Any) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def llama3_rope_factors(config: Any) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's convert_hf_to_gguf.py writes for Llama-3 scaling."""
+    params = dict(config.rope_parameters)
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (rope_theta(config) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old = params["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's conversion-time Q/K row permutation for arch 'llama' (half-split RoPE ->
+    interleaved), exactly as convert_hf_to_gguf.py's LlamaModel.permute."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+_TENSOR_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, *module, kind = hf_name.split(".")
+    return f"blk.{layer}.{_TENSOR_NAMES['.'.join(module)]}.{kind}"
+
+
+def gguf_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
+    """tokens, token types and merges of the tiny tokenizer, padded to `vocab_size` with
+    [PAD{i}] / UNUSED entries as llama.cpp's converter pads."""
+    tok = tiny_tokenizer()
+    by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i in by_id:
+            tokens.append(by_id[i])
+            types.append(3 if by_id[i] in SPECIAL_TOKENS else 1)  # CONTROL / NORMAL
+        else:
+            tokens.append(f"[PAD{i}]")
+            types.append(5)  # UNUSED
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    return tokens, types, merges
+
+
+def write_gguf(model: Any, path: Path, pre: str = "smollm", arch: str | None = None) -> Path:
+    """Write `model` as an F32 GGUF file laid out as llama.cpp's converter lays it out."""
+    import gguf
+
+    config = model.config
+    arch = arch or ("qwen2" if config.model_type == "qwen2" else "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{config.model_type}")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(rope_theta(config))
+    head_dim = config.hidden_size // config.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    tokens, types, merges = gguf_vocab(config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        array = tensor.detach().float().numpy().copy()
+        if arch == "llama" and ".q_proj." in name:
+            array = _permute(array, config.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            array = _permute(array, config.num_key_value_heads)
+        writer.add_tensor(gguf_tensor_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# -- running loom's model on hand-built steps -------------------------------------------------
+
+def make_runner(loaded: LoadedModel, num_blocks: int = 64, block_size: int = 4) -> ModelRunner:
+    model = LlamaModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"))
+    return ModelRunner(model, num_blocks, block_size, torch.float32, torch.device("cpu"))
+
+
+@dataclass
+class Chunk:
+    """`tokens` of request `request_id`, fed at positions start.. through `block_ids`."""
+
+    request_id: str
+    tokens: list[int]
+    start: int
+    block_ids: list[int]
+
+
+def step_logits(runner: ModelRunner, chunks: list[Chunk]) -> dict[str, torch.Tensor]:
+    """Run one step through the runner's real input preparation (slot mapping, block tables,
+    decode masks) and paged KV cache; return every fed token's logits, per request."""
+    items = [ScheduledRequest(c.request_id, c.tokens, c.start, c.block_ids,
+                              SamplingParams(temperature=0), True, c.tokens) for c in chunks]
+    items.sort(key=lambda s: len(s.token_ids) != 1)  # decodes first, as ModelRunner.execute does
+    input_ids, positions, meta = runner._prepare(items)
+    with torch.inference_mode():
+        hidden = runner.model.forward(input_ids, positions, runner.kv_caches, meta)
+        logits = runner.model.compute_logits(hidden).float()
+    out, offset = {}, 0
+    for item in items:
+        out[item.request_id] = logits[offset:offset + len(item.token_ids)]
+        offset += len(item.token_ids)
+    return out
+
+
+# -- the bundled model ------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def smollm_loaded() -> LoadedModel:
+    return load_model(None)
+
+
+@functools.lru_cache(maxsize=1)
+def smollm_hf_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@functools.lru_cache(maxsize=1)
+def smollm_hf_model() -> Any:
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32)
+    return model.eval()

@@ -1,0 +1,303 @@
+"""The loader: clear ModelLoadError messages for every way a model path can be wrong, and the
+config.json / GGUF metadata it must read correctly (both config layouts, sliding windows, RoPE
+scaling, tokenizer settings)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from model_fixtures import (
+    EOS_ID,
+    TINY_SPECS,
+    Chunk,
+    TinySpec,
+    build_tiny_model,
+    make_runner,
+    save_hf_folder,
+    step_logits,
+    write_gguf,
+)
+
+from loom.model.llama import LlamaModel, rope_inv_freq
+from loom.model.loader import ModelLoadError, load_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return build_tiny_model(TINY_SPECS["llama"])
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tiny_llama, tmp_path_factory):
+    return save_hf_folder(tiny_llama, tmp_path_factory.mktemp("llama") / "hf")
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tiny_llama, tmp_path_factory):
+    return write_gguf(tiny_llama, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def copy_folder(src, dst, skip=()):
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name not in skip:
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def edit_config(folder, **changes):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_model_load_error_is_a_value_error():
+    assert issubclass(ModelLoadError, ValueError)
+
+
+@pytest.mark.unit
+def test_unknown_path(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"does not exist") as info:
+        load_model(str(tmp_path / "no-such-model"))
+    assert "no-such-model" in str(info.value)
+
+
+@pytest.mark.unit
+def test_directory_without_config_json(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"has no config\.json"):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.unit
+def test_file_that_is_neither_gguf_nor_folder(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\0" * 16)
+    with pytest.raises(ModelLoadError, match=r"neither a \.gguf file nor a Hugging Face folder"):
+        load_model(str(path))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("content", [os.urandom(4096), b"", b"GGUF\x03\x00\x00\x00" + b"\xff" * 64],
+                         ids=["random-bytes", "empty", "bad-header"])
+def test_corrupt_gguf(tmp_path, content):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ModelLoadError, match=r"cannot load model .*broken\.gguf"):
+        load_model(str(path))
+
+
+@pytest.mark.integration
+def test_truncated_gguf(tmp_path, gguf_file):
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(gguf_file.read_bytes()[: gguf_file.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match=r"cannot load model .*truncated\.gguf"):
+        load_model(str(path))
+
+
+@pytest.mark.integration
+def test_unsupported_architecture_in_hf_folder(tmp_path, hf_folder):
+    folder = copy_folder(hf_folder, tmp_path / "gpt2")
+    edit_config(folder, model_type="gpt2")
+    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'gpt2'.*llama"):
+        load_model(str(folder))
+
+
+@pytest.mark.integration
+def test_unsupported_architecture_in_gguf(tmp_path, tiny_llama):
+    path = write_gguf(tiny_llama, tmp_path / "falcon.gguf", arch="falcon")
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'falcon'.*falcon\.gguf"):
+        load_model(str(path))
+
+
+@pytest.mark.integration
+def test_unsupported_gguf_tokenizer_is_named(tmp_path, tiny_llama, monkeypatch):
+    """A SentencePiece GGUF vocabulary (tokenizer.ggml.model 'llama', no merges) must be
+    reported as such, not as a KeyError about missing merges."""
+    import gguf
+
+    real = gguf.GGUFWriter.add_tokenizer_model
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tokenizer_model",
+                        lambda self, model: real(self, "llama"))
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_merges", lambda self, merges: None)
+    path = write_gguf(tiny_llama, tmp_path / "spm.gguf")
+    with pytest.raises(ModelLoadError, match=r"GGUF tokenizer 'llama' is not supported"):
+        load_model(str(path))
+
+
+@pytest.mark.integration
+def test_unsupported_gguf_pre_tokenizer_is_named(tmp_path, tiny_llama):
+    path = write_gguf(tiny_llama, tmp_path / "pre.gguf", pre="no-such-pre")
+    with pytest.raises(ModelLoadError, match=r"pre-tokenizer 'no-such-pre'"):
+        load_model(str(path))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("missing,message", [
+    ("model.safetensors", r"no \*\.safetensors weights"),
+    ("tokenizer.json", r"no tokenizer\.json"),
+])
+def test_hf_folder_missing_files(tmp_path, hf_folder, missing, message):
+    folder = copy_folder(hf_folder, tmp_path / "partial", skip={missing})
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(str(folder))
+
+
+@pytest.mark.integration
+def test_missing_weights_are_named(tmp_path, hf_folder):
+    from safetensors.torch import load_file, save_file
+
+    folder = copy_folder(hf_folder, tmp_path / "missing")
+    weights = load_file(str(folder / "model.safetensors"))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, str(folder / "model.safetensors"))
+    loaded = load_model(str(folder))
+    with pytest.raises(ModelLoadError, match=r"missing 1 tensors.*layers\.1\.mlp\.up_proj"):
+        LlamaModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.integration
+def test_unsupported_rope_scaling_is_named(tmp_path, hf_folder):
+    folder = copy_folder(hf_folder, tmp_path / "yarn")
+    edit_config(folder, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                         "factor": 4.0})
+    loaded = load_model(str(folder))
+    with pytest.raises(ModelLoadError, match=r"unsupported rope_scaling type 'yarn'"):
+        LlamaModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"))
+
+
+# -- what the loader reads --------------------------------------------------------------------
+
+@pytest.mark.integration
+def test_hf_folder_tokenizer_settings(hf_folder):
+    tok = load_model(str(hf_folder)).tokenizer
+    assert tok.eos_token_ids == [EOS_ID]
+    assert tok.bos_token_id == 0  # config.json's bos_token_id (tokenizer_config has none)
+    assert not tok.add_bos_token
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(tok.encode("hello world 42")) == "hello world 42"
+
+
+@pytest.mark.integration
+def test_gguf_tokenizer_equals_hf_folder_tokenizer(hf_folder, gguf_file):
+    """The same byte-level BPE rebuilt from GGUF tokens/merges/token types ('gpt2' pre-tokenizer
+    = plain byte-level, as the tiny tokenizer was trained) encodes every string identically,
+    specials included."""
+    hf = load_model(str(hf_folder)).tokenizer
+    from_gguf_path = gguf_file.with_name("gpt2-pre.gguf")
+    write_gguf(build_tiny_model(TINY_SPECS["llama"]), from_gguf_path, pre="gpt2")
+    gg = load_model(str(from_gguf_path)).tokenizer
+    for text in ["The quick brown fox", "def forward(self):\n    return 42\n",
+                 "<|im_start|>user\nhello<|im_end|>", "  spaces   and\ttabs 2024 ünïcode"]:
+        assert gg.encode(text) == hf.encode(text), text
+    assert gg.eos_token_ids == hf.eos_token_ids == [EOS_ID]
+    assert gg.chat_template == hf.chat_template
+
+
+@pytest.mark.integration
+def test_legacy_config_layout_loads_the_same(tmp_path, tiny_models_llama3_qwen2):
+    """Hub configs written before transformers 5 have top-level rope_theta / rope_scaling
+    instead of rope_parameters; both layouts must give the same frequencies and logits."""
+    for model, folder in tiny_models_llama3_qwen2:
+        params = dict(model.config.rope_parameters)
+        legacy = copy_folder(folder, tmp_path / f"legacy-{model.config.model_type}")
+        scaling = None if params["rope_type"] == "default" else {
+            k: v for k, v in params.items() if k != "rope_theta"}
+        edit_config(legacy, rope_parameters=None, rope_theta=params["rope_theta"],
+                    rope_scaling=scaling)
+        new, old = load_model(str(folder)), load_model(str(legacy))
+        assert old.arch.rope_theta == new.arch.rope_theta == params["rope_theta"] != 10000.0
+        torch.testing.assert_close(rope_inv_freq(old.arch), rope_inv_freq(new.arch))
+        ids = list(range(3, 40))
+        with torch.no_grad():
+            expected = model(torch.tensor([ids])).logits[0]
+        for loaded in (new, old):
+            got = step_logits(make_runner(loaded), [_chunk(ids)])["a"]
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_models_llama3_qwen2(tmp_path_factory):
+    out = []
+    for name in ("llama3", "qwen2"):
+        model = build_tiny_model(TINY_SPECS[name])
+        out.append((model, save_hf_folder(model, tmp_path_factory.mktemp(name) / "hf")))
+    return out
+
+
+def _chunk(ids):
+    return Chunk("a", ids, 0, list(range(1, 1 + -(-len(ids) // 4))))
+
+
+@pytest.mark.integration
+def test_sliding_window_caps_the_context_length(tmp_path):
+    """loom's attention is full attention, exact for sliding-window models only up to the window:
+    the loader caps the context there (Mistral v0.1 style), and within it the logits match."""
+    spec = TinySpec("mistral-swa", "mistral", dict(TINY_SPECS["mistral"].config,
+                                                   sliding_window=16), seed=5)
+    model = build_tiny_model(spec)
+    loaded = load_model(str(save_hf_folder(model, tmp_path / "swa")))
+    assert loaded.arch.max_position_embeddings == 16
+    ids = list(range(5, 21))
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0]
+    got = step_logits(make_runner(loaded), [_chunk(ids)])["a"]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.unit
+def test_unused_sliding_window_does_not_cap(tmp_path):
+    """Qwen2 configs carry sliding_window with use_sliding_window false: no cap."""
+    from loom.model.loader import _hf_context_length
+
+    qwen = {"max_position_embeddings": 32768, "sliding_window": 4096, "num_hidden_layers": 24,
+            "use_sliding_window": False, "max_window_layers": 21}
+    assert _hf_context_length(qwen, "qwen2") == 32768
+    assert _hf_context_length({**qwen, "use_sliding_window": True}, "qwen2") == 4096
+    assert _hf_context_length({**qwen, "layer_types": ["full_attention"] * 24}, "qwen2") == 32768
+    mistral = {"max_position_embeddings": 32768, "sliding_window": 4096}
+    assert _hf_context_length(mistral, "mistral") == 4096
+    assert _hf_context_length({**mistral, "sliding_window": None}, "mistral") == 32768
+
+
+@pytest.mark.integration
+def test_gguf_linear_rope_scaling_is_read(tmp_path, tiny_llama, monkeypatch):
+    import gguf
+
+    real = gguf.GGUFWriter.add_rope_freq_base
+
+    def with_linear(self, base):
+        real(self, base)
+        self.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        self.add_rope_scaling_factor(4.0)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_freq_base", with_linear)
+    arch = load_model(str(write_gguf(tiny_llama, tmp_path / "linear.gguf"))).arch
+    assert arch.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+
+
+@pytest.mark.integration
+def test_gguf_unsupported_rope_scaling_is_named(tmp_path, tiny_llama, monkeypatch):
+    import gguf
+
+    real = gguf.GGUFWriter.add_rope_freq_base
+
+    def with_yarn(self, base):
+        real(self, base)
+        self.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_freq_base", with_yarn)
+    with pytest.raises(ModelLoadError, match=r"unsupported GGUF rope scaling 'yarn'"):
+        load_model(str(write_gguf(tiny_llama, tmp_path / "yarn.gguf")))
