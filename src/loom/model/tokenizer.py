@@ -13,9 +13,12 @@ from tokenizers import Tokenizer as HFTokenizer
 # StarCoder family splits every digit into its own token before the GPT-2 regex.
 _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2 differs from Llama-3 only in taking digits one at a time (\p{N}, not \p{N}{1,3}).
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 _DIGIT_SPLIT = {"smollm", "starcoder", "refact", "codeshell", "exaone", "minerva", "command-r"}
 _GPT2 = {"gpt2", "default", "mpt", "olmo", "jais"}
-_LLAMA3 = {"llama-bpe", "llama3", "qwen2", "smaug-bpe", "dbrx"}
+_LLAMA3 = {"llama-bpe", "llama3", "smaug-bpe", "dbrx"}
+_QWEN2 = {"qwen2", "stablelm2"}
 
 
 def gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -24,9 +27,10 @@ def gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _GPT2:
         return byte_level
-    if pre in _LLAMA3:
+    if pre in _LLAMA3 or pre in _QWEN2:
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(pattern=Regex(_LLAMA3_REGEX), behavior="isolated"),
+            pre_tokenizers.Split(pattern=Regex(_LLAMA3_REGEX if pre in _LLAMA3 else _QWEN2_REGEX),
+                                 behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; load a Hugging Face folder instead")
