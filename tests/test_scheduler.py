@@ -191,7 +191,7 @@ def test_priority_policy_admits_lowest_value_first() -> None:
                              scheduling_policy="priority")
     scheduler = make(config, 64, 4)
     model = SlotModel(4)
-    for i, priority in enumerate([2, 0, 1]):
+    for priority in [2, 0, 1]:
         add(scheduler, f"p{priority}", [5, 6, 7], 1, priority=priority)
     order = [run_step(scheduler, model).scheduled[0].request_id for _ in range(3)]
     assert order == ["p0", "p1", "p2"]

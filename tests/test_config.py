@@ -1,0 +1,78 @@
+"""Configuration: one dataclass field per option, CLI flags generated from it."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from loom.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from loom.entrypoints.cli import build_parser
+
+pytestmark = pytest.mark.unit
+
+
+def test_flags_round_trip_into_the_dataclasses() -> None:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--max-num-seqs", "7", "--no-enable-chunked-prefill",
+                              "--scheduler", "static", "--kv-cache-memory", "1GiB",
+                              "--max-num-batched-tokens", "4096"])
+    config = EngineConfig.from_cli_args(args)
+    assert config.scheduler == SchedulerConfig(max_num_seqs=7, enable_chunked_prefill=False,
+                                               scheduler="static", max_num_batched_tokens=4096)
+    assert config.cache == CacheConfig(kv_cache_memory="1GiB")
+    assert config.model.model is None  # untouched flags keep the dataclass defaults
+
+
+def test_every_field_has_exactly_one_flag() -> None:
+    import dataclasses
+
+    help_text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    for section in EngineConfig.SECTIONS:
+        section_cls = type(getattr(EngineConfig(), section))
+        for f in dataclasses.fields(section_cls):
+            assert help_text.count("--" + f.name.replace("_", "-") + " ") + \
+                help_text.count("--" + f.name.replace("_", "-") + ",") >= 1, f.name
+
+
+def test_bad_values_are_rejected_naming_the_option() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
+        SchedulerConfig(max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="cannot exceed max_num_batched_tokens"):
+        SchedulerConfig(max_num_seqs=600, max_num_batched_tokens=512)
+    with pytest.raises(ValueError, match="cannot parse size"):
+        CacheConfig(kv_cache_memory="lots")
+    with pytest.raises(TypeError, match="unknown engine option"):
+        EngineConfig.from_kwargs(block_sise=16)
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "hi", "--scheduler", "sometimes"])
+
+
+def test_parse_size_units() -> None:
+    assert parse_size("4GiB") == 4 * 2**30
+    assert parse_size("512MB") == 512 * 10**6
+    assert parse_size(1234) == 1234
+
+
+@pytest.mark.integration
+def test_loom_generate_prints_the_completion() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "loom.entrypoints.cli", "generate",
+         "What is the capital of France?", "--chat", "--max-tokens", "16",
+         "--kv-cache-memory", "64MiB"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+@pytest.mark.integration
+def test_loom_generate_reports_a_bad_model_path_cleanly() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "loom.entrypoints.cli", "generate", "hi", "--model", "/nope.gguf"],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr
