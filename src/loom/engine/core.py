@@ -262,6 +262,11 @@ class EngineCore:
             prompt_logprobs=state.prompt_logprobs, num_cached_tokens=request.num_cached_tokens,
             error=state.error, metrics=state.metrics)
 
+    def update_gauges(self) -> None:
+        """Refresh the running / waiting / KV gauges without a step: after aborts leave the
+        engine idle, no further step would show their blocks freed."""
+        self._update_gauges()
+
     def _update_gauges(self) -> None:
         self.metrics.running.set(self.scheduler.num_running)
         self.metrics.waiting.set(self.scheduler.num_waiting)

@@ -1,0 +1,263 @@
+"""AsyncEngine: EngineCore's step loop on a background thread, one output stream per caller.
+
+A step is almost all torch work, which releases the GIL, so the asyncio HTTP server keeps
+accepting and streaming while the model runs. The loop never waits for a batch to fill:
+whatever arrived by the top of a step joins that step (continuous batching), and each step's
+outputs go out as soon as it ends.
+
+Threading contract: only the loop thread touches EngineCore. Callers hand it work through a
+lock-protected inbox (adds and aborts, drained at the top of every step); outputs travel back
+to each caller's event loop with `call_soon_threadsafe`. When there is no work the loop sleeps
+on a Condition, so an idle server costs no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from loom.engine.core import EngineCore
+from loom.outputs import RequestOutput
+from loom.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop is not running (it crashed or was shut down); nothing will be served."""
+
+
+class RequestRejectedError(RuntimeError):
+    """Admission control turned the request away (queue full, or queued too long): retry later."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+class OutputStream:
+    """The outputs of one caller's engine requests (an HTTP request's choices), as they come.
+
+    Outputs are cumulative (text and token ids so far), so when the reader falls behind only
+    the newest output of each request matters: iteration yields, per wake-up, the newest output
+    of every request that progressed. Errors the engine sends (ValueError: the request can
+    never run; RequestRejectedError; EngineDeadError) are raised to the reader.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._ready = asyncio.Event()
+        self._items: list[RequestOutput | Exception] = []
+        self._unfinished = set(request_ids)
+        self._closed = False
+
+    def put_threadsafe(self, items: list[RequestOutput | Exception]) -> None:
+        """Called by the loop thread; the items reach the reader on its own event loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._put, items)
+        except RuntimeError:  # the reader's event loop is closed: nobody is left to tell
+            pass
+
+    def _put(self, items: list[RequestOutput | Exception]) -> None:
+        if not self._closed:
+            self._items.extend(items)
+            self._ready.set()
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> list[RequestOutput]:
+        while not self._items:
+            if self._closed or not self._unfinished:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
+        items, self._items = self._items, []
+        newest: dict[str, RequestOutput] = {}
+        for item in items:
+            if isinstance(item, Exception):
+                self.close()
+                raise item
+            newest[item.request_id] = item
+            if item.finished:
+                self._unfinished.discard(item.request_id)
+        return list(newest.values())
+
+    def close(self) -> None:
+        """Abort the requests that have not finished (the caller left or failed); iteration
+        stops. Idempotent, and a no-op once every request finished."""
+        if self._closed:
+            return
+        self._closed = True
+        for request_id in self._unfinished:
+            self._engine.abort(request_id)
+        self._items.clear()
+        self._ready.set()
+
+
+class AsyncEngine:
+    """Runs `core` on a background thread. `max_num_queued_reqs` and `queue_timeout` are
+    admission control: refuse new work while that many requests wait, and give up on a
+    request still unscheduled after that many seconds (both raise RequestRejectedError to the
+    caller and count in `loom:request_rejected_total`)."""
+
+    def __init__(self, core: EngineCore, max_num_queued_reqs: int | None = None,
+                 queue_timeout: float | None = None) -> None:
+        self.core = core
+        self.max_num_queued_reqs = max_num_queued_reqs
+        self.queue_timeout = queue_timeout
+        self._cond = threading.Condition()
+        # -- guarded by _cond: the inbox and what admission control reads
+        self._adds: list[tuple[OutputStream, EngineRequest, float]] = []
+        self._aborts: list[str] = []
+        self._num_waiting = 0  # the core's waiting queue, as of the last drain or step
+        self._stopping = False
+        self._dead = False
+        # -- loop thread only
+        self._streams: dict[str, OutputStream] = {}
+        self._deadlines: dict[str, float] = {}  # unscheduled request id -> when to give up
+        self._thread = threading.Thread(target=self._run, name="loom-engine-loop", daemon=True)
+
+    # -- caller side (any thread; the HTTP server's event loop) ---------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._dead
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: in the inbox or in the scheduler's waiting queue."""
+        with self._cond:
+            return self._num_waiting + len(self._adds)
+
+    def submit(self, requests: list[EngineRequest]) -> OutputStream:
+        """Queue requests for the next step, all or none. Must be called on the event loop
+        that will read the returned stream. Raises RequestRejectedError when
+        `max_num_queued_reqs` requests already wait, EngineDeadError when the loop is down."""
+        stream = OutputStream(self, [r.request_id for r in requests])
+        deadline = time.monotonic() + (self.queue_timeout or 0.0)
+        with self._cond:
+            if self._dead or self._stopping or not self._thread.is_alive():
+                raise EngineDeadError("the engine loop is not running")
+            waiting = self._num_waiting + len(self._adds)
+            if self.max_num_queued_reqs is not None and waiting >= self.max_num_queued_reqs:
+                self.core.metrics.rejected.inc(len(requests))
+                logger.warning("Rejected request %s: %d requests already waiting "
+                               "(max_num_queued_reqs=%d)", requests[0].request_id, waiting,
+                               self.max_num_queued_reqs)
+                raise RequestRejectedError(
+                    f"server is at capacity: {waiting} requests already waiting "
+                    f"(max_num_queued_reqs={self.max_num_queued_reqs}); retry later")
+            self._adds.extend((stream, r, deadline) for r in requests)
+            self._cond.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the top of the next step (its KV blocks are freed there)."""
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    # -- the loop thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        error: Exception = EngineDeadError("the engine was shut down")
+        try:
+            while self._wait_for_work():
+                self._drain_inbox()
+                self._expire_queued()
+                if self.core.has_unfinished_requests():
+                    self._deliver(self.core.step())
+                else:  # only aborts arrived: no step will run to show their freed blocks
+                    self.core.update_gauges()
+                with self._cond:
+                    self._num_waiting = self.core.scheduler.num_waiting
+        except Exception as e:  # noqa: BLE001 - any crash must fail the callers, not hang them
+            logger.exception("The engine loop died; /health now reports 503")
+            error = EngineDeadError(f"the engine loop died: {type(e).__name__}: {e}")
+        finally:
+            self._fail_all(error)
+
+    def _wait_for_work(self) -> bool:
+        """Sleep until there is something to do; False when it is time to stop."""
+        with self._cond:
+            while not (self._stopping or self._adds or self._aborts
+                       or self.core.has_unfinished_requests()):
+                self._cond.wait()
+            return not self._stopping
+
+    def _drain_inbox(self) -> None:
+        with self._cond:  # held while adding, so admission never sees a request in neither place
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+            for stream, request, deadline in adds:
+                try:
+                    self.core.add_request(request.request_id, request.prompt_token_ids,
+                                          request.params, request.priority)
+                except Exception as e:  # noqa: BLE001 - ValueError (can never run) or a bug:
+                    stream.put_threadsafe([e])  # either way this request fails alone
+                    continue
+                self._streams[request.request_id] = stream
+                if self.queue_timeout is not None:
+                    self._deadlines[request.request_id] = deadline
+            self._num_waiting = self.core.scheduler.num_waiting
+        for request_id in aborts:
+            self._deadlines.pop(request_id, None)
+            output = self.core.abort_request(request_id)
+            if output is not None:
+                self._deliver([output])
+
+    def _expire_queued(self) -> None:
+        """Reject requests that waited past `queue_timeout` without ever being scheduled."""
+        now = time.monotonic()
+        for request_id, deadline in list(self._deadlines.items()):
+            state = self.core.states.get(request_id)
+            if state is None or state.metrics.first_scheduled_time is not None:
+                del self._deadlines[request_id]
+            elif now >= deadline:
+                del self._deadlines[request_id]
+                self.core.abort_request(request_id)
+                self.core.metrics.rejected.inc()
+                logger.warning("Rejected request %s: not scheduled within queue_timeout=%gs",
+                               request_id, self.queue_timeout)
+                self._streams.pop(request_id).put_threadsafe([RequestRejectedError(
+                    f"request waited {self.queue_timeout:g}s in the queue without being "
+                    "scheduled (queue_timeout); the server is overloaded, retry later")])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_stream: dict[OutputStream, list[RequestOutput | Exception]] = defaultdict(list)
+        for output in outputs:
+            stream = (self._streams.pop(output.request_id, None) if output.finished
+                      else self._streams.get(output.request_id))
+            if stream is not None:
+                by_stream[stream].append(output)
+        for stream, items in by_stream.items():
+            stream.put_threadsafe(items)
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._cond:
+            self._dead = True
+            streams = {s for s, _, _ in self._adds} | set(self._streams.values())
+            self._adds.clear()
+            self._streams.clear()
+        for stream in streams:
+            stream.put_threadsafe([error])
