@@ -1,0 +1,162 @@
+"""POST /v1/completions: prompts (text or token ids, one or a batch) x n choices, streamed or
+not, with OpenAI's legacy logprobs and `echo`.
+
+`echo` with `logprobs` is how lm-eval's local-completions scores text: the prompt comes back
+with a log-probability per token (None for the first). `max_tokens: 0` means "score the prompt
+only"; the engine always samples at least one token, so it runs with one and drops it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request, Response
+
+from loom.core.batch import TokenLogprob
+from loom.engine.async_engine import EngineRequest
+from loom.entrypoints.openai.errors import APIError
+from loom.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from loom.entrypoints.openai.serving import (
+    CLIENT_CLOSED,
+    ChoiceProgress,
+    ClientStream,
+    OpenAIServing,
+    check_failed,
+    sse,
+    usage,
+)
+from loom.outputs import RequestOutput
+
+
+@dataclass
+class _Choice:
+    """One engine request of this HTTP request: its choice index and what it has sent."""
+
+    index: int
+    prompt_text: str
+    progress: ChoiceProgress
+    echoed: bool = False
+    text_offset: int = 0  # where the next token's text starts, for logprobs.text_offset
+
+
+class CompletionServing(OpenAIServing):
+    async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
+        completion_id = f"cmpl-{uuid.uuid4().hex}"
+        score_only = request.max_tokens == 0
+        if score_only and not request.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with "
+                           "echo=true, to score the prompt)", "max_tokens")
+        requests, choices, num_prompt_tokens = [], {}, 0
+        for p, prompt in enumerate(request.prompts()):
+            if isinstance(prompt, str):
+                text, token_ids = prompt, self.tokenizer.encode(prompt)
+            else:
+                text, token_ids = self.tokenizer.decode(prompt), prompt
+            num_prompt_tokens += len(token_ids)
+            max_tokens = self.max_tokens(1 if score_only else request.max_tokens,
+                                         len(token_ids), "prompt")
+            for i in range(request.n):
+                index = p * request.n + i
+                params = self.sampling_params(
+                    request, i, max_tokens=max_tokens, logprobs=request.logprobs,
+                    prompt_logprobs=request.logprobs if request.echo else None)
+                request_id = f"{completion_id}-{index}"
+                requests.append(EngineRequest(request_id, token_ids, params, request.priority))
+                choices[request_id] = _Choice(index, text, ChoiceProgress())
+
+        started = await self.start(raw_request, requests, "prompt")
+        if started is None:
+            return Response(status_code=CLIENT_CLOSED)
+        stream, first = started
+        if request.stream:
+            return self.sse_response(stream, self._events(
+                request, completion_id, stream, first, choices, score_only, num_prompt_tokens))
+        finals = await self.finish(stream, first, len(requests))
+        if finals is None:
+            return Response(status_code=CLIENT_CLOSED)
+        response = CompletionResponse(
+            id=completion_id, model=self.model_name,
+            choices=[self._delta(request, finals[rid], choice, score_only)
+                     for rid, choice in choices.items()],
+            usage=usage([] if score_only else list(finals.values()), num_prompt_tokens))
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    async def _events(self, request: CompletionRequest, completion_id: str,
+                      stream: ClientStream, first: list[RequestOutput],
+                      choices: dict[str, _Choice], score_only: bool,
+                      num_prompt_tokens: int) -> AsyncIterator[str]:
+        created = int(time.time())
+        finals: list[RequestOutput] = []
+        outputs: list[RequestOutput] | None = first
+        while outputs is not None:
+            for output in outputs:
+                check_failed(output)
+                choice = choices[output.request_id]
+                if (not output.finished
+                        and choice.progress.pending(output.outputs[0]) < self.stream_interval):
+                    continue
+                delta = self._delta(request, output, choice, score_only)
+                if output.finished:
+                    finals.append(output)
+                elif not delta.text and delta.logprobs is None:
+                    continue  # tokens that are no text yet (half a UTF-8 char, a stop prefix)
+                yield sse(CompletionChunk(id=completion_id, created=created,
+                                          model=self.model_name, choices=[delta]))
+            outputs = await anext(stream, None)
+        if request.include_usage and len(finals) == len(choices):
+            yield sse(CompletionChunk(
+                id=completion_id, created=created, model=self.model_name, choices=[],
+                usage=usage([] if score_only else finals, num_prompt_tokens)))
+
+    def _delta(self, request: CompletionRequest, output: RequestOutput, choice: _Choice,
+               score_only: bool) -> CompletionChoice:
+        """What the choice gained since it last sent: everything, for a non-streamed answer."""
+        completion = output.outputs[0]
+        text, start = choice.progress.advance(completion)
+        end = len(completion.token_ids)
+        if score_only:
+            text, start, end = "", 0, 0
+        echo = request.echo and not choice.echoed
+        choice.echoed = choice.echoed or echo
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            if echo:
+                self._add_logprobs(logprobs, choice, output.prompt_token_ids,
+                                   output.prompt_logprobs or [])
+            self._add_logprobs(logprobs, choice, completion.token_ids[start:end],
+                               (completion.logprobs or [])[start:end])
+        finish_reason = None
+        if output.finished:
+            finish_reason = "length" if score_only else completion.finish_reason
+        return CompletionChoice(
+            index=choice.index, text=(choice.prompt_text if echo else "") + text,
+            logprobs=logprobs, finish_reason=finish_reason,
+            stop_reason=completion.stop_reason if output.finished else None)
+
+    def _add_logprobs(self, into: CompletionLogprobs, choice: _Choice, token_ids: list[int],
+                      entries: list[TokenLogprob | None]) -> None:
+        """Legacy logprobs: per token its text, offset, logprob, and {token: logprob} of the
+        sampled token plus the top-N (the sampled one included, as vLLM does)."""
+        for token_id, entry in zip(token_ids, entries):
+            token = self.tokenizer.id_to_token(token_id)
+            into.tokens.append(token)
+            into.text_offset.append(choice.text_offset)
+            choice.text_offset += len(token)
+            if entry is None:  # the first prompt token: nothing came before it
+                into.token_logprobs.append(None)
+                into.top_logprobs.append(None)
+                continue
+            top = {token: entry.logprob}
+            top.update((self.tokenizer.id_to_token(t), lp) for t, lp in entry.top)
+            into.token_logprobs.append(entry.logprob)
+            into.top_logprobs.append(top)

@@ -1,0 +1,352 @@
+"""`loom serve` end to end: a real server process on loopback, real clients (the official
+`openai` package and raw httpx), the bundled SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from server_helpers import metric, serve
+
+from loom import LLM, SamplingParams
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "The three primary colors are"
+CHAT = [{"role": "user", "content": "Name a fruit that is yellow."}]
+
+
+@pytest.fixture(scope="module")
+def server() -> str:
+    with serve("--kv-cache-memory", "512MiB") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def limited_server() -> str:
+    """Two sequences at a time, two waiting at most, 4 s in the queue at most."""
+    with serve("--kv-cache-memory", "128MiB", "--max-num-seqs", "2",
+               "--max-num-queued-reqs", "2", "--queue-timeout", "4",
+               "--stream-interval", "4") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLM:
+    """The offline engine, for the answers the server must reproduce."""
+    return LLM(kv_cache_memory="64MiB")
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+def scrape(url: str) -> str:
+    return httpx.get(f"{url}/metrics").text
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> str:
+    """/metrics once nothing runs and no KV block is held by a live request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = scrape(url)
+        if (metric(text, "loom:num_requests_running") == 0
+                and metric(text, "loom:kv_cache_usage_perc") == 0):
+            return text
+        assert time.monotonic() < deadline, "server did not go idle"
+        time.sleep(0.1)
+
+
+# -- the official client, compared with the offline engine ----------------------------------------
+
+
+def test_completions_match_offline(client: openai.OpenAI, reference: LLM) -> None:
+    expected = reference.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0))[0]
+    model = client.models.list().data[0].id
+
+    answer = client.completions.create(model=model, prompt=PROMPT, max_tokens=16,
+                                       temperature=0)
+    assert answer.choices[0].text == expected.outputs[0].text
+    assert answer.choices[0].finish_reason == expected.outputs[0].finish_reason
+    assert answer.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert answer.usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=16,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+    by_ids = client.completions.create(model=model, prompt=expected.prompt_token_ids,
+                                       max_tokens=16, temperature=0)
+    assert by_ids.choices[0].text == expected.outputs[0].text
+
+
+def test_chat_matches_offline(client: openai.OpenAI, reference: LLM) -> None:
+    expected = reference.chat(CHAT, SamplingParams(max_tokens=24, temperature=0))[0]
+    model = client.models.list().data[0].id
+
+    answer = client.chat.completions.create(model=model, messages=CHAT, max_tokens=24,
+                                            temperature=0)
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content == expected.outputs[0].text
+    assert answer.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+    chunks = list(client.chat.completions.create(
+        model=model, messages=CHAT, max_completion_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected.outputs[0].text
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish[-1] == expected.outputs[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+
+def test_sampling_options(client: openai.OpenAI, reference: LLM) -> None:
+    greedy = reference.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0))[0]
+    words = greedy.outputs[0].text.split()
+    stop = words[len(words) // 2]
+    stopped = client.completions.create(model="any", prompt=PROMPT, max_tokens=16,
+                                        temperature=0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert greedy.outputs[0].text.startswith(stopped.choices[0].text)
+    assert stop not in stopped.choices[0].text
+
+    extra = {"ignore_eos": True, "min_tokens": 2, "top_k": 20, "priority": 3}
+    seeded = [client.completions.create(model="any", prompt=PROMPT, max_tokens=6, n=2,
+                                        temperature=1.0, top_p=0.9, seed=7, extra_body=extra)
+              for _ in range(2)]
+    assert [c.index for c in seeded[0].choices] == [0, 1]
+    assert [c.text for c in seeded[0].choices] == [c.text for c in seeded[1].choices]
+    assert seeded[0].usage.completion_tokens == 12
+
+    batch = client.completions.create(model="any", prompt=[[504, 3458], [19556, 314]],
+                                      max_tokens=3, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+
+
+def test_logprobs_and_echo_score_the_prompt(client: openai.OpenAI, reference: LLM) -> None:
+    """What lm-eval's local-completions sends: echo + logprobs with max_tokens 1 (or 0)."""
+    prompt = "Paris is the capital of"  # under one KV block: no prefix-cache hit between calls
+    expected = reference.generate(prompt, SamplingParams(max_tokens=1, temperature=0,
+                                                         prompt_logprobs=1))[0]
+    num_prompt = len(expected.prompt_token_ids)
+
+    scored = client.completions.create(model="any", prompt=prompt, max_tokens=1, echo=True,
+                                       logprobs=1, temperature=0)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text.startswith(prompt)
+    assert len(lp.tokens) == len(lp.token_logprobs) == num_prompt + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [e.logprob for e in expected.prompt_logprobs[1:]]
+    assert lp.token_logprobs[1:num_prompt] == pytest.approx(want, abs=1e-3)
+    assert all(lp.tokens[i] in lp.top_logprobs[i] for i in range(1, num_prompt + 1))
+    assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())  # greedy: the top one
+
+    prompt_only = client.completions.create(model="any", prompt=prompt, max_tokens=0,
+                                            echo=True, logprobs=1)
+    assert prompt_only.choices[0].text == prompt
+    assert prompt_only.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        lp.token_logprobs[1:num_prompt], abs=1e-5)
+    assert prompt_only.usage.completion_tokens == 0
+
+    chat = client.chat.completions.create(model="any", messages=CHAT, max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= t.top_logprobs[0].logprob + 1e-6
+               for t in content)
+
+
+@pytest.mark.xfail(reason="engine bug: prompt_logprobs skip prefix-cached blocks (core/, not "
+                          "the server); lm-eval re-sends shared contexts", strict=False)
+def test_echo_logprobs_survive_prefix_cache_hits(client: openai.OpenAI) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4  # several full KV blocks
+    first, second = (client.completions.create(model="any", prompt=prompt, max_tokens=1,
+                                               echo=True, logprobs=1, temperature=0)
+                     for _ in range(2))
+    assert second.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        first.choices[0].logprobs.token_logprobs[1:], abs=1e-4)
+
+
+def test_models_health_version_metrics(server: str) -> None:
+    models = httpx.get(f"{server}/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["max_model_len"] > 0
+    assert httpx.get(f"{server}/health").status_code == 200
+    assert httpx.get(f"{server}/version").json()["version"]
+    text = scrape(server)
+    for name in ("loom:num_requests_running", "loom:kv_cache_usage_perc",
+                 "loom:request_rejected_total"):
+        metric(text, name)
+
+
+# -- continuous batching through HTTP -------------------------------------------------------------
+
+
+def test_concurrent_streams_are_batched(server: str) -> None:
+    """32 streams at once: each gets exactly max_tokens tokens, and /metrics saw them run
+    together (more than one request in a step), then nothing running."""
+    max_tokens, num_requests = 12, 32
+    client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+    async def one(i: int) -> tuple[int, str]:
+        stream = await client.completions.create(
+            model="any", prompt=f"Request number {i} says", max_tokens=max_tokens,
+            temperature=0, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        usage, finish = None, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+        return usage, finish
+
+    async def scrape_while(done: asyncio.Event) -> float:
+        most = 0.0
+        async with httpx.AsyncClient() as http:
+            while not done.is_set():
+                text = (await http.get(f"{server}/metrics")).text
+                most = max(most, metric(text, "loom:num_requests_running"))
+                await asyncio.sleep(0.05)
+        return most
+
+    async def run() -> tuple[list[tuple[int, str]], float]:
+        done = asyncio.Event()
+        scraper = asyncio.create_task(scrape_while(done))
+        results = await asyncio.gather(*(one(i) for i in range(num_requests)))
+        done.set()
+        return results, await scraper
+
+    results, most_running = asyncio.run(run())
+    assert results == [(max_tokens, "length")] * num_requests
+    assert most_running > 1
+    assert metric(wait_idle(server), "loom:num_requests_running") == 0
+
+
+def test_disconnect_mid_stream_aborts(server: str, client: openai.OpenAI) -> None:
+    aborted = metric(scrape(server), "loom:request_success_total", finished_reason="abort")
+    body = {"prompt": "Tell me a long story", "max_tokens": 4000, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert [next(lines) for _ in range(6)]  # a few tokens in: the request is running
+    with pytest.raises(httpx.TimeoutException):  # a non-streamed request the client gives up on
+        httpx.post(f"{server}/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    text = wait_idle(server)
+    assert metric(text, "loom:request_success_total", finished_reason="abort") == aborted + 2
+    answer = client.completions.create(model="any", prompt=PROMPT, max_tokens=2)
+    assert answer.choices[0].text
+
+
+# -- bad input: a 400 naming the field; the server goes on ----------------------------------------
+
+
+TOO_LONG = list(range(100, 100 + 8200))  # beyond the model's 8192-token context
+
+BAD_REQUESTS = [
+    ("completions", b'{"prompt": "hi", "max_tokens": ', None),
+    ("completions", {"max_tokens": 4}, "prompt"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": 42}, "prompt"),
+    ("completions", {"prompt": TOO_LONG, "max_tokens": 1}, "prompt"),
+    ("completions", {"prompt": [10**9]}, "prompt"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ("completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("completions", {"prompt": "hi", "stop": 3}, "stop"),
+    ("completions", {"prompt": "hi", "n": 0}, "n"),
+    ("completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ("completions", {"prompt": "hi", "stream": "sometimes"}, "stream"),
+    ("completions", {"prompt": "hi", "min_tokens": 9, "max_tokens": 2}, "min_tokens"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"max_tokens": 4}, "messages"),
+    ("chat/completions", {"messages": [{"content": "no role"}]}, "messages"),
+    ("chat/completions", {"messages": "hello"}, "messages"),
+    ("chat/completions", {"messages": CHAT, "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ("chat/completions", {"messages": CHAT, "temperature": "warm"}, "temperature"),
+    ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param"), BAD_REQUESTS)
+def test_bad_input_is_400(server: str, endpoint: str, body: dict | bytes,
+                          param: str | None) -> None:
+    url = f"{server}/v1/{endpoint}"
+    if isinstance(body, bytes):
+        response = httpx.post(url, content=body, headers={"content-type": "application/json"})
+    else:
+        response = httpx.post(url, json={**body, "unknown_field": {"ignored": True}})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] is None
+    assert error["param"] == param
+    assert (param or "JSON") in error["message"]
+
+
+def test_server_survives_bad_input(client: openai.OpenAI) -> None:
+    assert client.completions.create(model="any", prompt=PROMPT, max_tokens=2).choices[0].text
+
+
+# -- admission control, on a server that holds 2 running + 2 waiting ------------------------------
+
+
+def test_burst_over_queue_limit_gets_503(limited_server: str) -> None:
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=limited_server, timeout=120) as http:
+            body = {"prompt": "Count to ten:", "max_tokens": 4, "ignore_eos": True}
+            return await asyncio.gather(*(http.post("/v1/completions", json=body)
+                                          for _ in range(20)))
+
+    responses = asyncio.run(burst())
+    rejected = [r for r in responses if r.status_code == 503]
+    accepted = [r for r in responses if r.status_code == 200]
+    assert rejected and accepted and len(rejected) + len(accepted) == 20
+    for r in rejected:
+        assert r.headers["retry-after"].isdigit()
+        assert r.json()["error"]["type"] == "service_unavailable_error"
+    assert max(r.elapsed for r in rejected) < max(r.elapsed for r in accepted)  # at once
+    assert all(r.json()["usage"]["completion_tokens"] == 4 for r in accepted)
+    assert metric(scrape(limited_server), "loom:request_rejected_total") == len(rejected)
+
+
+def test_queue_timeout_gets_503(limited_server: str) -> None:
+    """Both sequence slots busy with long requests: a third waits 4 s, then is turned away."""
+    rejected = metric(scrape(limited_server), "loom:request_rejected_total")
+    body = {"prompt": "Write an essay", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=limited_server, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as a, \
+                http.stream("POST", "/v1/completions", json=body) as b:
+            lines = a.iter_lines(), b.iter_lines()  # held: dropping one closes its stream
+            assert [next(it) for it in lines]  # both running
+            started = time.monotonic()
+            late = http.post("/v1/completions", json={**body, "stream": True})
+            waited = time.monotonic() - started
+    assert late.status_code == 503 and "retry-after" in late.headers
+    assert "queue" in late.json()["error"]["message"]
+    assert waited >= 3.5
+    text = wait_idle(limited_server)
+    assert metric(text, "loom:request_rejected_total") == rejected + 1
+
+
+def test_stream_interval_groups_tokens(limited_server: str) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+    whole = httpx.post(f"{limited_server}/v1/completions", json=body).json()
+    with httpx.stream("POST", f"{limited_server}/v1/completions",
+                      json={**body, "stream": True}) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) <= 3  # 8 tokens, 4 per chunk (one more if a chunk held back text)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
