@@ -1,0 +1,79 @@
+"""Sampler and stop-string detokenizer, without the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom.engine.detokenizer import IncrementalDetokenizer
+from loom.sampling import Sampler, SamplingParams, _apply_top_k_top_p
+
+pytestmark = pytest.mark.unit
+
+
+def test_top_k_and_top_p_keep_only_the_allowed_tokens() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    masked = _apply_top_k_top_p(logits, top_k=[2, -1], top_p=[1.0, 0.7])
+    assert torch.isfinite(masked[0]).tolist() == [True, True, False, False]
+    # top_p=0.7: 0.5 alone is below 0.7, 0.5 + 0.3 reaches it, so two tokens stay
+    assert torch.isfinite(masked[1]).tolist() == [True, True, False, False]
+
+
+def test_rows_are_sampled_with_their_own_parameters() -> None:
+    logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 5.0], [1.0, 1.0, 1.0]])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1),
+              SamplingParams(temperature=1.0, seed=3)]
+    gens = [None, None, torch.Generator().manual_seed(3)]
+    assert Sampler()(logits, params, gens)[:2].tolist() == [1, 2]
+
+
+def test_seeded_draws_follow_the_distribution_and_repeat() -> None:
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    params = [SamplingParams(temperature=1.0, seed=1)]
+    gen = torch.Generator().manual_seed(1)
+    draws = [Sampler()(logits, params, [gen]).item() for _ in range(3000)]
+    share = [draws.count(i) / len(draws) for i in range(3)]
+    assert share == pytest.approx([0.7, 0.2, 0.1], abs=0.03)
+    gen2 = torch.Generator().manual_seed(1)
+    assert [Sampler()(logits, params, [gen2]).item() for _ in range(3000)] == draws
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=0), "top_k"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=50), "logprobs"),
+    (dict(stop=[""]), "stop"),
+])
+def test_invalid_parameters_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+class CharTokenizer:
+    """One character per token id: enough to drive the detokenizer's text logic."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def feed(text: str, stop: list[str]) -> IncrementalDetokenizer:
+    detok = IncrementalDetokenizer(CharTokenizer(), [ord(">")], stop)
+    for ch in text:
+        detok.push(ord(ch))
+        if detok.stopped_on:
+            break
+    return detok
+
+
+def test_stop_string_is_cut_and_partial_matches_are_held_back() -> None:
+    detok = feed("hello END world", ["END"])
+    assert detok.stopped_on == "END" and detok.text == "hello "
+    partial = feed("hello EN", ["END"])
+    assert partial.stopped_on is None
+    assert partial.visible_text(finished=False) == "hello "  # "EN" might become "END"
+    assert partial.visible_text(finished=True) == "hello EN"
+
+
+def test_earliest_stop_string_wins() -> None:
+    detok = feed("abcdef", ["cdef", "bc"])
+    assert detok.stopped_on == "bc" and detok.text == "a"
