@@ -1,0 +1,190 @@
+"""AsyncEngine over a real EngineCore (bundled model): streaming, aborts, admission control,
+a failing request, a dying loop, and an idle loop that sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from loom.config import EngineConfig
+from loom.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineRequest,
+    RequestRejectedError,
+)
+from loom.engine.core import EngineCore
+from loom.outputs import RequestOutput
+from loom.sampling import SamplingParams
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [504, 3458, 314, 2496, 30]
+
+
+@pytest.fixture(scope="module")
+def core() -> EngineCore:
+    return EngineCore(EngineConfig.from_kwargs(kv_cache_memory="64MiB"))
+
+
+@pytest.fixture
+def make_engine(core: EngineCore) -> Iterator[Callable[..., AsyncEngine]]:
+    """Started AsyncEngines over the shared core; each test leaves the core empty."""
+    engines = []
+
+    def make(**options: float) -> AsyncEngine:
+        engine = AsyncEngine(core, **options)
+        engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+    for request_id in list(core.scheduler.requests):
+        core.abort_request(request_id)
+    assert not core.has_unfinished_requests()
+
+
+def request(request_id: str, max_tokens: int = 4, **params: object) -> EngineRequest:
+    return EngineRequest(request_id, PROMPT, SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True, **params))
+
+
+async def collect(engine: AsyncEngine, *requests: EngineRequest) -> list[list[RequestOutput]]:
+    stream = engine.submit(list(requests))
+    return [outputs async for outputs in stream]
+
+
+def counter(core: EngineCore, name: str, **labels: str) -> float:
+    key = name + "".join(f"{{{k}={v}}}" for k, v in labels.items())
+    return core.metrics.snapshot()[key]
+
+
+def test_outputs_stream_as_steps_finish(make_engine: Callable[..., AsyncEngine]) -> None:
+    engine = make_engine()
+    batches = asyncio.run(collect(engine, request("a", max_tokens=5)))
+    tokens = [len(outputs[0].outputs[0].token_ids) for outputs in batches]
+    assert tokens == sorted(tokens) and tokens[-1] == 5 and len(tokens) > 1
+    assert batches[-1][0].finished and batches[-1][0].outputs[0].finish_reason == "length"
+
+
+def test_requests_join_the_running_batch(make_engine: Callable[..., AsyncEngine],
+                                         core: EngineCore) -> None:
+    """A request submitted while another runs finishes alongside it, not after it."""
+    engine = make_engine()
+
+    async def run() -> tuple[RequestOutput, RequestOutput]:
+        long_stream = engine.submit([request("long", max_tokens=30)])
+        await anext(long_stream)  # running now
+        short = [o async for o in engine.submit([request("short", max_tokens=3)])][-1][0]
+        long_batches = [o async for o in long_stream]
+        return short, long_batches[-1][0]
+
+    short, long = asyncio.run(run())
+    assert short.finished and long.finished
+    assert short.metrics.finished_time < long.metrics.finished_time
+
+
+def test_closing_a_stream_aborts_and_frees_blocks(make_engine: Callable[..., AsyncEngine],
+                                                  core: EngineCore) -> None:
+    engine = make_engine()
+    aborted = counter(core, "loom:request_success_total", finished_reason="abort")
+
+    async def run() -> None:
+        stream = engine.submit([request("gone", max_tokens=500)])
+        await anext(stream)
+        stream.close()
+        assert await anext(stream, None) is None
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 10
+    while core.has_unfinished_requests() or counter(core, "loom:kv_cache_usage_perc"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert counter(core, "loom:request_success_total", finished_reason="abort") == aborted + 1
+
+
+def test_queue_timeout_rejects_unscheduled_requests(make_engine: Callable[..., AsyncEngine],
+                                                    core: EngineCore) -> None:
+    """A timeout shorter than the trip to the first step: rejected before it is scheduled."""
+    engine = make_engine(queue_timeout=1e-9)
+    rejected = counter(core, "loom:request_rejected_total")
+    with pytest.raises(RequestRejectedError, match="queue_timeout"):
+        asyncio.run(collect(engine, request("late")))
+    assert counter(core, "loom:request_rejected_total") == rejected + 1
+
+
+def test_queue_limit_counts_the_inbox(make_engine: Callable[..., AsyncEngine],
+                                      core: EngineCore) -> None:
+    engine = make_engine(max_num_queued_reqs=1)
+    rejected = counter(core, "loom:request_rejected_total")
+
+    async def run() -> None:
+        with engine._cond:  # hold the loop at its inbox: both requests count as waiting
+            first = engine.submit([request("first")])
+            with pytest.raises(RequestRejectedError, match="max_num_queued_reqs=1"):
+                engine.submit([request("second")])
+        assert [o async for o in first][-1][0].finished
+
+    asyncio.run(run())
+    assert counter(core, "loom:request_rejected_total") == rejected + 1
+
+
+def test_a_request_that_cannot_run_fails_alone(make_engine: Callable[..., AsyncEngine]
+                                               ) -> None:
+    engine = make_engine()
+    bad = EngineRequest("bad", [10**9], SamplingParams(max_tokens=2))
+
+    async def run() -> RequestOutput:
+        good = engine.submit([request("good", max_tokens=6)])
+        with pytest.raises(ValueError, match="token ids"):
+            await collect(engine, bad)
+        return [o async for o in good][-1][0]
+
+    assert asyncio.run(run()).outputs[0].finish_reason == "length"
+    assert engine.is_alive
+
+
+def test_priority_reaches_the_engine(make_engine: Callable[..., AsyncEngine], core: EngineCore,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+    add_request = core.add_request
+    monkeypatch.setattr(core, "add_request", lambda *args: seen.append(args) or add_request(*args))
+    engine = make_engine()
+    asyncio.run(collect(engine, EngineRequest("p", PROMPT, SamplingParams(max_tokens=1), 7)))
+    assert seen[0][0] == "p" and seen[0][3] == 7
+
+
+def test_idle_loop_sleeps(make_engine: Callable[..., AsyncEngine], core: EngineCore,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    steps = []
+    step = core.step
+    monkeypatch.setattr(core, "step", lambda: steps.append(1) or step())
+    engine = make_engine()
+    asyncio.run(collect(engine, request("once", max_tokens=3)))
+    busy_steps = len(steps)
+    time.sleep(0.3)
+    assert len(steps) == busy_steps and engine.is_alive
+
+
+def test_a_dying_loop_fails_everyone_and_reports_dead(make_engine: Callable[..., AsyncEngine],
+                                                      core: EngineCore,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    def explode() -> list[RequestOutput]:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(core, "step", explode)
+    engine = make_engine()
+    with pytest.raises(EngineDeadError, match="boom"):
+        asyncio.run(collect(engine, request("doomed")))
+    assert not engine.is_alive
+
+    async def submit_again() -> None:
+        engine.submit([request("after")])
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(submit_again())
