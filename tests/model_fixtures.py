@@ -7,9 +7,11 @@ Nothing here downloads anything; the only real model is the bundled SmolLM2 GGUF
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ import torch
 
 from loom.core.batch import ScheduledRequest
 from loom.model.llama import LlamaModel
-from loom.model.loader import LoadedModel, default_model_path, load_model
+from loom.model.loader import LoadedModel, default_model_path
 from loom.model.runner import ModelRunner
 from loom.sampling import SamplingParams
 
@@ -36,6 +38,19 @@ _CORPUS = [
     "In 2024 there were 365 days, 12 months and 52 weeks; 3.14159 is about pi.",
     "hello world, hello there, hello again! What is the answer? It is 42.",
 ]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run with `n` torch threads, then restore the count (it is process-wide). These tests
+    use one: on the shared 2-core machines, two OpenMP threads make the many tiny ops of a small
+    model 5-300x slower (spinning threads fight other processes for the cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # -- tiny models ------------------------------------------------------------------------------
@@ -278,7 +293,11 @@ def step_logits(runner: ModelRunner, chunks: list[Chunk]) -> dict[str, torch.Ten
 
 @functools.lru_cache(maxsize=1)
 def smollm_loaded() -> LoadedModel:
-    return load_model(None)
+    # Through the engine module's name: tests/conftest.py caches that one for the session, so
+    # this shares the weights engines of the bundled model load (read-only either way).
+    import loom.engine.core
+
+    return loom.engine.core.load_model(None)
 
 
 @functools.lru_cache(maxsize=1)

@@ -18,11 +18,18 @@ from model_fixtures import (
     make_runner,
     save_hf_folder,
     step_logits,
+    torch_threads,
     write_gguf,
 )
 
 from loom.model.llama import LlamaModel, rope_inv_freq
 from loom.model.loader import ModelLoadError, load_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

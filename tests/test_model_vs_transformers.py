@@ -21,6 +21,7 @@ from model_fixtures import (
     make_runner,
     save_hf_folder,
     step_logits,
+    torch_threads,
     write_gguf,
 )
 
@@ -28,6 +29,12 @@ from loom.core.batch import ScheduledRequest, SchedulerOutput
 from loom.model.llama import rope_inv_freq
 from loom.model.loader import ModelArch, load_model
 from loom.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    with torch_threads(1):
+        yield
 
 ATOL = 1e-4  # fp32; observed differences are ~5e-6 on logits of magnitude ~5
 
