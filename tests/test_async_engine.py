@@ -1,5 +1,5 @@
 """AsyncEngine over a real EngineCore (bundled model): streaming, aborts, admission control,
-a failing request, a dying loop, and an idle loop that sleeps."""
+a failing request, a dying loop (and /health saying so), and an idle loop that sleeps."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from fastapi.testclient import TestClient
 
 from loom.config import EngineConfig
 from loom.engine.async_engine import (
@@ -17,6 +18,7 @@ from loom.engine.async_engine import (
     RequestRejectedError,
 )
 from loom.engine.core import EngineCore
+from loom.entrypoints.openai.server import ServerConfig, build_app
 from loom.outputs import RequestOutput
 from loom.sampling import SamplingParams
 
@@ -182,6 +184,10 @@ def test_a_dying_loop_fails_everyone_and_reports_dead(make_engine: Callable[...,
     with pytest.raises(EngineDeadError, match="boom"):
         asyncio.run(collect(engine, request("doomed")))
     assert not engine.is_alive
+    app = TestClient(build_app(engine, ServerConfig()))  # no lifespan: the dead loop stays
+    assert app.get("/health").status_code == 503
+    refused = app.post("/v1/completions", json={"prompt": "hi"})
+    assert refused.status_code == 503 and "died" in refused.json()["error"]["message"]
 
     async def submit_again() -> None:
         engine.submit([request("after")])

@@ -350,3 +350,13 @@ def test_stream_interval_groups_tokens(limited_server: str) -> None:
     chunks = [json.loads(e) for e in events[:-1]]
     assert len(chunks) <= 3  # 8 tokens, 4 per chunk (one more if a chunk held back text)
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+
+
+def test_default_max_tokens_fits_a_small_kv_cache(limited_server: str) -> None:
+    """No max_tokens: the budget is the context left, capped to what the KV cache holds
+    (128 MiB here, less than the 8192-token context), so the engine does not refuse it."""
+    body = {"messages": [{"role": "user", "content": "Reply with one word: yes or no?"}],
+            "temperature": 0}
+    response = httpx.post(f"{limited_server}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] == "stop"

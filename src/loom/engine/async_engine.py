@@ -121,7 +121,7 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._num_waiting = 0  # the core's waiting queue, as of the last drain or step
         self._stopping = False
-        self._dead = False
+        self._dead: EngineDeadError | None = None  # why the loop stopped, once it has
         # -- loop thread only
         self._streams: dict[str, OutputStream] = {}
         self._deadlines: dict[str, float] = {}  # unscheduled request id -> when to give up
@@ -141,13 +141,7 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and not self._dead
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests not yet running: in the inbox or in the scheduler's waiting queue."""
-        with self._cond:
-            return self._num_waiting + len(self._adds)
+        return self._thread.is_alive() and self._dead is None
 
     def submit(self, requests: list[EngineRequest]) -> OutputStream:
         """Queue requests for the next step, all or none. Must be called on the event loop
@@ -156,7 +150,9 @@ class AsyncEngine:
         stream = OutputStream(self, [r.request_id for r in requests])
         deadline = time.monotonic() + (self.queue_timeout or 0.0)
         with self._cond:
-            if self._dead or self._stopping or not self._thread.is_alive():
+            if self._dead is not None:
+                raise EngineDeadError(str(self._dead))
+            if self._stopping or not self._thread.is_alive():
                 raise EngineDeadError("the engine loop is not running")
             waiting = self._num_waiting + len(self._adds)
             if self.max_num_queued_reqs is not None and waiting >= self.max_num_queued_reqs:
@@ -180,7 +176,7 @@ class AsyncEngine:
     # -- the loop thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        error: Exception = EngineDeadError("the engine was shut down")
+        error = EngineDeadError("the engine was shut down")
         try:
             while self._wait_for_work():
                 self._drain_inbox()
@@ -253,11 +249,11 @@ class AsyncEngine:
         for stream, items in by_stream.items():
             stream.put_threadsafe(items)
 
-    def _fail_all(self, error: Exception) -> None:
+    def _fail_all(self, error: EngineDeadError) -> None:
         with self._cond:
-            self._dead = True
+            self._dead = error
             streams = {s for s, _, _ in self._adds} | set(self._streams.values())
             self._adds.clear()
             self._streams.clear()
-        for stream in streams:
-            stream.put_threadsafe([error])
+        for stream in streams:  # one exception each: they are raised in different tasks
+            stream.put_threadsafe([EngineDeadError(str(error))])

@@ -43,13 +43,13 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
     port: int = field(default=8000, metadata=_help("port to listen on"))
     served_model_name: str | None = field(default=None, metadata=_help(
-        "model name in /v1/models and responses; default: the model's own name"))
+        "model name in /v1/models and responses; none = the model's own name"))
     stream_interval: int = field(default=1, metadata=_help(
         "tokens gathered per streamed chunk (fewer, larger chunks under load)"))
     max_num_queued_reqs: int | None = field(default=None, metadata=_help(
-        "answer 503 (with Retry-After) when this many requests already wait; default: no limit"))
+        "answer 503 (with Retry-After) when this many requests already wait; none = no limit"))
     queue_timeout: float | None = field(default=None, metadata=_help(
-        "answer 503 for a request not scheduled within this many seconds; default: wait"))
+        "answer 503 for a request not scheduled within this many seconds; none = wait"))
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:

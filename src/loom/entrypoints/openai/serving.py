@@ -88,6 +88,8 @@ class OpenAIServing:
         self.engine = engine
         self.tokenizer = engine.core.tokenizer
         self.max_model_len = engine.core.max_model_len
+        kv_cache = engine.core.kv_cache
+        self.kv_capacity = kv_cache.pool.num_blocks * kv_cache.block_size  # tokens
         self.model_name = model_name
         self.stream_interval = stream_interval
 
@@ -96,14 +98,15 @@ class OpenAIServing:
     def max_tokens(self, requested: int | None, num_prompt_tokens: int, prompt_param: str,
                    max_tokens_param: str = "max_tokens") -> int:
         """The output budget: as requested if prompt + output fit max_model_len, else a 400;
-        when not given, whatever room the context has left."""
+        when not given, whatever room the context has left, up to what the whole KV cache
+        holds (the engine refuses requests that could outgrow it)."""
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(400, f"{prompt_param} has {num_prompt_tokens} tokens, but this "
                            f"model's max_model_len is {self.max_model_len} (prompt and at "
                            "least one output token must fit)", prompt_param)
         if requested is None:
-            return room
+            return max(1, min(room, self.kv_capacity - num_prompt_tokens))
         if requested > room:
             raise APIError(400, f"{max_tokens_param}={requested} is too large: the "
                            f"{prompt_param} has {num_prompt_tokens} tokens and max_model_len "
