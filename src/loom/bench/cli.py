@@ -1,9 +1,381 @@
-"""`loom bench ...` and `loom diagnose` sub-commands (placeholder until the bench issue lands)."""
+"""`loom bench trace | run | sweep | compare | scorecard` and `loom diagnose`.
+
+Options shared by several sub-commands live in one parent parser each, so every option is
+spelled once; defaults come from the dataclasses that use them.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import logging
+import math
+from dataclasses import asdict
+from pathlib import Path
 
+from loom.bench.replay import Load, Target
+
+_MIX = "chat=0.6,long=0.15,rag=0.25"
+_DEFAULT_TRACE_SIZE = 500
+
+
+def _rate(text: str) -> float | str:
+    if text in ("trace", "inf"):
+        return text if text == "trace" else math.inf
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("rate must be > 0, 'inf' or 'trace'")
+    return value
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _range(text: str) -> tuple[float, float]:
+    low, _, high = text.partition("-")
+    return float(low), float(high or low)
+
+
+# -- shared option groups (argparse parents) -------------------------------------------------
+
+def _common_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("-n", "--num-requests", type=int, default=None,
+                   help=f"requests: to generate (trace; default {_DEFAULT_TRACE_SIZE}) or to "
+                        "send (cycling the trace if needed; default: the whole trace once)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of everything random: lengths, arrivals, synthetic prompts")
+    p.add_argument("--tokenizer", default=None,
+                   help="GGUF, tokenizer.json or HF folder of the served model, to count and "
+                        "synthesise prompt tokens (default: loom's bundled model)")
+    return p
+
+
+def _replay_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--trace", required=True, help="JSONL trace (see loom bench trace)")
+    p.add_argument("--burstiness", type=float, default=Load.burstiness,
+                   help="gamma shape of inter-arrival gaps: 1 = Poisson, < 1 burstier")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight at most; alone (rate inf): closed loop of N users")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds to keep sending (cycling the trace); in-flight ones finish")
+    p.add_argument("--model", default=None, help="model name to request (default: the first "
+                                                 "of the server's /v1/models)")
+    p.add_argument("--scrape-interval", type=float, default=Target.scrape_interval_s,
+                   help="seconds between /metrics samples for the timeline")
+    p.add_argument("--request-timeout", type=float, default=Target.request_timeout_s,
+                   help="seconds before a request counts as failed")
+    return p
+
+
+def _target_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--base-url", required=True,
+                   help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="pid of a local server, to record its peak memory and command line")
+    return p
+
+
+def _slo_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--slo", default=None,
+                   help="latency objective in seconds, e.g. ttft_p95=1.0,e2e_p95=10: goodput "
+                        "counts requests within every limit")
+    return p
+
+
+def _report_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False, parents=[_slo_parent()])
+    p.add_argument("--gpu-cost-per-hour", type=float, default=None,
+                   help="price of the machine per hour: adds cost per accepted answer")
+    return p
+
+
+def _sweep_parent() -> argparse.ArgumentParser:
+    from loom.bench.sweep import AutoSearch, Limits
+
+    p = argparse.ArgumentParser(add_help=False)
+    points = p.add_mutually_exclusive_group(required=True)
+    points.add_argument("--rates", type=_floats, help="offered req/s to try, e.g. 0.5,1,2,4,8 "
+                                                      "(stops after the first beyond the limits)")
+    points.add_argument("--auto", action="store_true",
+                        help="find the knee: double the rate until a limit is crossed, bisect")
+    points.add_argument("--overlap", type=_ints,
+                        help="closed loop at these concurrencies, e.g. 1,2,4,8")
+    p.add_argument("--start-rate", type=float, default=AutoSearch.start_rate,
+                   help="--auto: first rate")
+    p.add_argument("--max-rate", type=float, default=AutoSearch.max_rate,
+                   help="--auto: highest rate to try")
+    p.add_argument("--bisect-steps", type=int, default=AutoSearch.bisect_steps,
+                   help="--auto: bisections after the limit is crossed")
+    p.add_argument("--max-p95-queue", type=float, default=Limits.max_p95_queue_s,
+                   help="limit: p95 queue time in seconds (server metric; else p95 TTFT)")
+    p.add_argument("--max-error-rate", type=float, default=Limits.max_error_rate,
+                   help="limit: failed / sent")
+    return p
+
+
+# -- sub-commands ----------------------------------------------------------------------------
 
 def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     """Register `bench` and `diagnose` on the top-level `loom` parser."""
+    common, replay, target = _common_parent(), _replay_parent(), _target_parent()
+    report, sweep = _report_parent(), _sweep_parent()
+    bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server",
+                           description="Replay realistic traffic against loom or any "
+                                       "OpenAI-compatible server; sweep the offered load; "
+                                       "compare configurations.")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = bench_sub.add_parser("trace", parents=[common], help="generate or import a trace")
+    _trace_args(p)
+    p.set_defaults(func=_trace)
+
+    p = bench_sub.add_parser("run", parents=[target, replay, common, report],
+                             help="replay a trace once at one offered load")
+    p.add_argument("--rate", type=_rate, default=None,
+                   help="offered req/s, 'inf' (all at once) or 'trace' (arrival_s as recorded)")
+    p.add_argument("--label", default=None, help="name of the run in tables and plots")
+    p.add_argument("--out", default=None, help="write the result JSON here")
+    p.set_defaults(func=_run)
+
+    p = bench_sub.add_parser("sweep", parents=[target, replay, common, sweep, report],
+                             help="replay a trace at rising offered load")
+    p.add_argument("--label", default=None, help="name of the configuration swept")
+    p.add_argument("--out", default=None, help="write the sweep JSON here")
+    p.set_defaults(func=_sweep)
+
+    p = bench_sub.add_parser("compare", parents=[replay, common, sweep, report],
+                             help="start a server per configuration and sweep each")
+    p.add_argument("--output-dir", required=True, help="where results, scorecard, plots go")
+    p.add_argument("--config", action="append", default=None, metavar="NAME='FLAGS'",
+                   help="a configuration (repeatable); default: continuous='' and "
+                        "static='--scheduler static'")
+    p.add_argument("--server-flags", default="", help="flags every configuration shares, "
+                                                      "e.g. '--kv-cache-memory 1GiB'")
+    p.add_argument("--server-cmd", default=None,
+                   help="server command line with {port} (default: loom serve); any "
+                        "OpenAI-compatible server with /health works")
+    p.add_argument("--health-timeout", type=float, default=600.0,
+                   help="seconds to wait for a server's /health")
+    p.set_defaults(func=_compare)
+
+    p = bench_sub.add_parser("scorecard", parents=[report],
+                             help="scorecard (and plots) of result files")
+    p.add_argument("results", nargs="+", help="run/sweep JSONs or compare directories")
+    p.add_argument("--markdown", default=None, help="also write the scorecard as Markdown")
+    p.add_argument("--plots", default=None, help="also write the plots into this directory")
+    p.set_defaults(func=_scorecard)
+
+    p = sub.add_parser("diagnose", parents=[_slo_parent()],
+                       help="explain a disappointing bench result")
+    p.add_argument("result", help="run or sweep JSON, or a compare directory")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.set_defaults(func=_diagnose)
+
+
+def _trace_args(p: argparse.ArgumentParser) -> None:
+    from loom.bench.trace import ArrivalSpec, CancelSpec
+
+    p.add_argument("-o", "--output", required=True, help="trace file to write (JSONL)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--mix", default=_MIX, help=f"class weights (default {_MIX}); "
+                                                    "classes: chat, long, rag")
+    source.add_argument("--from-sharegpt", default=None, metavar="FILE",
+                        help="import ShareGPT-style conversations (JSON list or JSONL)")
+    p.add_argument("--arrival-rate", type=float, default=ArrivalSpec.rate,
+                   help="recorded arrivals: mean requests/s, bursts included")
+    p.add_argument("--burst-prob", type=float, default=ArrivalSpec.burst_prob,
+                   help="chance that an arrival is a burst")
+    p.add_argument("--burst-size", type=_range, default=ArrivalSpec.burst_size,
+                   help="requests in a burst, LOW-HIGH")
+    p.add_argument("--burst-window", type=float, default=ArrivalSpec.burst_window_s,
+                   help="seconds a burst is spread over")
+    p.add_argument("--cancel-fraction", type=float, default=CancelSpec.fraction,
+                   help="share of requests the client walks away from")
+    p.add_argument("--cancel-after", type=_range, default=(CancelSpec.low_s, CancelSpec.high_s),
+                   help="seconds before walking away, LOW-HIGH")
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from loom.bench.tokens import PromptSynth, load_tokenizer, tokenizer_path
+    from loom.bench.trace import (
+        ArrivalSpec,
+        CancelSpec,
+        generate_mix,
+        import_sharegpt,
+        parse_mix,
+        write_trace,
+    )
+
+    path = tokenizer_path(args.tokenizer)
+    synth, tokenizer_name = PromptSynth(load_tokenizer(path)), path.name
+    arrivals = ArrivalSpec(args.arrival_rate, args.burst_prob,
+                           tuple(int(x) for x in args.burst_size), args.burst_window)
+    cancels = CancelSpec(args.cancel_fraction, *args.cancel_after)
+    if args.from_sharegpt:
+        trace = import_sharegpt(args.from_sharegpt, args.num_requests, args.seed, synth,
+                                arrivals, cancels, tokenizer_name)
+    else:
+        trace = generate_mix(parse_mix(args.mix), args.num_requests or _DEFAULT_TRACE_SIZE,
+                             args.seed, synth, arrivals, cancels, tokenizer_name)
+    sha = write_trace(trace, args.output)
+    counts: dict[str, int] = {}
+    for r in trace.requests:
+        counts[r.cls] = counts.get(r.cls, 0) + 1
+    print(f"wrote {len(trace.requests)} requests {counts} to {args.output} (sha256 {sha})")
+    return 0
+
+
+def _load_trace(args: argparse.Namespace):
+    """The trace, with prompts synthesised for records that give only prompt_len."""
+    from loom.bench.trace import fill_prompts, load_trace
+
+    trace = load_trace(args.trace)
+    if any(r.prompt is None for r in trace.requests):
+        from loom.bench.tokens import PromptSynth, load_tokenizer
+
+        fill_prompts(trace, PromptSynth(load_tokenizer(args.tokenizer)), args.seed)
+    return trace
+
+
+def _load(args: argparse.Namespace, rate: float | str = math.inf) -> Load:
+    return Load(rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                duration_s=args.duration, num_requests=args.num_requests, seed=args.seed)
+
+
+def _quiet_http_log() -> None:
+    """httpx logs every request at INFO: thousands of lines in a benchmark."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def _slo(args: argparse.Namespace):
+    from loom.bench.results import Slo
+
+    return Slo.parse(args.slo) if args.slo else None
+
+
+def _run(args: argparse.Namespace) -> int:
+    _quiet_http_log()
+    from loom.bench.replay import replay
+    from loom.bench.results import save_json
+    from loom.bench.scorecard import print_scorecard
+
+    if args.rate is None and args.max_concurrency is None:
+        raise ValueError("give --rate (open loop) or --max-concurrency (closed loop)")
+    target = Target(args.base_url, args.model, args.server_pid, args.scrape_interval,
+                    args.request_timeout)
+    slo = _slo(args)
+    result = asyncio.run(replay(_load_trace(args), _load(args, args.rate or math.inf), target,
+                                slo, args.label))
+    if args.out:
+        save_json(result, args.out)
+    print_scorecard([result], slo, args.gpu_cost_per_hour)
+    return 0
+
+
+def _sweep_points(args: argparse.Namespace) -> dict:
+    from loom.bench.sweep import AutoSearch
+
+    auto = AutoSearch(args.start_rate, args.max_rate, args.bisect_steps) if args.auto else None
+    return {"rates": args.rates, "concurrencies": args.overlap, "auto": auto}
+
+
+def _limits(args: argparse.Namespace):
+    from loom.bench.sweep import Limits
+
+    return Limits(args.max_p95_queue, args.max_error_rate)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    _quiet_http_log()
+    from loom.bench.results import save_json
+    from loom.bench.scorecard import print_scorecard
+    from loom.bench.sweep import sweep
+
+    target = Target(args.base_url, args.model, args.server_pid, args.scrape_interval,
+                    args.request_timeout)
+    slo = _slo(args)
+    result = asyncio.run(sweep(_load_trace(args), _load(args), target, _limits(args),
+                               slo=slo, label=args.label, **_sweep_points(args)))
+    if args.out:
+        save_json(result, args.out)
+    print_scorecard(result["runs"], slo, args.gpu_cost_per_hour)
+    print(f"knee (highest offered rate within the limits): {result['knee_rate']}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    _quiet_http_log()
+    from loom.bench.compare import DEFAULT_CONFIGS, compare, parse_config
+    from loom.bench.scorecard import print_scorecard
+    from loom.bench.server import LOOM_SERVE
+
+    if args.model is not None:
+        raise ValueError("compare starts its own servers and asks each for its model; "
+                         "drop --model")
+    configs = [parse_config(c) for c in args.config] if args.config else DEFAULT_CONFIGS
+    if len({name for name, _ in configs}) != len(configs):
+        raise ValueError("configuration names must differ")
+    slo = _slo(args)
+    out_dir = Path(args.output_dir)
+    result = compare(_load_trace(args), configs, out_dir, _load(args), _limits(args),
+                     args.server_cmd or LOOM_SERVE, args.server_flags, slo=slo,
+                     gpu_cost_per_hour=args.gpu_cost_per_hour,
+                     scrape_interval_s=args.scrape_interval,
+                     health_timeout_s=args.health_timeout, **_sweep_points(args))
+    print_scorecard([r for s in result["sweeps"] for r in s["runs"]], slo,
+                    args.gpu_cost_per_hour)
+    print(f"results, scorecard.md and plots in {out_dir}")
+    return 0
+
+
+def _scorecard(args: argparse.Namespace) -> int:
+    from loom.bench.compare import write_report
+    from loom.bench.results import groups, load_result
+    from loom.bench.scorecard import markdown, print_scorecard
+
+    slo = _slo(args)
+    grouped: list[tuple[str, list]] = []
+    for path in args.results:
+        for name, runs, _ in groups(load_result(path)):
+            if any(name == seen for seen, _ in grouped):  # same label in two files
+                name = f"{name} ({Path(path).stem})"
+            grouped.append((name, runs))
+    runs = [run for _, runs_ in grouped for run in runs_]
+    print_scorecard(runs, slo, args.gpu_cost_per_hour)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(runs, slo, args.gpu_cost_per_hour))
+    if args.plots:
+        sweeps = [{"label": name, "runs": runs_} for name, runs_ in grouped]
+        out = Path(args.plots)
+        out.mkdir(parents=True, exist_ok=True)
+        write_report(sweeps, out, slo, args.gpu_cost_per_hour)
+    return 0
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from loom.bench.diagnose import diagnose
+    from loom.bench.results import load_result
+
+    findings = diagnose(load_result(args.result), _slo(args))
+    if args.json:
+        print(json.dumps([asdict(f) for f in findings], indent=1))
+        return 0
+    console = Console()
+    if not findings:
+        console.print("No rule fired: no sign of the seed's usual constraints in these figures.")
+    for f in findings:
+        console.print(f"[bold]{f.title}[/bold] ({f.run})\n  {f.message}\n"
+                      f"  [bold]Try:[/bold] {f.setting}\n", highlight=False)
+    return 0

@@ -1,0 +1,140 @@
+"""One streaming /v1/completions request, timed from the client's side.
+
+Only what any OpenAI-compatible server does is assumed: SSE chunks of `choices[0].text`, an
+optional usage chunk, `data: [DONE]`. Output lengths are the trace's because the request asks
+for `ignore_eos` with `max_tokens`. Every request ends in exactly one status, so nothing a
+server refuses or breaks goes uncounted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from loom.bench.trace import TraceRequest
+
+OK, CANCELLED, REJECTED, ERROR = "ok", "cancelled", "rejected", "error"
+
+
+@dataclass
+class RequestResult:
+    """Client-side timings (seconds) of one request. `scheduled_s`/`start_s` are offsets from
+    the run's start: when the arrival process wanted it sent, and when it was."""
+
+    id: str | None
+    cls: str
+    prompt_len: int | None
+    max_tokens: int
+    scheduled_s: float
+    start_s: float = 0.0
+    status: str = ERROR
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itls_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    http_status: int | None = None
+    retry_after: str | None = None
+    error: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first, as vllm bench serve defines it."""
+        if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["class"] = out.pop("cls")
+        out["tpot_s"] = self.tpot_s
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> RequestResult:
+        obj = dict(obj)
+        obj["cls"] = obj.pop("class")
+        obj.pop("tpot_s", None)
+        return cls(**obj)
+
+
+def completion_payload(request: TraceRequest, model: str) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
+        "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
+    }
+    if request.priority is not None:  # only when asked: some servers refuse it under fcfs
+        payload["priority"] = request.priority
+    return payload
+
+
+async def send(client: httpx.AsyncClient, url: str, request: TraceRequest, model: str,
+               result: RequestResult, run_start: float) -> RequestResult:
+    """Send `request`, fill `result`; closes the stream after `cancel_after_s` if set."""
+    t0 = time.perf_counter()
+    result.start_s = t0 - run_start
+    try:
+        if request.cancel_after_s is None:
+            await _stream(client, url, completion_payload(request, model), result, t0)
+        else:
+            await asyncio.wait_for(_stream(client, url, completion_payload(request, model),
+                                           result, t0), request.cancel_after_s)
+    except asyncio.TimeoutError:
+        result.status = CANCELLED
+        result.e2e_s = time.perf_counter() - t0
+    except Exception as e:  # any failure is one counted error, never a crashed run
+        result.status, result.error = ERROR, f"{type(e).__name__}: {e}"
+    return result
+
+
+async def _stream(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
+                  result: RequestResult, t0: float) -> None:
+    async with client.stream("POST", url, json=payload) as response:
+        result.http_status = response.status_code
+        if response.status_code != 200:
+            body = (await response.aread()).decode(errors="replace")[:500]
+            result.retry_after = response.headers.get("retry-after")
+            result.status = REJECTED if response.status_code in (429, 503) else ERROR
+            result.error = f"HTTP {response.status_code}: {body}"
+            return
+        last = None
+        usage_tokens = None
+        done = False
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            now = time.perf_counter()
+            chunk = json.loads(data)
+            if "error" in chunk:
+                result.status, result.error = ERROR, f"stream error: {chunk['error']}"
+                return
+            if usage := chunk.get("usage"):
+                usage_tokens = usage.get("completion_tokens", usage_tokens)
+                if result.prompt_len is None:  # a trace of plain text: the server's count
+                    result.prompt_len = usage.get("prompt_tokens")
+            choices = chunk.get("choices") or []
+            if not choices or not choices[0].get("text"):
+                continue
+            if last is None:
+                result.ttft_s = now - t0
+            else:
+                result.itls_s.append(now - last)
+            last = now
+            result.output_tokens += 1
+        result.e2e_s = time.perf_counter() - t0
+        if usage_tokens is not None:  # a chunk may carry several tokens; usage counts them
+            result.output_tokens = usage_tokens
+        if not done:
+            result.status, result.error = ERROR, "stream ended without [DONE]"
+        elif result.ttft_s is None:
+            result.status, result.error = ERROR, "no tokens in the response"
+        else:
+            result.status = OK

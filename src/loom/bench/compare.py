@@ -1,0 +1,83 @@
+"""`loom bench compare`: the seed's "change one setting at a time" on one trace.
+
+For each configuration a fresh server is started (loom by default; any command line with a
+{port} via --server-cmd), swept over the same offered loads on the same trace, and stopped;
+the directory then holds one sweep JSON per configuration, compare.json indexing them, the
+scorecard and the plots. The default pair is continuous batching against the fixed-batch
+baseline (`--scheduler static`) on the same model, trace and hardware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from loom.bench.plots import plot_sweeps, plot_timeline
+from loom.bench.replay import Load, Target
+from loom.bench.results import Slo, save_json
+from loom.bench.scorecard import markdown
+from loom.bench.server import LocalServer
+from loom.bench.sweep import AutoSearch, Limits, sweep
+from loom.bench.trace import Trace
+
+DEFAULT_CONFIGS = [("continuous", ""), ("static", "--scheduler static")]
+
+
+def parse_config(text: str) -> tuple[str, str]:
+    """NAME=FLAGS, e.g. "budget-2k=--max-num-batched-tokens 2048"."""
+    name, sep, flags = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise ValueError(f"bad --config {text!r}; use NAME='--flag value ...' (NAME: letters, "
+                         "digits, _ . -)")
+    return name, flags
+
+
+def compare(trace: Trace, configs: list[tuple[str, str]], out_dir: Path, base: Load,
+            limits: Limits, server_cmd: str, common_flags: str = "",
+            rates: list[float] | None = None, concurrencies: list[int] | None = None,
+            auto: AutoSearch | None = None, slo: Slo | None = None,
+            gpu_cost_per_hour: float | None = None, scrape_interval_s: float = 1.0,
+            health_timeout_s: float = 600.0, progress: bool = True) -> dict[str, Any]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries = []
+    sweeps = []
+    for name, flags in configs:
+        all_flags = f"{common_flags} {flags}".strip()
+        with LocalServer(server_cmd, all_flags, out_dir / f"{name}.server.log",
+                         health_timeout_s) as server:
+            target = Target(server.url, server_pid=server.pid,
+                            scrape_interval_s=scrape_interval_s)
+            result = asyncio.run(sweep(trace, base, target, limits, rates, concurrencies,
+                                       auto, slo, name, progress))
+        result["config"] = {"name": name, "flags": all_flags,
+                            "server_command": shlex.join(server.command)}
+        save_json(result, out_dir / f"{name}.json")
+        entries.append({"name": name, "flags": all_flags, "file": f"{name}.json",
+                        "knee_rate": result["knee_rate"]})
+        sweeps.append(result)
+    index = {"kind": "compare", "command": shlex.join(sys.argv), "trace": trace.describe(),
+             "configs": entries}
+    save_json(index, out_dir / "compare.json")
+    write_report(sweeps, out_dir, slo, gpu_cost_per_hour)
+    index["sweeps"] = sweeps
+    return index
+
+
+def write_report(sweeps: list[dict[str, Any]], out_dir: Path, slo: Slo | None,
+                 gpu_cost_per_hour: float | None) -> list[Path]:
+    """scorecard.md, throughput.png, latency.png and one timeline per configuration."""
+    runs = [run for s in sweeps for run in s["runs"]]
+    (out_dir / "scorecard.md").write_text(markdown(runs, slo, gpu_cost_per_hour))
+    series = {s["label"]: s["runs"] for s in sweeps}
+    paths = plot_sweeps(series, out_dir)
+    for name, runs_of_config in series.items():
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+        path = plot_timeline(name, runs_of_config, out_dir / f"timeline-{safe}.png")
+        if path:
+            paths.append(path)
+    return paths
+

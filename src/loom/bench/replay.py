@@ -1,0 +1,264 @@
+"""Replay a trace against an OpenAI-compatible server and produce one run result.
+
+The client sends each request when the arrival process says (open loop) or when one of its
+N users is free (closed loop), streams every response, and meanwhile samples the server's
+/metrics, its own in-flight count and, for a local server, the server's memory: the
+timeline the plots and `loom diagnose` read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import gc
+import math
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from loom.bench import results as R
+from loom.bench.arrivals import TRACE_RATE, schedule
+from loom.bench.client import RequestResult, send
+from loom.bench.scrape import Snapshot, parse_metrics
+from loom.bench.sysinfo import hardware, process_memory
+from loom.bench.trace import Trace
+
+
+@dataclass(frozen=True)
+class Load:
+    """The offered load of one run.
+
+    rate: requests/s, math.inf, or "trace" (the trace's arrival_s). max_concurrency caps
+    requests in flight; with rate inf it is the closed loop of N users. Without duration_s
+    or num_requests the trace is sent once; with them it is cycled as far as needed.
+    """
+
+    rate: float | str = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    duration_s: float | None = None
+    num_requests: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")
+
+    def describe(self) -> dict[str, Any]:
+        rate = self.rate if self.rate == TRACE_RATE or math.isfinite(self.rate) else "inf"
+        return {"request_rate": rate, "burstiness": self.burstiness,
+                "max_concurrency": self.max_concurrency, "duration_limit_s": self.duration_s,
+                "num_requests_limit": self.num_requests, "seed": self.seed}
+
+
+@dataclass(frozen=True)
+class Target:
+    """The server under test and how to watch it."""
+
+    base_url: str
+    model: str | None = None
+    server_pid: int | None = None
+    scrape_interval_s: float = 1.0
+    request_timeout_s: float = 600.0
+
+    @property
+    def root(self) -> str:
+        """The URL without a trailing /v1, which OpenAI clients include but /metrics lacks."""
+        url = self.base_url.rstrip("/")
+        return url[:-3] if url.endswith("/v1") else url
+
+
+async def probe_server(client: httpx.AsyncClient, target: Target) -> dict[str, Any]:
+    """What the server says about itself: /version (loom, vLLM), /v1/models, the command line
+    of a local server process. Missing endpoints are simply absent."""
+    info: dict[str, Any] = {"base_url": target.base_url}
+    for key, path in (("version", "/version"), ("models", "/v1/models")):
+        try:
+            response = await client.get(target.root + path, timeout=10)
+            if response.status_code == 200:
+                info[key] = response.json()
+        except (httpx.HTTPError, ValueError):
+            continue
+    if target.server_pid:
+        try:
+            with open(f"/proc/{target.server_pid}/cmdline", "rb") as f:
+                info["cmdline"] = [a.decode() for a in f.read().split(b"\0") if a]
+        except OSError:
+            pass
+    return info
+
+
+def model_name(target: Target, server: dict[str, Any]) -> str:
+    if target.model:
+        return target.model
+    models = (server.get("models") or {}).get("data") or []
+    if not models:
+        raise ValueError(f"{target.base_url} lists no models at /v1/models; pass --model")
+    return models[0]["id"]
+
+
+async def scrape(client: httpx.AsyncClient, target: Target) -> Snapshot | None:
+    try:
+        response = await client.get(target.root + "/metrics", timeout=10)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    try:
+        snap = parse_metrics(response.text)
+    except ValueError:
+        return None
+    return snap if snap.source else None
+
+
+class _Monitor:
+    """Samples /metrics, the client's in-flight count and server memory every interval."""
+
+    def __init__(self, client: httpx.AsyncClient, target: Target, start: float) -> None:
+        self.client, self.target, self.start = client, target, start
+        self.timeline: list[dict[str, Any]] = []
+        self.in_flight = 0
+        self.has_metrics = True
+        self.memory_peak: dict[str, int] | None = None
+        self._stop = asyncio.Event()
+
+    async def sample(self) -> None:
+        entry: dict[str, Any] = {"t": round(time.perf_counter() - self.start, 3),
+                                 "client_in_flight": self.in_flight}
+        if self.has_metrics:
+            snap = await scrape(self.client, self.target)
+            self.has_metrics = snap is not None
+            if snap:
+                entry.update(snap.gauges)
+                entry["preemptions"] = snap.counters.get("preemptions")
+        if self.target.server_pid:
+            memory = await asyncio.to_thread(process_memory, self.target.server_pid)
+            if memory:
+                entry["server_rss_bytes"] = memory["rss_bytes"]
+                peak = self.memory_peak or dict.fromkeys(memory, 0)
+                self.memory_peak = {k: max(peak[k], v) for k, v in memory.items()}
+        self.timeline.append(entry)
+
+    async def loop(self) -> None:
+        while not self._stop.is_set():
+            await self.sample()
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.target.scrape_interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _progress(label: str, total: int | None, enabled: bool) -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[counts]}"), TimeElapsedColumn(),
+                    console=Console(stderr=True), disable=not enabled, transient=False)
+
+
+async def replay(trace: Trace, load: Load, target: Target, slo: R.Slo | None = None,
+                 label: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run `trace` at `load` against `target`; returns the run result (see results.py)."""
+    if load.rate == math.inf and load.max_concurrency is None and load.duration_s:
+        raise ValueError("an unlimited rate with --duration never stops sending; "
+                         "give --rate or --max-concurrency")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(target.request_timeout_s, connect=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        server = await probe_server(client, target)
+        model = model_name(target, server)
+        before = await scrape(client, target)
+        url = target.root + "/v1/completions"
+        sem = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
+        cycle = load.duration_s is not None or (load.num_requests or 0) > len(trace.requests)
+        total = load.num_requests if load.num_requests else (
+            None if load.duration_s else len(trace.requests))
+        counts = dict.fromkeys(("ok", "rejected", "error", "cancelled"), 0)
+        sent: list[RequestResult] = []
+        tasks: list[asyncio.Task] = []
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        # A full garbage collection over a large heap (a process that imported torch) stalls
+        # the event loop for a few hundred ms and inflates every timestamp taken meanwhile;
+        # freezing what exists now keeps the collector to the run's own objects.
+        gc.collect()
+        gc.freeze()
+        start = time.perf_counter()
+        monitor = _Monitor(client, target, start)
+        monitor_task = asyncio.create_task(monitor.loop())
+        with _progress(label or "replay", total, progress) as bar:
+            task_id = bar.add_task(label or "replay", total=total, counts="")
+
+            async def one(request: Any, result: RequestResult) -> None:
+                try:
+                    await send(client, url, request, model, result, start)
+                finally:
+                    monitor.in_flight -= 1
+                    if sem:
+                        sem.release()
+                counts[result.status] += 1
+                bar.update(task_id, advance=1, counts=" ".join(
+                    f"{k} {v}" for k, v in counts.items() if v))
+
+            for offset, request in schedule(trace.requests, load.rate, load.burstiness,
+                                            load.seed, cycle):
+                if load.num_requests is not None and len(sent) >= load.num_requests:
+                    break
+                if load.duration_s is not None and offset >= load.duration_s:
+                    break
+                delay = start + offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if sem:
+                    await sem.acquire()
+                    if load.duration_s and time.perf_counter() - start >= load.duration_s:
+                        sem.release()
+                        break
+                result = RequestResult(id=request.id, cls=request.cls,
+                                       prompt_len=request.prompt_len,
+                                       max_tokens=request.max_tokens, scheduled_s=offset)
+                sent.append(result)
+                monitor.in_flight += 1
+                tasks.append(asyncio.create_task(one(request, result)))
+            await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        gc.unfreeze()
+        monitor.stop()
+        await monitor_task
+        await monitor.sample()  # the state right after the last request
+        after = await scrape(client, target)
+    return build_result(sent, duration, monitor, before, after, server, model, trace, load,
+                        target, slo, label, date)
+
+
+def build_result(sent: list[RequestResult], duration: float, monitor: _Monitor,
+                 before: Snapshot | None, after: Snapshot | None, server: dict[str, Any],
+                 model: str, trace: Trace, load: Load, target: Target, slo: R.Slo | None,
+                 label: str | None, date: str) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "kind": "run", "result_version": R.RESULT_VERSION, "label": label, "date": date,
+        "command": shlex.join(sys.argv), "backend": "openai-completions",
+        "endpoint": "/v1/completions", "base_url": target.base_url, "model_id": model,
+        "tokenizer_id": trace.header.get("tokenizer"), "server": server,
+        "trace": trace.describe(), "hardware": hardware(), **load.describe(),
+        "slo": str(slo) if slo else None, "duration": duration,
+        "offered_rate": R.offered_rate(sent, duration),
+    }
+    result.update(R.request_figures(sent, duration, slo))
+    result.update(R.server_figures(before, after, monitor.timeline))
+    result["server_memory"] = None if monitor.memory_peak is None else {
+        "pid": target.server_pid, "peak_rss_bytes": monitor.memory_peak["rss_bytes"],
+        "peak_hwm_bytes": monitor.memory_peak["hwm_bytes"],
+        "peak_gpu_bytes": monitor.memory_peak["gpu_bytes"]}
+    result["client"] = R.client_figures(sent, monitor.timeline)
+    result["per_class"] = R.per_class(sent, duration, slo)
+    result["errors"] = sorted({r.error for r in sent if r.error})[:20]
+    result["timeline"] = monitor.timeline
+    result["requests"] = [r.to_json() for r in sent]
+    return result

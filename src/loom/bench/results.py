@@ -1,0 +1,217 @@
+"""Per-request timings + server scrapes -> the figures of one run, under `vllm bench serve`'s
+key names (so existing tooling reads them) plus loom's own; and reading result files back.
+
+Counting: every request sent is `completed` (status ok), `cancelled` (the client walked away,
+as the trace asked), or `failed`; `rejected` (HTTP 503/429) is the part of `failed` that
+admission control refused. error_rate = failed / num_prompts. Latency figures are over
+completed requests, in ms, like vLLM's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loom.bench.client import CANCELLED, OK, REJECTED, RequestResult
+from loom.bench.scrape import Snapshot
+
+PERCENTILES = (50, 90, 95, 99)
+RESULT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service-level objective, e.g. 'ttft_p95=1.0,e2e_p95=10' (seconds).
+
+    Per request, "good" means ttft <= the ttft limit and e2e <= the e2e limit (and tpot <=
+    its limit when given); the percentile in a key is the share of requests the service
+    promises to keep within it, which the scorecard checks against the run's percentiles.
+    """
+
+    limits: tuple[tuple[str, int, float], ...]  # (metric, percentile, seconds)
+
+    METRICS = ("ttft", "tpot", "e2e")
+
+    @classmethod
+    def parse(cls, text: str) -> Slo:
+        limits = []
+        for part in text.split(","):
+            key, sep, value = part.partition("=")
+            metric, _, pct = key.strip().partition("_p")
+            if not sep or metric not in cls.METRICS:
+                raise ValueError(f"bad SLO term {part!r}; use e.g. ttft_p95=1.0,e2e_p95=10")
+            limits.append((metric, int(pct) if pct else 95, float(value)))
+        return cls(tuple(limits))
+
+    def __str__(self) -> str:
+        return ",".join(f"{m}_p{p}={v:g}" for m, p, v in self.limits)
+
+    def good(self, r: RequestResult) -> bool:
+        if r.status != OK:
+            return False
+        values = {"ttft": r.ttft_s, "tpot": r.tpot_s, "e2e": r.e2e_s}
+        return all(values[m] is None or values[m] <= limit for m, _, limit in self.limits)
+
+    def met(self, result: dict[str, Any]) -> bool | None:
+        """Do the run's percentiles meet every limit? None when a figure is missing."""
+        key = {"ttft": "ttft", "tpot": "tpot", "e2e": "e2el"}
+        checks = [result.get(f"p{p}_{key[m]}_ms") for m, p, _ in self.limits]
+        if any(c is None for c in checks):
+            return None
+        return all(c <= 1000 * limit for c, (_, _, limit) in zip(checks, self.limits))
+
+
+def _stats(prefix: str, values_s: list[float]) -> dict[str, float | None]:
+    """mean/median/std/pNN of seconds, as vLLM's `{stat}_{prefix}_ms` keys."""
+    keys = [f"mean_{prefix}_ms", f"median_{prefix}_ms", f"std_{prefix}_ms"]
+    keys += [f"p{p}_{prefix}_ms" for p in PERCENTILES]
+    if not values_s:
+        return dict.fromkeys(keys)
+    ms = np.asarray(values_s) * 1000.0
+    values = [ms.mean(), np.median(ms), ms.std(), *np.percentile(ms, PERCENTILES)]
+    return {k: float(v) for k, v in zip(keys, values)}
+
+
+def request_figures(results: list[RequestResult], duration_s: float,
+                    slo: Slo | None) -> dict[str, Any]:
+    """Counts, throughputs, latency percentiles and goodput of a set of requests."""
+    done = [r for r in results if r.status == OK]
+    cancelled = sum(r.status == CANCELLED for r in results)
+    rejected = sum(r.status == REJECTED for r in results)
+    failed = len(results) - len(done) - cancelled
+    total_in = sum(r.prompt_len or 0 for r in done)
+    total_out = sum(r.output_tokens for r in done)
+    duration_s = max(duration_s, 1e-9)
+    figures: dict[str, Any] = {
+        "num_prompts": len(results), "completed": len(done), "failed": failed,
+        "rejected": rejected, "cancelled": cancelled,
+        "error_rate": failed / len(results) if results else 0.0,
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(done) / duration_s,
+        "output_throughput": total_out / duration_s,
+        "total_token_throughput": (total_in + total_out) / duration_s,
+    }
+    figures.update(_stats("ttft", [r.ttft_s for r in done]))
+    figures.update(_stats("tpot", [r.tpot_s for r in done if r.tpot_s is not None]))
+    figures.update(_stats("itl", [x for r in done for x in r.itls_s]))
+    figures.update(_stats("e2el", [r.e2e_s for r in done]))
+    good = sum(slo.good(r) for r in results) if slo else None
+    figures["request_goodput"] = good / duration_s if slo else None
+    figures["goodput"] = None if slo is None else {
+        "slo": str(slo), "good": good, "request_goodput": good / duration_s,
+        "fraction": good / len(results) if results else 0.0, "slo_met": slo.met(figures)}
+    return figures
+
+
+def per_class(results: list[RequestResult], duration_s: float,
+              slo: Slo | None) -> dict[str, dict[str, Any]]:
+    """The figures of each request class on its own: the seed's fairness check."""
+    keep = ("num_prompts", "completed", "failed", "rejected", "cancelled", "error_rate",
+            "request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
+            "p95_ttft_ms", "mean_tpot_ms", "p95_tpot_ms", "p95_itl_ms", "median_e2el_ms",
+            "p95_e2el_ms", "request_goodput")
+    out = {}
+    for cls in sorted({r.cls for r in results}):
+        figures = request_figures([r for r in results if r.cls == cls], duration_s, slo)
+        out[cls] = {k: figures[k] for k in keep}
+    return out
+
+
+def server_figures(before: Snapshot | None, after: Snapshot | None,
+                   timeline: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the server's /metrics said about the run: deltas of counters and histograms
+    between the scrapes before and after it, peaks and means of gauges over the timeline."""
+    out: dict[str, Any] = {"metrics_source": after.source if after else None,
+                           "queue_time": None, "server_ttft": None, "preemptions": None,
+                           "prefix_cache_hit_rate": None, "server_rejected": None}
+    if after is None:
+        return out
+    for canon, key in (("queue_time", "queue_time"), ("ttft", "server_ttft")):
+        if canon in after.histograms:
+            out[key] = after.histograms[canon].minus(
+                before.histograms.get(canon) if before else None).summary()
+
+    def delta(name: str) -> float | None:
+        if name not in after.counters:
+            return None
+        return after.counters[name] - (before.counters.get(name, 0.0) if before else 0.0)
+
+    if (preemptions := delta("preemptions")) is not None:
+        out["preemptions"] = int(preemptions)
+    if (rejected := delta("rejected")) is not None:
+        out["server_rejected"] = int(rejected)
+    queries, hits = delta("prefix_cache_queries"), delta("prefix_cache_hits")
+    if queries and hits is not None:
+        out["prefix_cache_hit_rate"] = hits / queries
+    for gauge, key in (("kv_usage", "kv_cache_usage"), ("running", "num_requests_running"),
+                       ("waiting", "num_requests_waiting")):
+        values = [e[gauge] for e in timeline if e.get(gauge) is not None]
+        out[f"{key}_peak"] = max(values) if values else None
+        out[f"{key}_mean"] = float(np.mean(values)) if values else None
+    return out
+
+
+def client_figures(results: list[RequestResult], timeline: list[dict[str, Any]]) -> dict[str, Any]:
+    """How well the load generator kept its schedule: a late send is the client's queueing,
+    not the server's, and must not be mistaken for it."""
+    lags = [max(0.0, r.start_s - r.scheduled_s) for r in results]
+    in_flight = [e["client_in_flight"] for e in timeline]
+    return {"send_lag_p95_ms": float(np.percentile(lags, 95)) * 1000 if lags else None,
+            "send_lag_max_ms": max(lags) * 1000 if lags else None,
+            "in_flight_peak": max(in_flight) if in_flight else None,
+            "in_flight_mean": float(np.mean(in_flight)) if in_flight else None}
+
+
+def offered_rate(results: list[RequestResult], duration_s: float) -> float:
+    """Requests/s the client actually offered: sends over the span of sending."""
+    span = max((r.scheduled_s for r in results), default=0.0)
+    if len(results) > 1 and span > 0:
+        return (len(results) - 1) / span
+    return len(results) / max(duration_s, 1e-9)
+
+
+def save_json(obj: dict[str, Any], path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(obj, indent=1, allow_nan=False) + "\n")
+
+
+def load_json(path: str | Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def load_result(path: str | Path) -> dict[str, Any]:
+    """A run JSON, a sweep JSON, a compare directory or its compare.json."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "compare.json"
+    obj = load_json(path)
+    if obj.get("kind") == "compare" and "sweeps" not in obj:
+        obj["sweeps"] = [load_json(path.parent / e["file"]) for e in obj["configs"]]
+    if obj.get("kind") not in ("run", "sweep", "compare"):
+        raise ValueError(f"{path}: not a loom bench result (run, sweep or compare)")
+    return obj
+
+
+def groups(obj: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]], str]]:
+    """(configuration name, its runs, its server flags) of a result."""
+    if obj["kind"] == "run":
+        return [(obj.get("label") or "run", [obj], "")]
+    sweeps = obj["sweeps"] if obj["kind"] == "compare" else [obj]
+    return [(s.get("label") or f"config {i}", s["runs"], (s.get("config") or {}).get("flags", ""))
+            for i, s in enumerate(sweeps)]
+
+
+def run_label(run: dict[str, Any]) -> str:
+    """A run's name in tables and findings: its label, else its offered load."""
+    if run.get("label"):
+        return run["label"]
+    rate = run["request_rate"]
+    return f"x{run['max_concurrency']}" if rate == "inf" else f"@{rate}/s"
+
+
+def requests_of(run: dict[str, Any]) -> list[RequestResult]:
+    return [RequestResult.from_json(r) for r in run["requests"]]

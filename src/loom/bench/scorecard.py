@@ -1,0 +1,142 @@
+"""The seed's scorecard, filled with measurements: one row per run (configuration x offered
+load), in Markdown and as a rich table, plus per-class rows (fairness).
+
+Goodput (completed req/s within an SLO) and, given a GPU price, the cost per accepted answer
+are here because the seed picks the configuration that meets the latency and reliability
+targets at the lowest cost per accepted answer, not the one with the most tokens per second.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from loom.bench.results import Slo, request_figures, requests_of, run_label
+
+
+def _s(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms / 1000:.2f}"
+
+
+def _ms(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.0f}"
+
+
+def offered(run: dict[str, Any]) -> str:
+    if run["request_rate"] == "inf" and run.get("max_concurrency"):
+        return f"{run['max_concurrency']} users"
+    return f"{run['offered_rate']:.2f}"
+
+
+def _goodput(run: dict[str, Any], slo: Slo | None) -> dict[str, Any] | None:
+    """The run's goodput under `slo` (recomputed from its requests), or as recorded."""
+    if slo is None:
+        return run.get("goodput")
+    return request_figures(requests_of(run), run["duration"], slo)["goodput"]
+
+
+def rows(runs: list[dict[str, Any]], slo: Slo | None = None,
+         gpu_cost_per_hour: float | None = None) -> list[dict[str, str]]:
+    out = []
+    for run in runs:
+        queue = (run.get("queue_time") or {}).get("p95_ms")
+        row = {
+            "Run": run_label(run), "Offered req/s": offered(run),
+            "Completed req/s": f"{run['request_throughput']:.2f}",
+            "Output tok/s": f"{run['output_throughput']:.1f}",
+            "p50 TTFT s": _s(run["median_ttft_ms"]), "p95 TTFT s": _s(run["p95_ttft_ms"]),
+            "p95 ITL ms": _ms(run["p95_itl_ms"]), "mean TPOT ms": _ms(run["mean_tpot_ms"]),
+            "p95 queue s": _s(queue),
+            "p95 E2E s": _s(run["p95_e2el_ms"]), "Error rate": f"{run['error_rate']:.1%}",
+            "Preemptions": "-" if run.get("preemptions") is None else str(run["preemptions"]),
+            "KV peak": "-" if run.get("kv_cache_usage_peak") is None
+            else f"{run['kv_cache_usage_peak']:.0%}",
+        }
+        goodput = _goodput(run, slo)
+        if goodput:
+            row["Goodput req/s"] = f"{goodput['request_goodput']:.2f}"
+            row["SLO met"] = {True: "yes", False: "no", None: "-"}[goodput["slo_met"]]
+        if gpu_cost_per_hour is not None:
+            accepted = goodput["good"] if goodput else run["completed"]
+            cost = gpu_cost_per_hour * run["duration"] / 3600
+            row["$ / accepted answer"] = f"{cost / accepted:.3g}" if accepted else "-"
+        out.append(row)
+    return out
+
+
+def class_rows(runs: list[dict[str, Any]], slo: Slo | None = None) -> list[dict[str, str]]:
+    out = []
+    for run in runs:
+        requests = requests_of(run) if slo else None
+        for cls, f in run["per_class"].items():
+            if requests is not None:
+                f = request_figures([r for r in requests if r.cls == cls], run["duration"], slo)
+            row = {"Run": run_label(run), "Class": cls, "Requests": str(f["num_prompts"]),
+                   "Completed": str(f["completed"]), "Failed": str(f["failed"]),
+                   "Cancelled": str(f["cancelled"]),
+                   "Completed req/s": f"{f['request_throughput']:.2f}",
+                   "p50 TTFT s": _s(f["median_ttft_ms"]), "p95 TTFT s": _s(f["p95_ttft_ms"]),
+                   "mean TPOT ms": _ms(f["mean_tpot_ms"]), "p95 E2E s": _s(f["p95_e2el_ms"])}
+            if f.get("request_goodput") is not None:
+                row["Goodput req/s"] = f"{f['request_goodput']:.2f}"
+            out.append(row)
+    return out
+
+
+def _columns(table: list[dict[str, str]]) -> list[str]:
+    return list(dict.fromkeys(k for row in table for k in row))
+
+
+def markdown_table(table: list[dict[str, str]]) -> str:
+    columns = _columns(table)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row.get(c, "-") for c in columns) + " |" for row in table]
+    return "\n".join(lines)
+
+
+def _notes(slo: Slo | None, runs: list[dict[str, Any]], cost: float | None) -> str:
+    slo_text = str(slo) if slo else next((r["slo"] for r in runs if r.get("slo")), None)
+    notes = ["Completed req/s counts requests that finished; error rate = failed "
+             "(errors + 503 rejections) / sent; p95 queue is the server's own queue-time "
+             "histogram (- when it exports none)."]
+    if slo_text:
+        notes.append(f"Goodput: completed req/s of requests within the SLO {slo_text} "
+                     "(per request: TTFT and E2E within the limits).")
+    if cost is not None:
+        notes.append(f"Cost per accepted answer at ${cost:g}/h: run time x price / accepted "
+                     "answers (good ones when an SLO is given).")
+    return "\n".join(notes)
+
+
+def markdown(runs: list[dict[str, Any]], slo: Slo | None = None,
+             gpu_cost_per_hour: float | None = None, title: str = "Scorecard") -> str:
+    parts = [f"# {title}", "", markdown_table(rows(runs, slo, gpu_cost_per_hour)), "",
+             _notes(slo, runs, gpu_cost_per_hour), "", "## Per request class (fairness)", "",
+             markdown_table(class_rows(runs, slo))]
+    traces = sorted({r["trace"]["sha256"] for r in runs if r["trace"].get("sha256")})
+    if traces:
+        parts += ["", "Trace sha256: " + ", ".join(traces)]
+    return "\n".join(parts) + "\n"
+
+
+def _rich(table: list[dict[str, str]], title: str) -> Table:
+    out = Table(title=title)
+    for column in _columns(table):
+        out.add_column(column, justify="left" if column in ("Run", "Class") else "right")
+    for row in table:
+        out.add_row(*(row.get(c, "-") for c in _columns(table)))
+    return out
+
+
+def print_scorecard(runs: list[dict[str, Any]], slo: Slo | None = None,
+                    gpu_cost_per_hour: float | None = None,
+                    console: Console | None = None) -> None:
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log file or pipe: room for every column, no wrapping
+            console = Console(width=220)
+    console.print(_rich(rows(runs, slo, gpu_cost_per_hour), "Scorecard"))
+    console.print(_rich(class_rows(runs, slo), "Per request class"))
+

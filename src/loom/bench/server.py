@@ -1,0 +1,80 @@
+"""Start a server under test as a subprocess on a free port, wait until /health answers, stop
+it afterwards. bench imports no engine code: `loom serve` is started like any other server."""
+
+from __future__ import annotations
+
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+LOOM_SERVE = f"{shlex.quote(sys.executable)} -m loom.entrypoints.cli serve --port {{port}}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """`with LocalServer(template, flags, log) as server:` -> server.url, server.pid.
+
+    template is a command line with `{port}`, e.g. LOOM_SERVE or
+    'llama-server -m model.gguf --port {port}'; flags are appended to it.
+    """
+
+    def __init__(self, template: str, flags: str, log_path: Path,
+                 health_timeout_s: float = 600.0) -> None:
+        self.port = free_port()
+        self.command = shlex.split(template.format(port=self.port)) + shlex.split(flags)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.health_timeout_s = health_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def __enter__(self) -> LocalServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + self.health_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-2000:]
+                raise ChildProcessError(f"server exited with {self.proc.returncode} before it was "
+                                   f"healthy: {shlex.join(self.command)}\n{tail}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ChildProcessError(f"server not healthy after {self.health_timeout_s:g} s: "
+                                   f"{shlex.join(self.command)} (log: {self.log_path})")
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

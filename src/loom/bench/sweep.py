@@ -1,0 +1,104 @@
+"""Sweeps: the same trace at rising offered load, from below the expected load up to where
+p95 queue time or the error rate crosses the limit you can accept (the seed's advice), or at
+1/2/4/8... overlapping requests (closed loop, the home-server article's replay).
+
+`--auto` looks for the knee without a list of rates: double the rate until a limit is
+crossed, then bisect between the last rate within the limits and the first beyond them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from loom.bench.replay import Load, Target, replay
+from loom.bench.results import Slo
+from loom.bench.trace import Trace
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What "unacceptable" means for a sweep."""
+
+    max_p95_queue_s: float = 2.0
+    max_error_rate: float = 0.05
+
+    def crossed(self, run: dict[str, Any]) -> list[str]:
+        """Why `run` is beyond the limits (empty: within them). Queue time is the server's
+        (from /metrics); a server without it is judged by p95 TTFT, which includes it."""
+        reasons = []
+        queue_ms, what = (run.get("queue_time") or {}).get("p95_ms"), "p95 queue time"
+        if queue_ms is None:
+            queue_ms, what = run.get("p95_ttft_ms"), "p95 TTFT (no server queue metric)"
+        if queue_ms is not None and queue_ms > 1000 * self.max_p95_queue_s:
+            reasons.append(f"{what} {queue_ms / 1000:.2f} s > {self.max_p95_queue_s:g} s")
+        if run["error_rate"] > self.max_error_rate:
+            reasons.append(f"error rate {run['error_rate']:.1%} > {self.max_error_rate:.1%}")
+        if run["completed"] == 0:
+            reasons.append("no request completed")
+        return reasons
+
+
+@dataclass(frozen=True)
+class AutoSearch:
+    start_rate: float = 0.5
+    max_rate: float = 64.0
+    bisect_steps: int = 2
+
+
+async def sweep(trace: Trace, base: Load, target: Target, limits: Limits,
+                rates: list[float] | None = None, concurrencies: list[int] | None = None,
+                auto: AutoSearch | None = None, slo: Slo | None = None,
+                label: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run `trace` at each point; returns the sweep result with every run and the knee (the
+    highest offered rate found within the limits). Exactly one of rates / concurrencies /
+    auto. A rate list stops after the first rate beyond the limits; concurrencies run all."""
+    if sum(x is not None for x in (rates, concurrencies, auto)) != 1:
+        raise ValueError("give exactly one of --rates, --overlap or --auto")
+    runs: list[dict[str, Any]] = []
+    name = label or "sweep"
+
+    async def run(load: Load, point: str) -> dict[str, Any]:
+        result = await replay(trace, load, target, slo, f"{name} {point}", progress)
+        result["limits_crossed"] = limits.crossed(result)
+        runs.append(result)
+        return result
+
+    knee = None
+    if concurrencies is not None:
+        for c in concurrencies:
+            await run(replace(base, rate=math.inf, max_concurrency=c), f"x{c}")
+    elif rates is not None:
+        for rate in rates:
+            if (await run(replace(base, rate=rate), f"@{rate:g}/s"))["limits_crossed"]:
+                break
+            knee = rate
+    else:
+        knee = await _auto(auto, lambda r: run(replace(base, rate=r), f"@{r:.3g}/s"))
+    runs.sort(key=lambda r: (r["max_concurrency"] or 0, _rate(r)))
+    return {"kind": "sweep", "label": name, "limits": vars(limits),
+            "points": "concurrency" if concurrencies is not None else "rate",
+            "knee_rate": knee, "trace": trace.describe(), "runs": runs}
+
+
+async def _auto(auto: AutoSearch, run: Any) -> float | None:
+    good, bad = None, None
+    rate = auto.start_rate
+    while rate <= auto.max_rate:
+        if (await run(rate))["limits_crossed"]:
+            bad = rate
+            break
+        good, rate = rate, rate * 2
+    for _ in range(auto.bisect_steps if good is not None and bad is not None else 0):
+        mid = math.sqrt(good * bad)  # geometric: rates were doubled, so halve the ratio
+        if (await run(mid))["limits_crossed"]:
+            bad = mid
+        else:
+            good = mid
+    return good
+
+
+def _rate(run: dict[str, Any]) -> float:
+    rate = run["request_rate"]
+    return rate if isinstance(rate, (int, float)) else math.inf

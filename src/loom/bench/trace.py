@@ -1,0 +1,309 @@
+"""Request traces: the JSONL format, reading and hashing it, generating the seed's three-class
+mix, and importing ShareGPT conversations.
+
+Format (one JSON object per line):
+
+    {"header": {...}}                       optional first line: how the trace was made
+    {"id": "chat-00000", "class": "chat", "prompt": "...", "prompt_len": 35,
+     "max_tokens": 64, "arrival_s": 0.0, "cancel_after_s": 2.5, "priority": 0}
+
+A request needs `prompt` (text) or `prompt_len` (tokens; text is synthesised at replay) and
+`max_tokens` (or `output_len`); the rest is optional. `arrival_s` is replayed as recorded with
+`--rate trace`; `cancel_after_s` makes the client close the stream after that many seconds.
+The header sits inside the file (not in a sidecar) so the file's sha256, recorded in every
+result, covers the distributions it was drawn from too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from loom.bench.tokens import PromptSynth
+
+TRACE_VERSION = 1
+
+
+@dataclass
+class TraceRequest:
+    max_tokens: int
+    prompt: str | None = None
+    prompt_len: int | None = None
+    cls: str = "default"
+    arrival_s: float | None = None
+    cancel_after_s: float | None = None
+    priority: int | None = None
+    id: str | None = None
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any], where: str) -> TraceRequest:
+        max_tokens = obj.get("max_tokens", obj.get("output_len"))
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"{where}: needs max_tokens (or output_len), a positive integer")
+        prompt, prompt_len = obj.get("prompt"), obj.get("prompt_len")
+        if not isinstance(prompt, str) and not (isinstance(prompt_len, int) and prompt_len > 0):
+            raise ValueError(f"{where}: needs prompt (text) or prompt_len (positive integer)")
+        for key in ("arrival_s", "cancel_after_s"):
+            value = obj.get(key)
+            if value is not None and (not isinstance(value, (int, float)) or value < 0):
+                raise ValueError(f"{where}: {key} must be a number >= 0")
+        return cls(max_tokens=max_tokens, prompt=prompt if isinstance(prompt, str) else None,
+                   prompt_len=prompt_len, cls=str(obj.get("class", "default")),
+                   arrival_s=obj.get("arrival_s"), cancel_after_s=obj.get("cancel_after_s"),
+                   priority=obj.get("priority"), id=obj.get("id"))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "class": self.cls, "prompt": self.prompt,
+                               "prompt_len": self.prompt_len, "max_tokens": self.max_tokens,
+                               "arrival_s": self.arrival_s, "cancel_after_s": self.cancel_after_s,
+                               "priority": self.priority}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass
+class Trace:
+    requests: list[TraceRequest]
+    header: dict[str, Any] = field(default_factory=dict)
+    sha256: str | None = None
+    path: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """What a result records about the trace it replayed."""
+        return {"path": self.path, "sha256": self.sha256, "num_requests": len(self.requests),
+                "header": self.header}
+
+
+def load_trace(path: str | Path) -> Trace:
+    data = Path(path).read_bytes()
+    header: dict[str, Any] = {}
+    requests = []
+    for number, line in enumerate(data.decode().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not JSON ({e})") from None
+        if "header" in obj:
+            header = obj["header"]
+            continue
+        requests.append(TraceRequest.from_json(obj, f"{path}:{number}"))
+    if not requests:
+        raise ValueError(f"{path}: no requests")
+    return Trace(requests, header, hashlib.sha256(data).hexdigest(), str(path))
+
+
+def write_trace(trace: Trace, path: str | Path) -> str:
+    """Write header + requests as JSONL; returns the file's sha256."""
+    lines = [json.dumps({"header": trace.header})] if trace.header else []
+    lines += [json.dumps(r.to_json(), ensure_ascii=False) for r in trace.requests]
+    data = ("\n".join(lines) + "\n").encode()
+    Path(path).write_bytes(data)
+    trace.sha256, trace.path = hashlib.sha256(data).hexdigest(), str(path)
+    return trace.sha256
+
+
+def fill_prompts(trace: Trace, synth: PromptSynth, seed: int = 0) -> None:
+    """Give requests that only state `prompt_len` a synthetic prompt of that many tokens."""
+    rng = random.Random(seed)
+    for r in trace.requests:
+        if r.prompt is None:
+            r.prompt = synth.text(r.prompt_len, rng)
+
+
+# -- generation --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LengthDist:
+    """A token-length distribution, as stated in the trace header.
+
+    uniform: integers in [low, high]; normal: N(mean, std) rounded, redrawn until it lies in
+    [low, high] (truncated, so no pile-up at the bounds); fixed: always `low`.
+    """
+
+    kind: Literal["uniform", "normal", "fixed"]
+    low: int
+    high: int
+    mean: float | None = None
+    std: float | None = None
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            return self.low
+        if self.kind == "uniform":
+            return rng.randint(self.low, self.high)
+        while True:
+            value = round(rng.gauss(self.mean, self.std))
+            if self.low <= value <= self.high:
+                return value
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class ClassSpec:
+    """One request class: prompt and output lengths, and a prefix every request shares."""
+
+    prompt_len: LengthDist
+    output_len: LengthDist
+    shared_prefix_len: int = 0  # tokens before the drawn prompt, identical across the class
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt_len": self.prompt_len.to_json(), "output_len": self.output_len.to_json(),
+                "shared_prefix_len": self.shared_prefix_len}
+
+
+# The seed article's three groups. rag's prompt_len is the question after the 480-token
+# shared prefix (30 blocks of 16, so the prefix fills whole KV blocks a server can reuse).
+CLASSES: dict[str, ClassSpec] = {
+    "chat": ClassSpec(LengthDist("normal", 20, 50, mean=35, std=6),
+                      LengthDist("uniform", 16, 96)),
+    "long": ClassSpec(LengthDist("uniform", 500, 1100), LengthDist("uniform", 32, 128)),
+    "rag": ClassSpec(LengthDist("uniform", 12, 40), LengthDist("uniform", 8, 160),
+                     shared_prefix_len=480),
+}
+
+
+@dataclass(frozen=True)
+class ArrivalSpec:
+    """Clustered arrivals: a Poisson process of events, each a single request or, with
+    probability `burst_prob`, a burst of `burst_size` requests spread over `burst_window_s`.
+    `rate` is requests (not events) per second, bursts included."""
+
+    rate: float = 2.0
+    burst_prob: float = 0.1
+    burst_size: tuple[int, int] = (4, 12)
+    burst_window_s: float = 0.5
+
+    def times(self, n: int, rng: random.Random) -> list[float]:
+        mean_event = 1 + self.burst_prob * ((self.burst_size[0] + self.burst_size[1]) / 2 - 1)
+        event_rate = self.rate / mean_event
+        times: list[float] = []
+        t = 0.0
+        while len(times) < n:
+            if rng.random() < self.burst_prob:
+                size = rng.randint(*self.burst_size)
+                times += sorted(t + rng.uniform(0, self.burst_window_s) for _ in range(size))
+            else:
+                times.append(t)
+            t += rng.expovariate(event_rate)
+        return [round(x, 4) for x in sorted(times)[:n]]
+
+
+@dataclass(frozen=True)
+class CancelSpec:
+    """A `fraction` of requests whose client walks away after uniform[low_s, high_s] seconds."""
+
+    fraction: float = 0.05
+    low_s: float = 0.5
+    high_s: float = 5.0
+
+    def draw(self, rng: random.Random) -> float | None:
+        if rng.random() >= self.fraction:
+            return None
+        return round(rng.uniform(self.low_s, self.high_s), 3)
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """'chat=0.6,long=0.15,rag=0.25' -> weights normalised to sum to 1."""
+    mix = {}
+    for part in text.split(","):
+        name, _, weight = part.partition("=")
+        name = name.strip()
+        if name not in CLASSES:
+            raise ValueError(f"unknown request class {name!r}; known: {', '.join(CLASSES)}")
+        mix[name] = float(weight) if weight else 1.0
+        if mix[name] < 0:
+            raise ValueError(f"weight of {name!r} must be >= 0")
+    total = sum(mix.values())
+    if total <= 0:
+        raise ValueError("the mix needs a positive weight")
+    return {k: v / total for k, v in mix.items()}
+
+
+def generate_mix(mix: dict[str, float], n: int, seed: int, synth: PromptSynth,
+                 arrivals: ArrivalSpec, cancels: CancelSpec, tokenizer_name: str) -> Trace:
+    """n requests of the given class mix; same seed + tokenizer -> byte-identical file."""
+    rng = random.Random(seed)
+    prefixes = {name: synth.text(CLASSES[name].shared_prefix_len, rng)
+                for name in mix if CLASSES[name].shared_prefix_len}
+    names, weights = list(mix), list(mix.values())
+    times = arrivals.times(n, rng)
+    requests = []
+    for i, arrival in enumerate(times):
+        name = rng.choices(names, weights)[0]
+        spec = CLASSES[name]
+        prefix = prefixes.get(name, "")
+        prompt = prefix + synth.text(spec.prompt_len.sample(rng), rng, prefix=prefix)
+        requests.append(TraceRequest(
+            max_tokens=spec.output_len.sample(rng), prompt=prompt,
+            prompt_len=synth.count(prompt), cls=name, arrival_s=arrival,
+            cancel_after_s=cancels.draw(rng), id=f"{name}-{i:05d}"))
+    header = _header("mix", seed, n, tokenizer_name, arrivals, cancels)
+    header["mix"] = {k: round(v, 6) for k, v in mix.items()}
+    header["classes"] = {k: CLASSES[k].to_json() for k in mix}
+    return Trace(requests, header)
+
+
+def import_sharegpt(path: str | Path, n: int | None, seed: int, synth: PromptSynth,
+                    arrivals: ArrivalSpec, cancels: CancelSpec, tokenizer_name: str,
+                    max_prompt_len: int = 1024, max_total_len: int = 2048) -> Trace:
+    """ShareGPT-style conversations -> trace: the first user turn is the prompt, the token
+    count of the reply after it the output length. Filters as `vllm bench serve` does:
+    prompt and reply >= 4 tokens, prompt <= max_prompt_len, both <= max_total_len."""
+    rng = random.Random(seed)
+    pairs = [p for p in (_first_exchange(c) for c in _read_conversations(path)) if p]
+    rng.shuffle(pairs)
+    requests: list[TraceRequest] = []
+    for prompt, reply in pairs:
+        if n is not None and len(requests) >= n:
+            break
+        prompt_len, output_len = synth.count(prompt), synth.count(reply)
+        if (prompt_len < 4 or output_len < 4 or prompt_len > max_prompt_len
+                or prompt_len + output_len > max_total_len):
+            continue
+        requests.append(TraceRequest(max_tokens=output_len, prompt=prompt, prompt_len=prompt_len,
+                                     cls="sharegpt", id=f"sharegpt-{len(requests):05d}"))
+    if not requests:
+        raise ValueError(f"{path}: no usable conversations")
+    for r, arrival in zip(requests, arrivals.times(len(requests), rng)):
+        r.arrival_s, r.cancel_after_s = arrival, cancels.draw(rng)
+    header = _header("sharegpt", seed, len(requests), tokenizer_name, arrivals, cancels)
+    header["source"] = {"file": Path(path).name, "max_prompt_len": max_prompt_len,
+                        "max_total_len": max_total_len}
+    return Trace(requests, header)
+
+
+def _header(kind: str, seed: int, n: int, tokenizer_name: str, arrivals: ArrivalSpec,
+            cancels: CancelSpec) -> dict[str, Any]:
+    return {"format": "loom-trace", "version": TRACE_VERSION, "kind": kind, "seed": seed,
+            "num_requests": n, "tokenizer": tokenizer_name,
+            "token_counts": "prompt_len/max_tokens in the tokenizer's tokens, no special tokens",
+            "arrivals": asdict(arrivals), "cancellations": asdict(cancels)}
+
+
+def _read_conversations(path: str | Path) -> Iterable[Any]:
+    text = Path(path).read_text()
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _first_exchange(conversation: Any) -> tuple[str, str] | None:
+    """(first user turn, the assistant reply after it) of a ShareGPT or messages record."""
+    turns = conversation.get("conversations") or conversation.get("messages") or []
+    for turn, reply in zip(turns, turns[1:]):
+        role = turn.get("from", turn.get("role"))
+        reply_role = reply.get("from", reply.get("role"))
+        if role in ("human", "user") and reply_role in ("gpt", "assistant", "chatgpt"):
+            prompt, answer = turn.get("value", turn.get("content")), reply.get(
+                "value", reply.get("content"))
+            if isinstance(prompt, str) and isinstance(answer, str):
+                return prompt, answer
+    return None
