@@ -164,8 +164,6 @@ def test_logprobs_and_echo_score_the_prompt(client: openai.OpenAI, reference: LL
                for t in content)
 
 
-@pytest.mark.xfail(reason="engine bug: prompt_logprobs skip prefix-cached blocks (core/, not "
-                          "the server); lm-eval re-sends shared contexts", strict=False)
 def test_echo_logprobs_survive_prefix_cache_hits(client: openai.OpenAI) -> None:
     prompt = "The quick brown fox jumps over the lazy dog. " * 4  # several full KV blocks
     first, second = (client.completions.create(model="any", prompt=prompt, max_tokens=1,

@@ -33,9 +33,10 @@ class KVCacheManager:
         """Block ids of the longest cached run of full blocks at the start of the request.
 
         The last token is never taken from the cache: the model must run on at least one token
-        to produce the logits the next token is sampled from.
+        to produce the logits the next token is sampled from. Requests that want prompt
+        logprobs skip the cache: cached positions would have no logits to score them with.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         hashes = self._full_block_hashes(request, (request.num_tokens - 1) // self.block_size)
         found = []

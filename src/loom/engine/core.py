@@ -143,16 +143,17 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One iteration: returns an output for every request that progressed or finished."""
         batch = self.scheduler.schedule()
+        self.runner.release(batch.finished_request_ids)
         now = time.monotonic()
         self._note_scheduled(batch, now)
         if batch.is_empty:
-            self._update_gauges()
+            self.update_gauges()
             return []
         runner_output = self._execute(batch)
         updates = self.scheduler.update(batch, runner_output)
         outputs = self._process(batch, runner_output, updates)
         self.metrics.iteration_tokens.observe(batch.num_scheduled_tokens)
-        self._update_gauges()
+        self.update_gauges()
         return outputs
 
     def _execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
@@ -263,11 +264,8 @@ class EngineCore:
             error=state.error, metrics=state.metrics)
 
     def update_gauges(self) -> None:
-        """Refresh the running / waiting / KV gauges without a step: after aborts leave the
-        engine idle, no further step would show their blocks freed."""
-        self._update_gauges()
-
-    def _update_gauges(self) -> None:
+        """Refresh the running / waiting / KV gauges; also called without a step, when
+        aborts leave the engine idle and no further step would show their blocks freed."""
         self.metrics.running.set(self.scheduler.num_running)
         self.metrics.waiting.set(self.scheduler.num_waiting)
         self.metrics.kv_usage.set(self.kv_cache.pool.usage)

@@ -33,10 +33,13 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
 
+    def release(self, request_ids: list[str]) -> None:
+        """Drop the per-request state of requests that have ended."""
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
-        for request_id in batch.finished_request_ids:
-            self.generators.pop(request_id, None)
         # Single-token requests first: their attention is one batched call.
         items = sorted(batch.scheduled, key=lambda s: len(s.token_ids) != 1)
         input_ids, positions, meta = self._prepare(items)
