@@ -83,9 +83,14 @@ TINY_SPECS = {
     # Qwen2: q/k/v biases, tied, rope_theta 1e6, embedding padded past the tokenizer's vocab
     "qwen2": TinySpec("qwen2", "qwen2", dict(_BASE, rope_theta=1000000.0,
                                              tie_word_embeddings=True), seed=3, extra_vocab=37),
-    # Mistral: untied, no sliding window, rope_theta 1e4
+    # Mistral: untied, no sliding window, rope_theta 1e4, and (as Mistral-Nemo) a head_dim that
+    # is not hidden_size / num_heads
     "mistral": TinySpec("mistral", "mistral", dict(_BASE, rope_theta=10000.0, sliding_window=None,
-                                                   tie_word_embeddings=False), seed=4),
+                                                   head_dim=32, tie_word_embeddings=False),
+                        seed=4),
+    # Llama with attention_bias (q/k/v *and* o_proj biases) and mlp_bias
+    "llama-bias": TinySpec("llama-bias", "llama", dict(_BASE, attention_bias=True, mlp_bias=True,
+                                                       tie_word_embeddings=False), seed=5),
 }
 
 
@@ -221,7 +226,10 @@ def write_gguf(model: Any, path: Path, pre: str = "smollm", arch: str | None = N
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(rope_theta(config))
-    head_dim = config.hidden_size // config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim != config.hidden_size // config.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)

@@ -198,6 +198,35 @@ def test_hf_folder_tokenizer_settings(hf_folder):
 
 
 @pytest.mark.integration
+def test_hf_folder_tokenizer_post_processor_bos_like_transformers(tmp_path, hf_folder):
+    """Llama-3's tokenizer.json adds <|begin_of_text|> in its post-processor and its
+    tokenizer_config.json has no add_bos_token: plain prompts must still get the BOS, as
+    transformers (and vLLM through it) give them; chat templates, encoded without special
+    tokens, must not get a second one."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    folder = copy_folder(hf_folder, tmp_path / "bos")
+    backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template":
+         "<|endoftext|>{% for m in messages %}{{ m['content'] }}{% endfor %}"}))
+    ours = load_model(str(folder)).tokenizer
+    theirs = AutoTokenizer.from_pretrained(str(folder))
+    for text in ["hello world", "", "<|endoftext|>twice"]:
+        assert ours.encode(text) == theirs(text).input_ids, text
+        assert ours.encode(text, add_special_tokens=False) == \
+            theirs(text, add_special_tokens=False).input_ids, text
+    assert ours.encode("hi")[0] == 0
+    chat = ours.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert ours.encode(chat, add_special_tokens=False).count(0) == 1
+
+
+@pytest.mark.integration
 def test_gguf_tokenizer_equals_hf_folder_tokenizer(hf_folder, gguf_file):
     """The same byte-level BPE rebuilt from GGUF tokens/merges/token types ('gpt2' pre-tokenizer
     = plain byte-level, as the tiny tokenizer was trained) encodes every string identically,

@@ -1,6 +1,6 @@
 """loom's Llama-family decoder against transformers' own implementation, on tiny random-weight
-Llama (tied; and Llama-3.1 RoPE scaling, untied), Qwen2 (q/k/v bias, padded vocab) and Mistral
-models, each loaded by loom both from a Hugging Face folder and from a GGUF file written the way
+Llama (tied; Llama-3.1 RoPE scaling, untied; attention and MLP biases), Qwen2 (q/k/v bias, padded
+vocab) and Mistral (head_dim != hidden / heads) models, each loaded by loom both from a Hugging Face folder and from a GGUF file written the way
 llama.cpp's converter writes it (Q/K rows permuted, Llama-3 scaling as a rope_freqs tensor).
 
 Every path through the paged KV cache is compared with a full transformers forward: one-shot
@@ -177,7 +177,8 @@ def test_gguf_and_hf_folder_give_the_same_architecture(tiny_models, family):
                                rtol=1e-6, atol=0)
     assert from_hf.arch.vocab_size == model.config.vocab_size
     assert from_hf.arch.tie_word_embeddings == model.config.tie_word_embeddings
-    assert from_hf.arch.attention_bias == (family == "qwen2")
+    assert from_hf.arch.attention_bias == (family in ("qwen2", "llama-bias"))
+    assert from_hf.arch.head_dim == (32 if family == "mistral" else 16)
     assert set(from_hf.weights) == set(from_gguf.weights)
     for name, tensor in from_hf.weights.items():
         torch.testing.assert_close(from_gguf.weights[name], tensor, atol=0, rtol=0, msg=name)

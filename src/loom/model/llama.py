@@ -24,6 +24,12 @@ class LlamaLayer:
         self.o_weight = w[attn + "o_proj.weight"]
         self.gate_up_weight = torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])
         self.down_weight = w[mlp + "down_proj.weight"]
+        # Llama's attention_bias also puts a bias on o_proj, and mlp_bias on all three MLP
+        # projections (Qwen2 has q/k/v biases only): use whichever the checkpoint has.
+        self.o_bias = w.get(attn + "o_proj.bias")
+        gate_bias, up_bias = w.get(mlp + "gate_proj.bias"), w.get(mlp + "up_proj.bias")
+        self.gate_up_bias = torch.cat([gate_bias, up_bias]) if gate_bias is not None else None
+        self.down_bias = w.get(mlp + "down_proj.bias")
         self.input_norm = w[prefix + "input_layernorm.weight"]
         self.post_attn_norm = w[prefix + "post_attention_layernorm.weight"]
 
@@ -66,10 +72,10 @@ class LlamaModel:
             v = v.reshape(-1, arch.num_kv_heads, arch.head_dim)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta)
-            hidden = hidden + F.linear(attn, layer.o_weight)
+            hidden = hidden + F.linear(attn, layer.o_weight, layer.o_bias)
             x = F.rms_norm(hidden, (arch.hidden_size,), layer.post_attn_norm, eps)
-            gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight)
+            gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
         return F.rms_norm(hidden, (arch.hidden_size,), self.final_norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,10 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # The backend's post-processor adds what the model expects (Llama-3's tokenizer.json adds
+        # <|begin_of_text|> there, with no add_bos_token in tokenizer_config.json), as in
+        # transformers; GGUF-built tokenizers have none and rely on add_bos_token below.
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
