@@ -1,0 +1,338 @@
+"""`loom diagnose`: the seed's "diagnosing a disappointing result", applied to measurements.
+
+Look for the constraint before changing another flag. Each rule reads figures a bench result
+holds, fires only when they show its pattern, cites the numbers that triggered it and names
+the one setting to try next:
+
+1. waiting grows (or 503s) while memory is free -> admission / max_num_seqs / token budget
+   requests wait in the client instead     -> the load generator's --max-concurrency
+2. TTFT rises with long prompts            -> chunked prefill / max_num_batched_tokens
+3. throughput up but p95 worse             -> cap admission (needs several rates or configs)
+4. preemptions or out-of-memory            -> KV cache capacity
+5. low utilisation while requests wait     -> something upstream of the scheduler
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from loom.bench.client import OK
+from loom.bench.results import Slo, groups, requests_of, run_label
+
+# Thresholds: deliberately coarse, so that a healthy run stays quiet.
+WAITING_MEAN = 1.0          # requests waiting on average over the run ...
+KV_FREE = 0.8               # ... while KV cache usage never passed this fraction
+REJECTED_SHARE = 0.01      # 503s per request sent that mean admission turned work away
+SEND_LAG_S = 0.25           # p95 lateness of sends that means the client held requests back
+LONG_PROMPT_RATIO = 4.0     # long prompts are >= this many times the short ones ...
+TTFT_RATIO = 3.0            # ... and their p95 TTFT this many times the short ones'
+DEFAULT_TTFT_LIMIT_S = 2.0  # p95 TTFT deemed too slow when no SLO is given
+THROUGHPUT_GAIN = 0.05      # "throughput improved": by at least this fraction ...
+P95_LOSS = 0.25             # ... while p95 latency got worse by at least this fraction
+SATURATED_GAIN = 0.2        # along a sweep: throughput gains less than this ...
+P95_BLOWUP = 2.0            # ... while p95 TTFT at least doubles
+PREEMPTION_SHARE = 0.01     # preemptions per request sent that count as KV pressure
+OUTSIDE_ENGINE_S = 0.1      # client TTFT beyond the server's own TTFT by at least this
+IN_FLIGHT_GAP = 2.0         # requests in flight at the client but not in the engine
+
+
+@dataclass
+class Finding:
+    rule: str
+    title: str
+    run: str
+    message: str   # what was measured, with the numbers
+    setting: str   # the one setting to try
+    evidence: dict[str, Any]
+
+
+# -- settings the server ran with -----------------------------------------------------------
+
+def server_setting(run: dict[str, Any], flags: str, name: str) -> Any:
+    """A server setting (e.g. max_num_seqs) from the flags it was started with, its command
+    line, or what its /version reports; None when unknown."""
+    server = run.get("server") or {}
+    text = " ".join([flags, *server.get("cmdline", [])])
+    flag = "--" + name.replace("_", "-")
+    if re.search(rf"--no-{flag[2:]}\b", text):
+        return False
+    match = re.search(rf"{flag}(?:=|\s+)(\S+)", text)
+    if match:
+        return _number(match.group(1))
+    if re.search(rf"{flag}\b", text):
+        return True
+    return _find_key(server.get("version"), name)
+
+
+def _number(text: str) -> Any:
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
+def _find_key(obj: Any, name: str) -> Any:
+    if isinstance(obj, dict):
+        if name in obj:
+            return obj[name]
+        for value in obj.values():
+            if (found := _find_key(value, name)) is not None:
+                return found
+    return None
+
+
+def _open_loop(run: dict[str, Any]) -> bool:
+    return run["request_rate"] != "inf"
+
+
+def _p95(values: list[float]) -> float:
+    return float(np.percentile(values, 95))
+
+
+# -- rules on one run ------------------------------------------------------------------------
+
+def waiting_with_memory_free(run: dict[str, Any], flags: str, slo: Slo | None) -> list[Finding]:
+    waiting, kv = run.get("num_requests_waiting_mean"), run.get("kv_cache_usage_peak")
+    rejected = run.get("rejected", 0)
+    findings = []
+    memory_free = kv is not None and kv < KV_FREE
+    if memory_free and rejected >= max(1, REJECTED_SHARE * run["num_prompts"]):
+        findings.append(Finding(
+            "waiting_memory_free", "Requests refused while memory is free", run_label(run),
+            f"{rejected} of {run['num_prompts']} requests got 503/429 while KV cache usage "
+            f"peaked at {kv:.0%}: the admission limit, not memory, turned them away.",
+            "--max-num-queued-reqs (raise; vLLM: --max-num-queued-reqs)",
+            {"rejected": rejected, "num_prompts": run["num_prompts"], "kv_cache_usage_peak": kv}))
+    elif memory_free and waiting is not None and waiting >= WAITING_MEAN:
+        running_peak = run.get("num_requests_running_peak")
+        running = [e["running"] for e in run.get("timeline", []) if e.get("running") is not None]
+        max_seqs = server_setting(run, flags, "max_num_seqs")
+        numbers = (f"waiting averaged {waiting:.1f} requests (peak "
+                   f"{run.get('num_requests_waiting_peak'):g}) while KV cache usage peaked at "
+                   f"{kv:.0%} and running peaked at {running_peak:g}")
+        capped = isinstance(max_seqs, int) and running_peak >= max_seqs
+        plateau = len(running) >= 3 and sorted(running)[len(running) // 2] == running_peak
+        if capped or plateau:
+            cap = f"= max_num_seqs {max_seqs}" if capped else "(a flat ceiling)"
+            message = (f"{numbers} {cap}: the sequence limit, not memory, admits the work. "
+                       "Raise it while KV usage stays below ~90%.")
+            setting = "--max-num-seqs (llama.cpp: --parallel, SGLang: --max-running-requests)"
+        else:
+            message = (f"{numbers}, below any sequence cap: new prompts wait for prefill room "
+                       "in each step's token budget (or for CPU tokenization).")
+            setting = "--max-num-batched-tokens"
+        findings.append(Finding("waiting_memory_free", "Waiting grows while memory is free",
+                                run_label(run), message, setting,
+                                {"waiting_mean": waiting, "kv_cache_usage_peak": kv,
+                                 "running_peak": running_peak, "max_num_seqs": max_seqs}))
+    lag = (run.get("client") or {}).get("send_lag_p95_ms")
+    if _open_loop(run) and run.get("max_concurrency") and lag is not None \
+            and lag / 1000 > SEND_LAG_S:
+        findings.append(Finding(
+            "client_concurrency", "Requests wait in the client, not the server", run_label(run),
+            f"p95 send lag {lag / 1000:.2f} s at offered {run['offered_rate']:.2f} req/s: "
+            f"requests waited for one of the client's {run['max_concurrency']} connections "
+            "(server waiting averaged "
+            f"{'unknown' if waiting is None else f'{waiting:.1f}'}).",
+            "--max-concurrency of loom bench (raise it, or drop it for a pure open loop)",
+            {"send_lag_p95_ms": lag, "max_concurrency": run["max_concurrency"]}))
+    return findings
+
+
+def ttft_long_prompts(run: dict[str, Any], flags: str, slo: Slo | None) -> list[Finding]:
+    done = [r for r in requests_of(run) if r.status == OK and r.prompt_len and r.ttft_s]
+    if len(done) < 8:
+        return []
+    lens = [r.prompt_len for r in done]
+    long_cut, short_cut = np.percentile(lens, 75), np.percentile(lens, 50)
+    long = [r for r in done if r.prompt_len >= long_cut]
+    short = [r for r in done if r.prompt_len <= short_cut]
+    if not long or not short:
+        return []
+    long_len = statistics.median(r.prompt_len for r in long)
+    short_len = statistics.median(r.prompt_len for r in short)
+    long_p95, short_p95 = _p95([r.ttft_s for r in long]), _p95([r.ttft_s for r in short])
+    limit = _limit(slo, "ttft")
+    if long_len < LONG_PROMPT_RATIO * short_len or long_p95 <= limit \
+            or long_p95 < TTFT_RATIO * short_p95:
+        return []
+    chunked = server_setting(run, flags, "enable_chunked_prefill")
+    setting = "--enable-chunked-prefill" if chunked is False else "--max-num-batched-tokens"
+    long_ttft = sorted(r.ttft_s for r in long)
+    message = (f"prompts of >= {long_cut:.0f} tokens (median {long_len:.0f}, n={len(long)}) "
+               f"wait p50 {statistics.median(long_ttft):.2f} s / p95 {long_p95:.2f} s / max "
+               f"{long_ttft[-1]:.2f} s for their first token, against p95 {short_p95:.2f} s "
+               f"for prompts of <= {short_cut:.0f} tokens; the TTFT limit is {limit:g} s. ")
+    message += ("Chunked prefill is off, so a long prefill holds whole steps." if chunked is False
+                else "Each step's token budget decides how fast a long prefill gets through and "
+                     "how much it delays decodes; compare the long-prompt distribution after.")
+    return [Finding("ttft_long_prompts", "TTFT rises with long prompts", run_label(run),
+                    message, setting,
+                    {"long_prompt_min_tokens": long_cut, "long_p95_ttft_s": long_p95,
+                     "short_p95_ttft_s": short_p95, "ttft_limit_s": limit,
+                     "enable_chunked_prefill": chunked})]
+
+
+def preemptions_or_oom(run: dict[str, Any], flags: str, slo: Slo | None) -> list[Finding]:
+    preemptions = run.get("preemptions") or 0
+    oom = [e for e in run.get("errors", []) if re.search(r"out of memory|\bOOM\b", e, re.I)]
+    sent = max(run["num_prompts"], 1)
+    if preemptions < max(1, PREEMPTION_SHARE * sent) and not oom:
+        return []
+    kv = run.get("kv_cache_usage_peak")
+    kv_text = f", KV cache usage peaked at {kv:.0%}" if kv is not None else ""
+    message = (f"{preemptions} preemptions for {sent} requests ({preemptions / sent:.1%})"
+               f"{kv_text}, {len(oom)} out-of-memory errors, p95 E2E "
+               f"{(run['p95_e2el_ms'] or 0) / 1000:.2f} s: the active contexts do not fit the "
+               "KV cache, and each preemption recomputes work. Give the cache more memory, or "
+               "admit fewer sequences (--max-num-seqs) / shorter contexts.")
+    return [Finding("preemptions_kv_pressure", "Preemptions or out-of-memory errors",
+                    run_label(run), message, "--kv-cache-memory",
+                    {"preemptions": preemptions, "num_prompts": sent, "kv_cache_usage_peak": kv,
+                     "oom_errors": len(oom)})]
+
+
+def upstream_bottleneck(run: dict[str, Any], flags: str, slo: Slo | None) -> list[Finding]:
+    evidence: dict[str, Any] = {}
+    reasons = []
+    client = run.get("client") or {}
+    in_flight = client.get("in_flight_mean")
+    running, waiting = run.get("num_requests_running_mean"), run.get("num_requests_waiting_mean")
+    if in_flight is not None and running is not None and waiting is not None:
+        gap = in_flight - running - waiting
+        if gap >= max(IN_FLIGHT_GAP, 0.5 * in_flight):
+            reasons.append(f"the client had {in_flight:.1f} requests in flight on average but "
+                           f"the engine saw {running:.1f} running + {waiting:.1f} waiting")
+            evidence.update(client_in_flight_mean=in_flight, running_mean=running,
+                            waiting_mean=waiting)
+    server_ttft = (run.get("server_ttft") or {}).get("p50_ms")
+    if server_ttft is not None and run.get("median_ttft_ms") is not None:
+        outside = (run["median_ttft_ms"] - server_ttft) / 1000
+        if outside >= max(OUTSIDE_ENGINE_S, 0.5 * server_ttft / 1000):
+            reasons.append(f"p50 TTFT is {run['median_ttft_ms'] / 1000:.2f} s at the client but "
+                           f"{server_ttft / 1000:.2f} s inside the engine")
+            evidence.update(client_p50_ttft_ms=run["median_ttft_ms"],
+                            server_p50_ttft_ms=server_ttft)
+    lag = client.get("send_lag_p95_ms")
+    pacing = _open_loop(run) and not run.get("max_concurrency") and lag is not None \
+        and lag / 1000 > SEND_LAG_S
+    if pacing:
+        reasons.append(f"the load generator sent requests late (p95 {lag / 1000:.2f} s behind "
+                       "schedule)")
+        evidence["send_lag_p95_ms"] = lag
+    if not reasons:
+        return []
+    kv = run.get("kv_cache_usage_peak")
+    message = "; ".join(reasons) + (f"; KV cache usage peaked at {kv:.0%}" if kv is not None
+                                    else "") + (
+        ". Work is stuck before the scheduler: check the server's CPU (HTTP, tokenization, "
+        "detokenization), network, storage and model loading before blaming batching.")
+    setting = ("the load generator: run it on its own cores or machine" if pacing and
+               len(reasons) == 1 else
+               "--num-threads (loom: leave a core for HTTP + tokenization; vLLM: "
+               "--api-server-count)")
+    return [Finding("upstream_bottleneck", "Low utilisation while requests wait",
+                    run_label(run), message, setting, evidence)]
+
+
+# -- rules across runs -----------------------------------------------------------------------
+
+def throughput_up_p95_worse(grouped: list[tuple[str, list[dict[str, Any]], str]],
+                            slo: Slo | None) -> list[Finding]:
+    findings = []
+    limit = _limit(slo, "ttft")
+    # across configurations at the same offered load
+    for i, (name_a, runs_a, _) in enumerate(grouped):
+        for name_b, runs_b, _ in grouped[i + 1:]:
+            for a in runs_a:
+                for b in (r for r in runs_b if _point(r) == _point(a)):
+                    for base, other, base_name, other_name in ((a, b, name_a, name_b),
+                                                               (b, a, name_b, name_a)):
+                        finding = _config_tradeoff(base, other, base_name, other_name)
+                        if finding:
+                            findings.append(finding)
+    # along one sweep: past the knee throughput barely moves while p95 explodes
+    for name, runs, _ in grouped:
+        for low, high in zip(runs, runs[1:]):
+            if not (low["request_throughput"] and low["p95_ttft_ms"] and high["p95_ttft_ms"]):
+                continue
+            gain = high["request_throughput"] / low["request_throughput"] - 1
+            blowup = high["p95_ttft_ms"] / low["p95_ttft_ms"]
+            if 0 < gain < SATURATED_GAIN and blowup >= P95_BLOWUP \
+                    and high["p95_ttft_ms"] / 1000 > limit:
+                running = low.get("num_requests_running_peak")
+                cap = f" (running peaked at {running:g} there)" if running is not None else ""
+                findings.append(Finding(
+                    "throughput_up_p95_worse", "Throughput up, but p95 worse", name,
+                    f"from {run_label(low)} to {run_label(high)} completed req/s rose only "
+                    f"{gain:.0%} ({low['request_throughput']:.2f} -> "
+                    f"{high['request_throughput']:.2f}) while p95 TTFT grew {blowup:.1f}x "
+                    f"({low['p95_ttft_ms'] / 1000:.2f} -> {high['p95_ttft_ms'] / 1000:.2f} s, "
+                    f"limit {limit:g} s): the server admits more concurrent work than the "
+                    f"interactive target allows. Cap admission near the lower load's level{cap}, "
+                    "or add a queue timeout / separate pool, and retest at the same load.",
+                    "--max-num-queued-reqs (cap the queue; or --queue-timeout)",
+                    {"low": _point(low), "high": _point(high), "throughput_gain": gain,
+                     "p95_ttft_ratio": blowup}))
+    return findings
+
+
+def _config_tradeoff(a: dict[str, Any], b: dict[str, Any], name_a: str,
+                     name_b: str) -> Finding | None:
+    """b beats a on throughput but loses on p95 latency at the same offered load."""
+    if not a["request_throughput"] or b["request_throughput"] < (1 + THROUGHPUT_GAIN) * \
+            a["request_throughput"]:
+        return None
+    worse = [(key, label) for key, label in (("p95_ttft_ms", "p95 TTFT"),
+                                             ("p95_e2el_ms", "p95 E2E"))
+             if a[key] and b[key] and b[key] >= (1 + P95_LOSS) * a[key]]
+    if not worse:
+        return None
+    latency = ", ".join(f"{label} {a[key] / 1000:.2f} -> {b[key] / 1000:.2f} s"
+                        for key, label in worse)
+    return Finding(
+        "throughput_up_p95_worse", "Throughput up, but p95 worse", f"{name_a} vs {name_b}",
+        f"at {run_label(a)}, {name_b} completes {b['request_throughput']:.2f} req/s against "
+        f"{name_a}'s {a['request_throughput']:.2f} (+"
+        f"{b['request_throughput'] / a['request_throughput'] - 1:.0%}) but {latency}: it accepts "
+        "more concurrent work than an interactive target allows. Limit admission (or a queue "
+        "timeout / separate pool) and retest at the same offered load.",
+        "--max-num-seqs (lower, on the faster configuration)",
+        {"point": _point(a), "throughput": [a["request_throughput"], b["request_throughput"]],
+         **{key: [a[key], b[key]] for key, _ in worse}})
+
+
+def _point(run: dict[str, Any]) -> tuple[Any, Any]:
+    return run["request_rate"], run.get("max_concurrency")
+
+
+def _limit(slo: Slo | None, metric: str) -> float:
+    if slo:
+        for m, _, limit in slo.limits:
+            if m == metric:
+                return limit
+    return DEFAULT_TTFT_LIMIT_S
+
+
+RUN_RULES = (waiting_with_memory_free, ttft_long_prompts, preemptions_or_oom,
+             upstream_bottleneck)
+
+
+def diagnose(obj: dict[str, Any], slo: Slo | None = None) -> list[Finding]:
+    """All findings for a run, sweep or compare result (an SLO sharpens the latency rules;
+    by default the run's own SLO is used)."""
+    grouped = groups(obj)
+    if slo is None:
+        text = next((r["slo"] for _, runs, _ in grouped for r in runs if r.get("slo")), None)
+        slo = Slo.parse(text) if text else None
+    findings = [f for _, runs, flags in grouped for run in runs
+                for rule in RUN_RULES for f in rule(run, flags, slo)]
+    return findings + throughput_up_p95_worse(grouped, slo)

@@ -1,0 +1,195 @@
+"""`loom diagnose`: each of the seed's rules fires on a crafted result that shows its pattern,
+and none fires on a healthy one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loom.bench.client import OK, RequestResult
+from loom.bench.diagnose import diagnose
+from loom.bench.results import (
+    client_figures,
+    load_result,
+    per_class,
+    request_figures,
+    save_json,
+    server_figures,
+)
+from loom.bench.scrape import Histogram, Snapshot
+from loom.entrypoints.cli import main
+
+pytestmark = pytest.mark.unit
+
+
+def _requests(n: int = 20, short_ttft: float = 0.1, long_ttft: float = 0.3,
+              lag: float = 0.0) -> list[RequestResult]:
+    """Alternating short (30-token) and long (800-token) prompts, 20 output tokens each."""
+    out = []
+    for i in range(n):
+        long = i % 2 == 1
+        ttft = long_ttft if long else short_ttft
+        out.append(RequestResult(
+            id=str(i), cls="long" if long else "chat", prompt_len=800 if long else 30,
+            max_tokens=20, scheduled_s=0.5 * i, start_s=0.5 * i + lag, status=OK,
+            ttft_s=ttft, e2e_s=ttft + 19 * 0.05, itls_s=[0.05] * 19, output_tokens=20))
+    return out
+
+
+def _timeline(running: list[float], waiting: float = 0.0, kv: float = 0.3,
+              in_flight: list[float] | None = None) -> list[dict]:
+    in_flight = in_flight or [r + waiting for r in running]
+    return [{"t": float(i), "running": r, "waiting": waiting, "kv_usage": kv,
+             "client_in_flight": f, "preemptions": 0} for i, (r, f) in
+            enumerate(zip(running, in_flight))]
+
+
+def make_run(requests: list[RequestResult] | None = None, timeline: list[dict] | None = None,
+             rate: float | str = 2.0, preemptions: int = 0, server_ttft_s: float | None = None,
+             label: str = "run", **overrides) -> dict:
+    """A run result as `loom bench run` writes it; healthy unless told otherwise."""
+    requests = requests if requests is not None else _requests()
+    timeline = timeline if timeline is not None else _timeline([1, 2, 3, 2, 1])
+    duration = 10.0
+    after = Snapshot(counters={"preemptions": preemptions}, source="loom")
+    if server_ttft_s is not None:
+        after.histograms["ttft"] = Histogram({server_ttft_s: 20, float("inf"): 20},
+                                             20 * server_ttft_s, 20)
+    run = {"kind": "run", "label": label, "request_rate": rate, "max_concurrency": None,
+           "offered_rate": 2.0, "duration": duration, "server": {}, "slo": None,
+           "errors": [], "timeline": timeline, "requests": [r.to_json() for r in requests],
+           "trace": {"sha256": "0" * 64}}
+    run.update(request_figures(requests, duration, None))
+    run.update(server_figures(None, after, timeline))
+    run["client"] = client_figures(requests, timeline)
+    run["per_class"] = per_class(requests, duration, None)
+    run.update(overrides)
+    return run
+
+
+def sweep_of(*runs: dict, label: str = "cfg", flags: str = "") -> dict:
+    return {"kind": "sweep", "label": label, "runs": list(runs), "config": {"flags": flags}}
+
+
+def rules(obj: dict) -> list[str]:
+    return [f.rule for f in diagnose(obj)]
+
+
+def test_healthy_run_and_sweep_are_quiet(tmp_path) -> None:
+    assert rules(make_run()) == []
+    healthy_sweep = sweep_of(make_run(rate=1.0, label="@1"), make_run(rate=2.0, label="@2"))
+    assert rules(healthy_sweep) == []
+    path = tmp_path / "run.json"
+    save_json(make_run(), path)
+    assert main(["diagnose", str(path), "--json"]) == 0
+
+
+def test_waiting_at_the_sequence_cap_with_free_memory() -> None:
+    run = make_run(timeline=_timeline([4, 4, 4, 4, 4], waiting=3, kv=0.35),
+                   server={"cmdline": ["loom", "serve", "--max-num-seqs", "4"]})
+    (finding,) = diagnose(run)
+    assert finding.rule == "waiting_memory_free"
+    assert finding.setting.startswith("--max-num-seqs")
+    assert "waiting averaged 3.0" in finding.message and "35%" in finding.message
+    assert "max_num_seqs 4" in finding.message
+
+
+def test_waiting_below_any_cap_points_at_the_token_budget() -> None:
+    run = make_run(timeline=_timeline([1, 3, 2, 5, 2], waiting=2, kv=0.2))
+    (finding,) = diagnose(run)
+    assert finding.rule == "waiting_memory_free"
+    assert finding.setting == "--max-num-batched-tokens"
+
+
+def test_rejections_with_free_memory_point_at_admission() -> None:
+    requests = _requests()
+    for r in requests[:5]:
+        r.status, r.http_status, r.ttft_s, r.e2e_s = "rejected", 503, None, None
+    (finding,) = diagnose(make_run(requests))
+    assert finding.rule == "waiting_memory_free"
+    assert "5 of 20 requests got 503" in finding.message
+    assert finding.setting.startswith("--max-num-queued-reqs")
+
+
+def test_client_side_concurrency_holds_requests() -> None:
+    run = make_run(_requests(lag=1.2), max_concurrency=2)
+    (finding,) = diagnose(run)
+    assert finding.rule == "client_concurrency"
+    assert "p95 send lag 1.20 s" in finding.message
+    assert "--max-concurrency" in finding.setting
+
+
+def test_ttft_rises_with_long_prompts() -> None:
+    run = make_run(_requests(short_ttft=0.2, long_ttft=3.5))
+    (finding,) = diagnose(run)
+    assert finding.rule == "ttft_long_prompts"
+    assert finding.setting == "--max-num-batched-tokens"
+    assert "p95 3.50 s" in finding.message and "p95 0.20 s" in finding.message
+    no_chunking = make_run(_requests(short_ttft=0.2, long_ttft=3.5),
+                           server={"cmdline": ["serve", "--no-enable-chunked-prefill"]})
+    assert diagnose(no_chunking)[0].setting == "--enable-chunked-prefill"
+
+
+def test_long_prompts_within_the_limit_are_fine() -> None:
+    assert rules(make_run(_requests(short_ttft=0.1, long_ttft=0.9))) == []
+
+
+def test_throughput_up_p95_worse_along_a_sweep() -> None:
+    low = make_run(rate=2.0, label="@2")
+    high = make_run(_requests(short_ttft=6.0, long_ttft=6.0), rate=4.0, label="@4",
+                    request_throughput=low["request_throughput"] * 1.05)
+    findings = [f for f in diagnose(sweep_of(low, high)) if f.rule == "throughput_up_p95_worse"]
+    assert len(findings) == 1
+    assert "rose only 5%" in findings[0].message and "p95 TTFT grew" in findings[0].message
+
+
+def test_throughput_up_p95_worse_between_configurations(tmp_path) -> None:
+    base = make_run(rate=2.0, label="a @2")
+    eager = make_run(_requests(short_ttft=0.2, long_ttft=0.6), rate=2.0, label="b @2",
+                     request_throughput=base["request_throughput"] * 1.2)
+    save_json(sweep_of(base, label="a"), tmp_path / "a.json")
+    save_json(sweep_of(eager, label="b"), tmp_path / "b.json")
+    save_json({"kind": "compare", "configs": [{"name": "a", "file": "a.json"},
+                                              {"name": "b", "file": "b.json"}]},
+              tmp_path / "compare.json")
+    findings = diagnose(load_result(tmp_path))  # a compare directory
+    assert [f.rule for f in findings] == ["throughput_up_p95_worse"]
+    assert findings[0].run == "a vs b" and "+20%" in findings[0].message
+
+
+def test_preemptions_and_oom() -> None:
+    (finding,) = diagnose(make_run(preemptions=6))
+    assert finding.rule == "preemptions_kv_pressure"
+    assert "6 preemptions for 20 requests" in finding.message
+    assert finding.setting == "--kv-cache-memory"
+    oom = make_run(errors=["stream error: CUDA out of memory"])
+    assert rules(oom) == ["preemptions_kv_pressure"]
+
+
+def test_requests_in_flight_that_the_engine_never_sees() -> None:
+    run = make_run(timeline=_timeline([1, 1, 1, 1], in_flight=[6, 7, 6, 7]))
+    (finding,) = diagnose(run)
+    assert finding.rule == "upstream_bottleneck"
+    assert "6.5 requests in flight" in finding.message
+    assert finding.setting.startswith("--num-threads")
+
+
+def test_ttft_spent_outside_the_engine() -> None:
+    (finding,) = diagnose(make_run(server_ttft_s=0.01))
+    assert finding.rule == "upstream_bottleneck"
+    assert "inside the engine" in finding.message
+
+
+def test_late_load_generator() -> None:
+    (finding,) = diagnose(make_run(_requests(lag=0.8)))
+    assert finding.rule == "upstream_bottleneck"
+    assert finding.setting.startswith("the load generator")
+
+
+def test_cli_prints_findings_as_json(tmp_path, capsys) -> None:
+    path = tmp_path / "run.json"
+    save_json(make_run(preemptions=6), path)
+    assert main(["diagnose", str(path), "--json"]) == 0
+    (finding,) = json.loads(capsys.readouterr().out)
+    assert finding["rule"] == "preemptions_kv_pressure" and finding["evidence"]["preemptions"] == 6
