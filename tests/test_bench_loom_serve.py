@@ -1,0 +1,42 @@
+"""`loom bench run` against a real `loom serve` (bundled model, 6 tiny requests)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from loom.bench.replay import Load, Target, replay
+from loom.bench.server import LOOM_SERVE, LocalServer
+from loom.bench.trace import load_trace
+
+pytestmark = pytest.mark.integration
+
+
+def test_bench_run_against_loom_serve(tmp_path) -> None:
+    trace_path = tmp_path / "t.jsonl"
+    prompts = ["Hello, how are you?", "Name a colour.", "What is 2 + 2?"] * 2
+    trace_path.write_text("".join(
+        json.dumps({"prompt": p, "max_tokens": 4, "class": "chat" if i % 2 else "rag"}) + "\n"
+        for i, p in enumerate(prompts)))
+    server = LocalServer(LOOM_SERVE, "--kv-cache-memory 128MiB --max-num-seqs 4",
+                         tmp_path / "serve.log", health_timeout_s=180)
+    try:
+        with server:
+            result = asyncio.run(replay(load_trace(trace_path), Load(max_concurrency=3),
+                                        Target(server.url, server_pid=server.pid,
+                                               scrape_interval_s=0.5), progress=False))
+    except ChildProcessError:  # it never became healthy
+        log = server.log_path.read_text(errors="replace")
+        if "NotImplementedError" in log or "ModelLoadError" in log:
+            pytest.skip(f"loom serve is not available here: {log.strip().splitlines()[-1]}")
+        raise
+    assert (result["completed"], result["failed"]) == (6, 0), result["errors"]
+    assert result["total_output_tokens"] == 24  # ignore_eos: exactly max_tokens each
+    assert result["model_id"] and result["server"]["version"]["version"]
+    assert result["metrics_source"] == "loom"
+    assert result["queue_time"]["count"] == 6 and result["preemptions"] == 0
+    assert result["num_requests_running_peak"] <= 3
+    assert result["server_memory"]["peak_rss_bytes"] > 100 * 2**20
+    assert set(result["per_class"]) == {"chat", "rag"}
