@@ -227,6 +227,29 @@ def test_hf_folder_tokenizer_post_processor_bos_like_transformers(tmp_path, hf_f
 
 
 @pytest.mark.integration
+def test_chat_template_environment_like_transformers(tmp_path, hf_folder):
+    """Templates may use {% break %}, tojson (transformers' keeps non-ASCII and '<'),
+    strftime_now and raise_exception; loom renders them as transformers does."""
+    from transformers import AutoTokenizer
+
+    folder = copy_folder(hf_folder, tmp_path / "template")
+    template = ("{%- for m in messages %}{% if m['role'] == 'stop' %}{% break %}{% endif %}"
+                "{{ m['role'] }}: {{ m['content'] | tojson }}\n{% endfor %}"
+                "{% if strftime_now is defined %}dated{% endif %}"
+                "{% if messages | length > 3 %}{{ raise_exception('too many') }}{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "chat_template": template}))
+    messages = [{"role": "user", "content": "<b>café</b> & \"x\""},
+                {"role": "stop", "content": ""}, {"role": "user", "content": "unseen"}]
+    ours = load_model(str(folder)).tokenizer.apply_chat_template(messages, False)
+    theirs = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(messages,
+                                                                           tokenize=False)
+    assert ours == theirs == 'user: "<b>café</b> & \\"x\\""\ndated'
+    with pytest.raises(ValueError, match="too many"):
+        load_model(str(folder)).tokenizer.apply_chat_template(messages * 2)
+
+
+@pytest.mark.integration
 def test_gguf_tokenizer_equals_hf_folder_tokenizer(hf_folder, gguf_file):
     """The same byte-level BPE rebuilt from GGUF tokens/merges/token types ('gpt2' pre-tokenizer
     = plain byte-level, as the tiny tokenizer was trained) encodes every string identically,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import jinja2.sandbox
@@ -86,12 +88,22 @@ class Tokenizer:
                             add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # The environment transformers renders chat templates in: loop controls ({% break %}),
+        # a tojson that keeps non-ASCII and '<' as they are, strftime_now, raise_exception.
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
 
         def raise_exception(message: str) -> None:
             raise ValueError(f"chat template: {message}")
 
+        def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+                   separators: Any = None, sort_keys: bool = False) -> str:
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
+
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = tojson
         template = env.from_string(self.chat_template)
         special = lambda i: self.backend.id_to_token(i) if i is not None else ""  # noqa: E731
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
