@@ -136,9 +136,9 @@ def test_cli_run_writes_vllm_compatible_json(fake_url: str, tmp_path) -> None:
 
 def test_sweep_stops_at_the_limit(busy_url: str) -> None:
     result = asyncio.run(sweep(_trace(4, max_tokens=4), Load(), Target(busy_url), Limits(),
-                               rates=[0.5, math.inf, 100.0], progress=False))
-    assert [r["request_rate"] for r in result["runs"]] == [0.5, "inf"]  # 100/s never ran
-    assert result["knee_rate"] == 0.5
+                               rates=[2.0, math.inf, 100.0], progress=False))
+    assert [r["request_rate"] for r in result["runs"]] == [2.0, "inf"]  # 100/s never ran
+    assert result["knee_rate"] == 2.0
     assert "error rate" in result["runs"][1]["limits_crossed"][0]
 
 

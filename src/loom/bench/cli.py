@@ -42,6 +42,15 @@ def _range(text: str) -> tuple[float, float]:
     return float(low), float(high or low)
 
 
+class _ShowDefaults(argparse.HelpFormatter):
+    """Help that states an option's default where it has a real one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
+            return action.help
+        return action.help + " (default: %(default)s)"
+
+
 # -- shared option groups (argparse parents) -------------------------------------------------
 
 def _common_parent() -> argparse.ArgumentParser:
@@ -66,8 +75,6 @@ def _replay_parent() -> argparse.ArgumentParser:
                    help="requests in flight at most; alone (rate inf): closed loop of N users")
     p.add_argument("--duration", type=float, default=None,
                    help="seconds to keep sending (cycling the trace); in-flight ones finish")
-    p.add_argument("--model", default=None, help="model name to request (default: the first "
-                                                 "of the server's /v1/models)")
     p.add_argument("--scrape-interval", type=float, default=Target.scrape_interval_s,
                    help="seconds between /metrics samples for the timeline")
     p.add_argument("--request-timeout", type=float, default=Target.request_timeout_s,
@@ -81,6 +88,8 @@ def _target_parent() -> argparse.ArgumentParser:
                    help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
     p.add_argument("--server-pid", type=int, default=None,
                    help="pid of a local server, to record its peak memory and command line")
+    p.add_argument("--model", default=None, help="model name to request (default: the first "
+                                                 "of the server's /v1/models)")
     return p
 
 
@@ -134,12 +143,13 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                                        "OpenAI-compatible server; sweep the offered load; "
                                        "compare configurations.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    shown = {"formatter_class": _ShowDefaults}
 
-    p = bench_sub.add_parser("trace", parents=[common], help="generate or import a trace")
+    p = bench_sub.add_parser("trace", **shown, parents=[common], help="generate or import a trace")
     _trace_args(p)
     p.set_defaults(func=_trace)
 
-    p = bench_sub.add_parser("run", parents=[target, replay, common, report],
+    p = bench_sub.add_parser("run", **shown, parents=[target, replay, common, report],
                              help="replay a trace once at one offered load")
     p.add_argument("--rate", type=_rate, default=None,
                    help="offered req/s, 'inf' (all at once) or 'trace' (arrival_s as recorded)")
@@ -147,13 +157,13 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="write the result JSON here")
     p.set_defaults(func=_run)
 
-    p = bench_sub.add_parser("sweep", parents=[target, replay, common, sweep, report],
+    p = bench_sub.add_parser("sweep", **shown, parents=[target, replay, common, sweep, report],
                              help="replay a trace at rising offered load")
     p.add_argument("--label", default=None, help="name of the configuration swept")
     p.add_argument("--out", default=None, help="write the sweep JSON here")
     p.set_defaults(func=_sweep)
 
-    p = bench_sub.add_parser("compare", parents=[replay, common, sweep, report],
+    p = bench_sub.add_parser("compare", **shown, parents=[replay, common, sweep, report],
                              help="start a server per configuration and sweep each")
     p.add_argument("--output-dir", required=True, help="where results, scorecard, plots go")
     p.add_argument("--config", action="append", default=None, metavar="NAME='FLAGS'",
@@ -168,14 +178,14 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                    help="seconds to wait for a server's /health")
     p.set_defaults(func=_compare)
 
-    p = bench_sub.add_parser("scorecard", parents=[report],
+    p = bench_sub.add_parser("scorecard", **shown, parents=[report],
                              help="scorecard (and plots) of result files")
     p.add_argument("results", nargs="+", help="run/sweep JSONs or compare directories")
     p.add_argument("--markdown", default=None, help="also write the scorecard as Markdown")
     p.add_argument("--plots", default=None, help="also write the plots into this directory")
     p.set_defaults(func=_scorecard)
 
-    p = sub.add_parser("diagnose", parents=[_slo_parent()],
+    p = sub.add_parser("diagnose", parents=[_slo_parent()], **shown,
                        help="explain a disappointing bench result")
     p.add_argument("result", help="run or sweep JSON, or a compare directory")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
@@ -319,9 +329,6 @@ def _compare(args: argparse.Namespace) -> int:
     from loom.bench.scorecard import print_scorecard
     from loom.bench.server import LOOM_SERVE
 
-    if args.model is not None:
-        raise ValueError("compare starts its own servers and asks each for its model; "
-                         "drop --model")
     configs = [parse_config(c) for c in args.config] if args.config else DEFAULT_CONFIGS
     if len({name for name, _ in configs}) != len(configs):
         raise ValueError("configuration names must differ")

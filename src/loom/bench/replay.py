@@ -27,7 +27,7 @@ from loom.bench.arrivals import TRACE_RATE, schedule
 from loom.bench.client import RequestResult, send
 from loom.bench.scrape import Snapshot, parse_metrics
 from loom.bench.sysinfo import hardware, process_memory
-from loom.bench.trace import Trace
+from loom.bench.trace import Trace, TraceRequest
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,7 @@ def model_name(target: Target, server: dict[str, Any]) -> str:
 
 
 async def scrape(client: httpx.AsyncClient, target: Target) -> Snapshot | None:
+    """The server's /metrics now; None when it has none in a dialect scrape.py knows."""
     try:
         response = await client.get(target.root + "/metrics", timeout=10)
     except httpx.HTTPError:
@@ -120,11 +121,12 @@ async def scrape(client: httpx.AsyncClient, target: Target) -> Snapshot | None:
 class _Monitor:
     """Samples /metrics, the client's in-flight count and server memory every interval."""
 
-    def __init__(self, client: httpx.AsyncClient, target: Target, start: float) -> None:
-        self.client, self.target, self.start = client, target, start
+    def __init__(self, client: httpx.AsyncClient, target: Target, has_metrics: bool) -> None:
+        self.client, self.target = client, target
+        self.start = time.perf_counter()  # reset when sending starts
         self.timeline: list[dict[str, Any]] = []
         self.in_flight = 0
-        self.has_metrics = True
+        self.has_metrics = has_metrics
         self.memory_peak: dict[str, int] | None = None
         self._stop = asyncio.Event()
 
@@ -133,8 +135,7 @@ class _Monitor:
                                  "client_in_flight": self.in_flight}
         if self.has_metrics:
             snap = await scrape(self.client, self.target)
-            self.has_metrics = snap is not None
-            if snap:
+            if snap:  # a scrape that fails mid-run (server too busy) leaves a gap
                 entry.update(snap.gauges)
                 entry["preemptions"] = snap.counters.get("preemptions")
         if self.target.server_pid:
@@ -157,10 +158,10 @@ class _Monitor:
         self._stop.set()
 
 
-def _progress(label: str, total: int | None, enabled: bool) -> Progress:
+def _progress(enabled: bool) -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[counts]}"), TimeElapsedColumn(),
-                    console=Console(stderr=True), disable=not enabled, transient=False)
+                    console=Console(stderr=True), disable=not enabled)
 
 
 async def replay(trace: Trace, load: Load, target: Target, slo: R.Slo | None = None,
@@ -175,66 +176,75 @@ async def replay(trace: Trace, load: Load, target: Target, slo: R.Slo | None = N
         server = await probe_server(client, target)
         model = model_name(target, server)
         before = await scrape(client, target)
-        url = target.root + "/v1/completions"
-        sem = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
-        cycle = load.duration_s is not None or (load.num_requests or 0) > len(trace.requests)
-        total = load.num_requests if load.num_requests else (
-            None if load.duration_s else len(trace.requests))
-        counts = dict.fromkeys(("ok", "rejected", "error", "cancelled"), 0)
-        sent: list[RequestResult] = []
-        tasks: list[asyncio.Task] = []
         date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        monitor = _Monitor(client, target, has_metrics=before is not None)
         # A full garbage collection over a large heap (a process that imported torch) stalls
         # the event loop for a few hundred ms and inflates every timestamp taken meanwhile;
         # freezing what exists now keeps the collector to the run's own objects.
         gc.collect()
         gc.freeze()
-        start = time.perf_counter()
-        monitor = _Monitor(client, target, start)
-        monitor_task = asyncio.create_task(monitor.loop())
-        with _progress(label or "replay", total, progress) as bar:
-            task_id = bar.add_task(label or "replay", total=total, counts="")
-
-            async def one(request: Any, result: RequestResult) -> None:
-                try:
-                    await send(client, url, request, model, result, start)
-                finally:
-                    monitor.in_flight -= 1
-                    if sem:
-                        sem.release()
-                counts[result.status] += 1
-                bar.update(task_id, advance=1, counts=" ".join(
-                    f"{k} {v}" for k, v in counts.items() if v))
-
-            for offset, request in schedule(trace.requests, load.rate, load.burstiness,
-                                            load.seed, cycle):
-                if load.num_requests is not None and len(sent) >= load.num_requests:
-                    break
-                if load.duration_s is not None and offset >= load.duration_s:
-                    break
-                delay = start + offset - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if sem:
-                    await sem.acquire()
-                    if load.duration_s and time.perf_counter() - start >= load.duration_s:
-                        sem.release()
-                        break
-                result = RequestResult(id=request.id, cls=request.cls,
-                                       prompt_len=request.prompt_len,
-                                       max_tokens=request.max_tokens, scheduled_s=offset)
-                sent.append(result)
-                monitor.in_flight += 1
-                tasks.append(asyncio.create_task(one(request, result)))
-            await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        gc.unfreeze()
-        monitor.stop()
-        await monitor_task
+        try:
+            sent, duration = await _send_all(client, trace, load, target.root + "/v1/completions",
+                                             model, monitor, label or "replay", progress)
+        finally:
+            gc.unfreeze()
         await monitor.sample()  # the state right after the last request
         after = await scrape(client, target)
     return build_result(sent, duration, monitor, before, after, server, model, trace, load,
                         target, slo, label, date)
+
+
+async def _send_all(client: httpx.AsyncClient, trace: Trace, load: Load, url: str, model: str,
+                    monitor: _Monitor, label: str,
+                    progress: bool) -> tuple[list[RequestResult], float]:
+    """Send the trace on the load's schedule and wait for every request to end; returns the
+    results in send order and the run's duration (first send to last response)."""
+    sem = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
+    cycle = load.duration_s is not None or (load.num_requests or 0) > len(trace.requests)
+    total = load.num_requests or (None if load.duration_s else len(trace.requests))
+    counts = dict.fromkeys(("ok", "rejected", "error", "cancelled"), 0)
+    sent: list[RequestResult] = []
+    tasks: list[asyncio.Task] = []
+    start = monitor.start = time.perf_counter()
+    monitor_task = asyncio.create_task(monitor.loop())
+    with _progress(progress) as bar:
+        task_id = bar.add_task(label, total=total, counts="")
+
+        async def one(request: TraceRequest, result: RequestResult) -> None:
+            try:
+                await send(client, url, request, model, result, start)
+            finally:
+                monitor.in_flight -= 1
+                if sem:
+                    sem.release()
+            counts[result.status] += 1
+            bar.update(task_id, advance=1,
+                       counts=" ".join(f"{k} {v}" for k, v in counts.items() if v))
+
+        for offset, request in schedule(trace.requests, load.rate, load.burstiness, load.seed,
+                                        cycle):
+            if load.num_requests is not None and len(sent) >= load.num_requests:
+                break
+            if load.duration_s is not None and offset >= load.duration_s:
+                break
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem:
+                await sem.acquire()
+                if load.duration_s and time.perf_counter() - start >= load.duration_s:
+                    sem.release()
+                    break
+            result = RequestResult(id=request.id, cls=request.cls, prompt_len=request.prompt_len,
+                                   max_tokens=request.max_tokens, scheduled_s=offset)
+            sent.append(result)
+            monitor.in_flight += 1
+            tasks.append(asyncio.create_task(one(request, result)))
+        await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    monitor.stop()
+    await monitor_task
+    return sent, duration
 
 
 def build_result(sent: list[RequestResult], duration: float, monitor: _Monitor,

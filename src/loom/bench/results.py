@@ -209,8 +209,12 @@ def run_label(run: dict[str, Any]) -> str:
     """A run's name in tables and findings: its label, else its offered load."""
     if run.get("label"):
         return run["label"]
-    rate = run["request_rate"]
-    return f"x{run['max_concurrency']}" if rate == "inf" else f"@{rate}/s"
+    rate, users = run["request_rate"], run.get("max_concurrency")
+    if rate == "trace":
+        return "trace arrivals"
+    if rate == "inf":
+        return f"x{users}" if users else "all at once"
+    return f"@{rate:g}/s"
 
 
 def requests_of(run: dict[str, Any]) -> list[RequestResult]:

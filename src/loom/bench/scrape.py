@@ -96,7 +96,8 @@ def parse_metrics(text: str) -> Snapshot:
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            samples.setdefault(s.name, []).append((s.labels, s.value))
+            if not math.isnan(s.value):  # NaN gauges exist; results are strict JSON
+                samples.setdefault(s.name, []).append((s.labels, s.value))
     snap = Snapshot()
 
     def first(names: tuple[str, ...]) -> str | None:
