@@ -13,8 +13,14 @@ import logging
 import math
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from loom.bench.replay import Load, Target
+
+if TYPE_CHECKING:
+    from loom.bench.results import Slo
+    from loom.bench.sweep import Limits
+    from loom.bench.trace import Trace
 
 _MIX = "chat=0.6,long=0.15,rag=0.25"
 _DEFAULT_TRACE_SIZE = 500
@@ -245,7 +251,7 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_trace(args: argparse.Namespace):
+def _load_trace(args: argparse.Namespace) -> Trace:
     """The trace, with prompts synthesised for records that give only prompt_len."""
     from loom.bench.trace import fill_prompts, load_trace
 
@@ -267,7 +273,7 @@ def _quiet_http_log() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def _slo(args: argparse.Namespace):
+def _slo(args: argparse.Namespace) -> Slo | None:
     from loom.bench.results import Slo
 
     return Slo.parse(args.slo) if args.slo else None
@@ -292,14 +298,14 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sweep_points(args: argparse.Namespace) -> dict:
+def _sweep_points(args: argparse.Namespace) -> dict[str, Any]:
     from loom.bench.sweep import AutoSearch
 
     auto = AutoSearch(args.start_rate, args.max_rate, args.bisect_steps) if args.auto else None
     return {"rates": args.rates, "concurrencies": args.overlap, "auto": auto}
 
 
-def _limits(args: argparse.Namespace):
+def _limits(args: argparse.Namespace) -> Limits:
     from loom.bench.sweep import Limits
 
     return Limits(args.max_p95_queue, args.max_error_rate)

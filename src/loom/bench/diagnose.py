@@ -27,7 +27,7 @@ from loom.bench.results import Slo, groups, requests_of, run_label
 # Thresholds: deliberately coarse, so that a healthy run stays quiet.
 WAITING_MEAN = 1.0          # requests waiting on average over the run ...
 KV_FREE = 0.8               # ... while KV cache usage never passed this fraction
-REJECTED_SHARE = 0.01      # 503s per request sent that mean admission turned work away
+REJECTED_SHARE = 0.01       # 503s per request sent that mean admission turned work away
 SEND_LAG_S = 0.25           # p95 lateness of sends that means the client held requests back
 LONG_PROMPT_RATIO = 4.0     # long prompts are >= this many times the short ones ...
 TTFT_RATIO = 3.0            # ... and their p95 TTFT this many times the short ones'
@@ -109,7 +109,7 @@ def waiting_with_memory_free(run: dict[str, Any], flags: str, slo: Slo | None) -
             "waiting_memory_free", "Requests refused while memory is free", run_label(run),
             f"{rejected} of {run['num_prompts']} requests got 503/429 while KV cache usage "
             f"peaked at {kv:.0%}: the admission limit, not memory, turned them away.",
-            "--max-num-queued-reqs (raise; vLLM: --max-num-queued-reqs)",
+            "--max-num-queued-reqs (raise it)",
             {"rejected": rejected, "num_prompts": run["num_prompts"], "kv_cache_usage_peak": kv}))
     elif memory_free and waiting is not None and waiting >= WAITING_MEAN:
         running_peak = run.get("num_requests_running_peak")
