@@ -285,8 +285,7 @@ def step_logits(runner: ModelRunner, chunks: list[Chunk]) -> dict[str, torch.Ten
     decode masks) and paged KV cache; return every fed token's logits, per request."""
     items = [ScheduledRequest(c.request_id, c.tokens, c.start, c.block_ids,
                               SamplingParams(temperature=0), True, c.tokens) for c in chunks]
-    items.sort(key=lambda s: len(s.token_ids) != 1)  # decodes first, as ModelRunner.execute does
-    input_ids, positions, meta = runner._prepare(items)
+    items, input_ids, positions, meta = runner._prepare(items)
     with torch.inference_mode():
         hidden = runner.model.forward(input_ids, positions, runner.kv_caches, meta)
         logits = runner.model.compute_logits(hidden).float()

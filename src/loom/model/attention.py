@@ -1,8 +1,10 @@
 """Paged attention: K/V live in fixed-size blocks addressed through per-request block tables.
 
 This is the torch reference used on CPU (and as a fallback elsewhere). Requests with a single
-query token (decodes) are batched into one SDPA call over their gathered contexts; prefill
-chunks run one SDPA call each, causal within the chunk and over the cached context before it.
+query token (decodes) are batched into SDPA calls over their gathered, padded contexts — one
+call per group of similar context lengths, so a short chat never pads out to a long
+document's length; prefill chunks run one SDPA call each, causal within the chunk and over the
+cached context before it.
 """
 
 from __future__ import annotations
@@ -22,13 +24,21 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Consecutive single-token queries whose contexts are gathered and padded together."""
+
+    query_start: int
+    num_queries: int
+    block_tables: torch.Tensor  # [num_queries, max_blocks], padded with block 0
+    mask: torch.Tensor  # [num_queries, 1, 1, max_blocks * block_size], True = attend
+
+
+@dataclass
 class AttentionMetadata:
     """Where each token's K/V goes and what each query attends to, for one step."""
 
     slot_mapping: torch.Tensor  # [num_tokens] flat slot (block * block_size + offset)
-    num_decodes: int  # the first num_decodes tokens are single-token requests
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
 
 
@@ -47,15 +57,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     out = torch.empty_like(q)
-    n = meta.num_decodes
-    if n:
-        group = num_heads // num_kv_heads
-        tables = meta.decode_block_tables
-        k_ctx = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [n, kv_heads, ctx, head_dim]
-        v_ctx = v_cache[tables].flatten(1, 2).transpose(1, 2)
-        q_dec = q[:n].view(n, num_kv_heads, group, head_dim)
-        out[:n] = F.scaled_dot_product_attention(
-            q_dec, k_ctx, v_ctx, attn_mask=meta.decode_mask).reshape(n, num_heads, head_dim)
+    group = num_heads // num_kv_heads
+    for dec in meta.decodes:
+        rows = slice(dec.query_start, dec.query_start + dec.num_queries)
+        n = dec.num_queries
+        # [n, blocks, block_size, kv_heads, D] -> contiguous [n, kv_heads, ctx, D]
+        k_ctx = k_cache[dec.block_tables].permute(0, 3, 1, 2, 4).reshape(n, num_kv_heads, -1,
+                                                                           head_dim)
+        v_ctx = v_cache[dec.block_tables].permute(0, 3, 1, 2, 4).reshape(n, num_kv_heads, -1,
+                                                                           head_dim)
+        q_dec = q[rows].view(n, num_kv_heads, group, head_dim)
+        out[rows] = F.scaled_dot_product_attention(
+            q_dec, k_ctx, v_ctx, attn_mask=dec.mask).reshape(n, num_heads, head_dim)
     for span in meta.prefills:
         rows = slice(span.query_start, span.query_start + span.query_len)
         q_span = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q, head_dim]

@@ -14,9 +14,11 @@ from loom.core.batch import (
     SchedulerOutput,
     TokenLogprob,
 )
-from loom.model.attention import AttentionMetadata, PrefillSpan
+from loom.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from loom.model.llama import LlamaModel
 from loom.sampling import Sampler
+
+_MAX_PADDING = 1.25  # padded KV a decode group may gather, relative to what it needs
 
 
 class ModelRunner:
@@ -40,9 +42,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
-        # Single-token requests first: their attention is one batched call.
-        items = sorted(batch.scheduled, key=lambda s: len(s.token_ids) != 1)
-        input_ids, positions, meta = self._prepare(items)
+        items, input_ids, positions, meta = self._prepare(batch.scheduled)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
 
         offsets, rows, row_of = 0, [], {}
@@ -92,15 +92,20 @@ class ModelRunner:
             self.generators[item.request_id] = torch.Generator(self.device).manual_seed(seed)
         return self.generators[item.request_id]
 
-    def _prepare(self, items: list[ScheduledRequest]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[
+            list[ScheduledRequest], torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flatten the step into token ids, positions and attention metadata. Returns the
+        requests in the order their tokens take in the flat batch: single-token requests
+        first, shortest context first, so their attention batches in groups of similar
+        length."""
+        items = sorted(scheduled, key=lambda s: (len(s.token_ids) != 1, s.start_position))
         bs = self.block_size
+        device = self.device
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         prefills: list[PrefillSpan] = []
         decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
         for item in items:
             start, n = item.start_position, len(item.token_ids)
             ids.extend(item.token_ids)
@@ -110,26 +115,40 @@ class ModelRunner:
             num_blocks = -(-(start + n) // bs)
             if n == 1:
                 decode_tables.append(item.block_ids[:num_blocks])
-                decode_lens.append(start + 1)
             else:
                 prefills.append(PrefillSpan(
                     query_start=len(ids) - n, query_len=n, context_len=start + n,
-                    block_ids=torch.tensor(item.block_ids[:num_blocks], device=self.device)))
-        device = self.device
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables],
-                              dtype=torch.long, device=device).view(len(decode_tables), max_blocks)
-        lens = torch.tensor(decode_lens, device=device)
-        mask = (torch.arange(max_blocks * bs, device=device).unsqueeze(0) < lens.unsqueeze(1))
+                    block_ids=torch.tensor(item.block_ids[:num_blocks], device=device)))
+        decode_lens = [item.start_position + 1 for item in items[:len(decode_tables)]]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            num_decodes=len(decode_tables),
-            decode_block_tables=tables,
-            decode_mask=mask.view(len(decode_tables), 1, 1, max_blocks * bs),
+            decodes=self._decode_groups(decode_tables, decode_lens),
             prefills=prefills,
         )
-        return (torch.tensor(ids, dtype=torch.long, device=device),
+        return (items, torch.tensor(ids, dtype=torch.long, device=device),
                 torch.tensor(positions, dtype=torch.long, device=device), meta)
+
+    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Split decodes (sorted by context length) wherever padding to the group's longest
+        context would waste more than a quarter of the gathered KV."""
+        bounds, start, total = [], 0, 0
+        for i, length in enumerate(lens):
+            if i > start and length * (i - start + 1) > _MAX_PADDING * (total + length):
+                bounds.append((start, i))
+                start, total = i, 0
+            total += length
+        if lens:
+            bounds.append((start, len(lens)))
+        groups = []
+        for lo, hi in bounds:
+            max_blocks = len(tables[hi - 1])
+            block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[lo:hi]],
+                                        dtype=torch.long, device=self.device)
+            ctx = torch.arange(max_blocks * self.block_size, device=self.device)
+            mask = ctx.unsqueeze(0) < torch.tensor(lens[lo:hi], device=self.device).unsqueeze(1)
+            groups.append(DecodeGroup(lo, hi - lo, block_tables,
+                                      mask.view(hi - lo, 1, 1, max_blocks * self.block_size)))
+        return groups
 
 
 def _logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
