@@ -5,12 +5,13 @@ at the same max_num_seqs, alternating A B A B so drift on a shared machine hits 
 reports medians: useful output tokens/s, mean completion time, and single-request decode
 tokens/s. Usage:
 
-    python benchmarks/continuous_vs_static.py --max-num-seqs 16 --rounds 2
+    python benchmarks/continuous_vs_static.py --max-num-seqs 8,16,32 --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -40,16 +41,9 @@ def single_decode_tok_s(llm: LLM, n: int = 128) -> float:
     return n / (time.monotonic() - start)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--num-requests", type=int, default=64)
-    args = parser.parse_args()
-
-    items = mixed_workload(bundled_tokenizer(), n=args.num_requests, seed=0)
-    common = dict(max_num_seqs=args.max_num_seqs, kv_cache_memory="3GiB",
+def compare(items: list, max_num_seqs: int, args: argparse.Namespace) -> dict[str, dict]:
+    """Medians per scheduler at one max_num_seqs, runs interleaved A B A B."""
+    common = dict(max_num_seqs=max_num_seqs, kv_cache_memory="1536MiB",
                   max_num_batched_tokens=args.max_num_batched_tokens)
     engines = {name: LLM(scheduler=name, **common) for name in ("continuous", "static")}
     for llm in engines.values():
@@ -59,22 +53,38 @@ def main() -> None:
         for name, llm in engines.items():
             llm.engine.kv_cache.pool.reset_prefix_cache()
             results[name].append(run_once(llm, items))
-            print(f"round {r + 1} {name}: {results[name][-1]}", flush=True)
-    decode = single_decode_tok_s(engines["continuous"])
+            print(f"max_num_seqs={max_num_seqs} round {r + 1} {name}: {results[name][-1]}",
+                  flush=True)
+    return {name: {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+            for name, runs in results.items()}
 
-    med = {name: {k: statistics.median(x[k] for x in runs) for k in runs[0]}
-           for name, runs in results.items()}
-    ratio = med["continuous"]["tok_s"] / med["static"]["tok_s"]
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--max-num-seqs", default="16",
+                        help="comma-separated values; each compares both schedulers")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--num-requests", type=int, default=64)
+    args = parser.parse_args()
+
+    items = mixed_workload(bundled_tokenizer(), n=args.num_requests, seed=0)
+    table = {int(m): compare(items, int(m), args) for m in args.max_num_seqs.split(",")}
+    decode = single_decode_tok_s(LLM(kv_cache_memory="256MiB"))
+
     print(f"\nhardware: {platform.processor() or platform.machine()}, "
-          f"{len(__import__('os').sched_getaffinity(0))} cores")
-    print(f"{args.num_requests} mixed requests, max_num_seqs={args.max_num_seqs}, "
+          f"{len(os.sched_getaffinity(0))} cores; {args.num_requests} mixed requests, "
           f"max_num_batched_tokens={args.max_num_batched_tokens}, medians of {args.rounds}")
-    print("| scheduler | useful output tok/s | mean completion time (s) | wall (s) |")
-    print("|---|---|---|---|")
-    for name, m in med.items():
-        print(f"| {name} | {m['tok_s']:.1f} | {m['mean_completion_s']:.2f} | {m['wall_s']:.1f} |")
-    print(f"\ncontinuous / static useful tok/s: {ratio:.2f}x")
-    print(f"single-request decode: {decode:.1f} tok/s")
+    print("| max_num_seqs | scheduler | useful output tok/s | mean completion (s) | wall (s) "
+          "| continuous / static |")
+    print("|---|---|---|---|---|---|")
+    for m, med in table.items():
+        ratio = med["continuous"]["tok_s"] / med["static"]["tok_s"]
+        for name, x in med.items():
+            shown = f"{ratio:.2f}x" if name == "continuous" else ""
+            print(f"| {m} | {name} | {x['tok_s']:.1f} | {x['mean_completion_s']:.2f} "
+                  f"| {x['wall_s']:.1f} | {shown} |")
+    print(f"\nsingle-request decode: {decode:.1f} tok/s")
 
 
 if __name__ == "__main__":

@@ -31,21 +31,23 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-def _help(text: str, **extra: Any) -> dict[str, Any]:
-    return {"help": text, **extra}
+def flag_help(text: str) -> dict[str, Any]:
+    """Field metadata that `add_cli_args` turns into the flag's help text."""
+    return {"help": text}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = field(default=None, metadata=_help(
+    model: str | None = field(default=None, metadata=flag_help(
         "GGUF file or Hugging Face folder; default: the bundled SmolLM2-135M-Instruct"))
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=_help(
-        "weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA"))
-    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=_help(
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        default="auto",
+        metadata=flag_help("weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA"))
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=flag_help(
         "auto = cuda when available, else cpu"))
-    max_model_len: int | None = field(default=None, metadata=_help(
+    max_model_len: int | None = field(default=None, metadata=flag_help(
         "longest prompt + output in tokens; default: the model's context length"))
-    num_threads: int | None = field(default=None, metadata=_help(
+    num_threads: int | None = field(default=None, metadata=flag_help(
         "CPU threads for torch; default: the cores this process may use"))
 
     def __post_init__(self) -> None:
@@ -57,13 +59,13 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = field(default=16, metadata=_help("tokens per KV cache block"))
-    num_kv_blocks: int | None = field(default=None, metadata=_help(
+    block_size: int = field(default=16, metadata=flag_help("tokens per KV cache block"))
+    num_kv_blocks: int | None = field(default=None, metadata=flag_help(
         "number of KV blocks (overrides --kv-cache-memory)"))
-    kv_cache_memory: str | None = field(default=None, metadata=_help(
+    kv_cache_memory: str | None = field(default=None, metadata=flag_help(
         "KV cache size, e.g. 2GiB; default: 25%% of available RAM (at most 4 GiB) on CPU, "
         "85%% of free GPU memory"))
-    enable_prefix_caching: bool = field(default=True, metadata=_help(
+    enable_prefix_caching: bool = field(default=True, metadata=flag_help(
         "reuse KV blocks of shared prompt prefixes"))
 
     def __post_init__(self) -> None:
@@ -77,14 +79,14 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = field(default=512, metadata=_help(
+    max_num_batched_tokens: int = field(default=512, metadata=flag_help(
         "token budget of one scheduler step (decodes + prefill chunks)"))
-    max_num_seqs: int = field(default=64, metadata=_help("sequences in one step at most"))
-    enable_chunked_prefill: bool = field(default=True, metadata=_help(
+    max_num_seqs: int = field(default=64, metadata=flag_help("sequences in one step at most"))
+    enable_chunked_prefill: bool = field(default=True, metadata=flag_help(
         "split prompts longer than the remaining budget across steps"))
-    scheduler: Literal["continuous", "static"] = field(default="continuous", metadata=_help(
+    scheduler: Literal["continuous", "static"] = field(default="continuous", metadata=flag_help(
         "continuous batching, or the fixed-batch baseline"))
-    scheduling_policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=_help(
+    scheduling_policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=flag_help(
         "admission order: arrival, or per-request priority (lower first)"))
 
     def __post_init__(self) -> None:

@@ -166,7 +166,8 @@ def _load_gguf(path: Path) -> LoadedModel:
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         chat_template=meta.get("tokenizer.chat_template"),
     )
-    return LoadedModel(arch, weights, tokenizer, meta.get("general.name", path.stem))
+    # The file name, not general.name ("Smollm2 135M 8k ..."): it is what users pass and see.
+    return LoadedModel(arch, weights, tokenizer, path.stem)
 
 
 _ROPE_FREQS = "rope_freqs.weight"

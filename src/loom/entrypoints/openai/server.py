@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import loom
-from loom.config import EngineConfig, add_cli_args, from_cli_args
+from loom.config import EngineConfig, add_cli_args, flag_help, from_cli_args
 from loom.engine.async_engine import AsyncEngine
 from loom.engine.core import EngineCore
 from loom.entrypoints.openai.errors import install_error_handlers
@@ -34,21 +34,17 @@ from loom.entrypoints.openai.serving_completion import CompletionServing
 logger = logging.getLogger(__name__)
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
-
-
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
-    port: int = field(default=8000, metadata=_help("port to listen on"))
-    served_model_name: str | None = field(default=None, metadata=_help(
+    host: str = field(default="127.0.0.1", metadata=flag_help("address to listen on"))
+    port: int = field(default=8000, metadata=flag_help("port to listen on"))
+    served_model_name: str | None = field(default=None, metadata=flag_help(
         "model name in /v1/models and responses; none = the model's own name"))
-    stream_interval: int = field(default=1, metadata=_help(
+    stream_interval: int = field(default=1, metadata=flag_help(
         "tokens gathered per streamed chunk (fewer, larger chunks under load)"))
-    max_num_queued_reqs: int | None = field(default=None, metadata=_help(
+    max_num_queued_reqs: int | None = field(default=None, metadata=flag_help(
         "answer 503 (with Retry-After) when this many requests already wait; none = no limit"))
-    queue_timeout: float | None = field(default=None, metadata=_help(
+    queue_timeout: float | None = field(default=None, metadata=flag_help(
         "answer 503 for a request not scheduled within this many seconds; none = wait"))
 
     def __post_init__(self) -> None:
