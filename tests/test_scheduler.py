@@ -52,6 +52,9 @@ class SlotModel:
         out = ModelRunnerOutput()
         for item in batch.scheduled:  # all writes first, as the runner does per layer
             assert item.token_ids, "a scheduled request must feed at least one token"
+            if item.padding:
+                assert not item.sample and len(item.token_ids) == 1
+                continue  # the runner sends padding to a scratch slot
             for i, token in enumerate(item.token_ids):
                 position = item.start_position + i
                 self.slots[self.slot(item.block_ids, position)] = (position, token)
@@ -138,6 +141,7 @@ def test_random_workloads_finish_correctly_without_leaks(w: dict) -> None:
         if isinstance(scheduler, StaticScheduler):
             assert {r.request_id for r in scheduler.running} <= scheduler.batch_ids
             assert len(scheduler.batch_ids) <= w["config"].max_num_seqs
+            assert len(scheduler.running) + len(scheduler.padding) <= w["config"].max_num_seqs
         run_step(scheduler, model)
         if step > 15 and not scheduler.has_unfinished_requests():
             break
@@ -221,12 +225,16 @@ def test_static_batch_admits_nobody_until_the_whole_batch_is_done() -> None:
     add(scheduler, "short", [1], 1)
     add(scheduler, "long", [2], 6)
     add(scheduler, "next", [3], 1)
-    admitted_at = {}
+    admitted_at, padded_at = {}, []
     for step in range(10):
         for s in run_step(scheduler, model).scheduled:
             admitted_at.setdefault(s.request_id, step)
-    # "short" finishes at step 0, but "next" waits until "long" (6 tokens) is done too.
+            if s.padding:
+                padded_at.append((s.request_id, step))
+    # "short" finishes at step 0, but "next" waits until "long" (6 tokens) is done too, and
+    # meanwhile "short" keeps its slot busy with padding, as in a padded fixed batch.
     assert admitted_at == {"short": 0, "long": 0, "next": 6}
+    assert padded_at == [("short", step) for step in range(1, 6)]
 
 
 def test_requests_that_can_never_fit_are_refused_up_front() -> None:

@@ -19,6 +19,9 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     sample: bool  # this chunk reaches the last known token, so a new token is sampled
     prompt_token_ids: list[int]  # scoring targets when prompt logprobs are asked for
+    # Fixed-batch padding: compute as usual but write K/V to a scratch slot and discard the
+    # result (the request has already finished).
+    padding: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

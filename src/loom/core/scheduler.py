@@ -118,15 +118,23 @@ class Scheduler:
             self.running.remove(request)
         else:
             self._dequeue(request)
-        self.kv_cache.free(request)
+        self._release(request)
         request.status = status
         del self.requests[request.request_id]
         self.finished_request_ids.append(request.request_id)
 
+    def _release(self, request: Request) -> None:
+        self.kv_cache.free(request)
+
+    def _num_padding_slots(self) -> int:
+        """Sequence slots (one token each) taken this step by something other than a live
+        request; only the fixed-batch baseline has any."""
+        return 0
+
     # -- one step --------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens - self._num_padding_slots()
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
 
@@ -159,7 +167,8 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
         for request in self._admission_candidates():
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if (budget <= 0 or len(self.running) + self._num_padding_slots()
+                    >= self.config.max_num_seqs):
                 break
             cached_blocks = self.kv_cache.find_cached_prefix(request)
             num_cached = len(cached_blocks) * self.kv_cache.block_size

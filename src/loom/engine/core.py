@@ -179,6 +179,8 @@ class EngineCore:
     def _note_scheduled(self, batch: SchedulerOutput, now: float) -> None:
         self.metrics.preemptions.inc(len(batch.preempted_request_ids))
         for item in batch.scheduled:
+            if item.padding:
+                continue
             state = self.states[item.request_id]
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now

@@ -28,7 +28,9 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        # One block more than the pool hands out: the scratch block padding tokens write to.
+        self.scratch_slot = num_blocks * block_size
+        shape = (num_blocks + 1, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(arch.num_layers)]
@@ -111,7 +113,10 @@ class ModelRunner:
             ids.extend(item.token_ids)
             span = range(start, start + n)
             positions.extend(span)
-            slots.extend(item.block_ids[p // bs] * bs + p % bs for p in span)
+            if item.padding:
+                slots.extend([self.scratch_slot] * n)
+            else:
+                slots.extend(item.block_ids[p // bs] * bs + p % bs for p in span)
             num_blocks = -(-(start + n) // bs)
             if n == 1:
                 decode_tables.append(item.block_ids[:num_blocks])
