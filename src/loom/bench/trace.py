@@ -233,11 +233,9 @@ def generate_mix(mix: dict[str, float], n: int, seed: int, synth: PromptSynth,
     rng = random.Random(seed)
     prefixes = {name: synth.text(CLASSES[name].shared_prefix_len, rng)
                 for name in mix if CLASSES[name].shared_prefix_len}
-    names, weights = list(mix), list(mix.values())
     times = arrivals.times(n, rng)
     requests = []
-    for i, arrival in enumerate(times):
-        name = rng.choices(names, weights)[0]
+    for i, (arrival, name) in enumerate(zip(times, _class_sequence(mix, n, rng))):
         spec = CLASSES[name]
         prefix = prefixes.get(name, "")
         prompt = prefix + synth.text(spec.prompt_len.sample(rng), rng, prefix=prefix)
@@ -249,6 +247,19 @@ def generate_mix(mix: dict[str, float], n: int, seed: int, synth: PromptSynth,
     header["mix"] = {k: round(v, 6) for k, v in mix.items()}
     header["classes"] = {k: CLASSES[k].to_json() for k in mix}
     return Trace(requests, header)
+
+
+def _class_sequence(mix: dict[str, float], n: int, rng: random.Random) -> list[str]:
+    """Exactly the mix's shares of n (largest remainders), in random order: a small trace
+    should not drift from the mix it claims."""
+    exact = {name: weight * n for name, weight in mix.items()}
+    counts = {name: int(x) for name, x in exact.items()}
+    by_remainder = sorted(exact, key=lambda name: exact[name] - counts[name], reverse=True)
+    for name in by_remainder[:n - sum(counts.values())]:
+        counts[name] += 1
+    names = [name for name, count in counts.items() for _ in range(count)]
+    rng.shuffle(names)
+    return names
 
 
 def import_sharegpt(path: str | Path, n: int | None, seed: int, synth: PromptSynth,
