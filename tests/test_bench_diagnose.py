@@ -102,6 +102,15 @@ def test_waiting_below_any_cap_points_at_the_token_budget() -> None:
     assert finding.setting == "--max-num-batched-tokens"
 
 
+def test_waiting_behind_a_static_batch_points_at_continuous_batching() -> None:
+    run = make_run(timeline=_timeline([1, 3, 2, 5, 2], waiting=2, kv=0.2),
+                   server={"cmdline": ["loom", "serve", "--scheduler", "static"]})
+    (finding,) = diagnose(run)
+    assert finding.rule == "waiting_memory_free"
+    assert finding.setting == "--scheduler continuous"
+    assert "batches statically" in finding.message
+
+
 def test_rejections_with_free_memory_point_at_admission() -> None:
     requests = _requests()
     for r in requests[:5]:

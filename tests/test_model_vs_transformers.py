@@ -1,7 +1,8 @@
 """loom's Llama-family decoder against transformers' own implementation, on tiny random-weight
 Llama (tied; Llama-3.1 RoPE scaling, untied; attention and MLP biases), Qwen2 (q/k/v bias, padded
-vocab) and Mistral (head_dim != hidden / heads) models, each loaded by loom both from a Hugging Face folder and from a GGUF file written the way
-llama.cpp's converter writes it (Q/K rows permuted, Llama-3 scaling as a rope_freqs tensor).
+vocab) and Mistral (head_dim != hidden / heads) models, each loaded by loom both from a Hugging
+Face folder and from a GGUF file written the way llama.cpp's converter writes it (Q/K rows
+permuted, Llama-3 scaling as a rope_freqs tensor).
 
 Every path through the paged KV cache is compared with a full transformers forward: one-shot
 prefill, prefill then decodes, a prefill split into chunks, and one step mixing all of them.

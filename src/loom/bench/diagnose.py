@@ -120,7 +120,11 @@ def waiting_with_memory_free(run: dict[str, Any], flags: str, slo: Slo | None) -
                    f"{kv:.0%} and running peaked at {running_peak:g}")
         capped = isinstance(max_seqs, int) and running_peak >= max_seqs
         plateau = len(running) >= 3 and sorted(running)[len(running) // 2] == running_peak
-        if capped or plateau:
+        if server_setting(run, flags, "scheduler") == "static":
+            message = (f"{numbers}: the server batches statically, so a new request waits for "
+                       "the whole running batch to finish before it can join.")
+            setting = "--scheduler continuous"
+        elif capped or plateau:
             cap = f"= max_num_seqs {max_seqs}" if capped else "(a flat ceiling)"
             message = (f"{numbers} {cap}: the sequence limit, not memory, admits the work. "
                        "Raise it while KV usage stays below ~90%.")
