@@ -170,3 +170,24 @@ def test_get_metrics_reports_the_documented_names(llm: LLM) -> None:
                  "loom:num_requests_waiting", "loom:kv_cache_usage_perc"):
         assert name in metrics
     assert metrics["loom:generation_tokens_total"] >= 2
+
+
+def test_a_request_whose_step_throws_fails_alone(llm: LLM, reference, monkeypatch) -> None:
+    engine = llm.engine
+    real_execute = engine.runner.execute
+
+    def execute(batch):
+        if any(item.request_id == "poisoned" for item in batch.scheduled):
+            raise RuntimeError("sampling blew up")
+        return real_execute(batch)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    engine.add_request("healthy", PROMPTS[0], greedy())
+    engine.add_request("poisoned", PROMPTS[1], greedy())
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["poisoned"].outputs[0].finish_reason == "error"
+    assert "sampling blew up" in finished["poisoned"].error
+    assert finished["healthy"].outputs[0].token_ids == reference[0]
+    assert engine.kv_cache.pool.usage == 0.0

@@ -165,6 +165,8 @@ class EngineCore:
                              len(batch.scheduled))
         merged = ModelRunnerOutput()
         for item in batch.scheduled:
+            if item.padding:
+                continue  # its request has already finished; nothing to fail
             try:
                 single = self.runner.execute(SchedulerOutput(scheduled=[item]))
             except Exception as e:  # noqa: BLE001 - any failure ends this request only
