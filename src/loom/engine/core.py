@@ -172,6 +172,7 @@ class EngineCore:
             except Exception as e:  # noqa: BLE001 - any failure ends this request only
                 logger.exception("request %s failed", item.request_id)
                 self.states[item.request_id].error = f"{type(e).__name__}: {e}"
+                self.scheduler.finish_request(item.request_id, RequestStatus.FINISHED_ERROR)
                 continue
             merged.sampled_token_ids.update(single.sampled_token_ids)
             merged.logprobs.update(single.logprobs)
@@ -226,11 +227,10 @@ class EngineCore:
                 state.stop_reason = state.detokenizer.stopped_on
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             outputs.append(self._output(request.request_id))
-        for item in batch.scheduled:  # requests whose step failed
+        for item in batch.scheduled:  # requests whose step failed (already ended in _execute)
             state = self.states.get(item.request_id)
             if state is not None and state.error is not None:
-                self.scheduler.finish_request(item.request_id, RequestStatus.FINISHED_ERROR)
-                outputs.append(self._output(item.request_id))
+                outputs.append(self._finish_output(item.request_id))
         return outputs
 
     def _output(self, request_id: str) -> RequestOutput:
