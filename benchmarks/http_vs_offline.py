@@ -19,20 +19,20 @@ import gc
 import json
 import os
 import platform
-import socket
+import shlex
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 from workload import WorkItem, bundled_tokenizer, mixed_workload
 
 from loom import LLM, SamplingParams
+from loom.bench.server import LOOM_SERVE, LocalServer
 
 
 @dataclass
@@ -98,28 +98,9 @@ def run_offline(llm: LLM, items: list[WorkItem]) -> Result:
 
 @contextmanager
 def loom_serve(flags: list[str]) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tempfile.TemporaryFile(mode="w+")
-    process = subprocess.Popen([sys.executable, "-m", "loom.entrypoints.cli", "serve",
-                                "--port", str(port), *flags], stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if process.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"loom serve exited:\n{log.read()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-        log.close()
+    with tempfile.TemporaryDirectory() as tmp, LocalServer(
+            LOOM_SERVE, shlex.join(flags), Path(tmp) / "serve.log") as server:
+        yield server.url
 
 
 async def stream_one(http: httpx.AsyncClient, item: WorkItem) -> Timings:

@@ -15,9 +15,9 @@ import argparse
 import asyncio
 import contextlib
 import json
-import socket
-import subprocess
+import shlex
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +25,8 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from loom.bench.server import LocalServer
 
 MODEL = "fake-model"
 
@@ -99,36 +101,14 @@ def create_app(ttft: float, itl: float, max_running: int | None) -> FastAPI:
     return app
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_fake_server(*flags: str) -> Iterator[str]:
     """Start the fake server in its own process (so its timing does not share the test's
     event loop or GIL); yields its base URL."""
-    import httpx
-
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(Path(__file__)), "--port", str(port), *flags])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("fake server did not start")
-            time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    template = f"{shlex.quote(sys.executable)} {shlex.quote(str(Path(__file__)))} --port {{port}}"
+    with tempfile.TemporaryDirectory() as tmp, LocalServer(
+            template, shlex.join(flags), Path(tmp) / "fake.log", health_timeout_s=30) as server:
+        yield server.url
 
 
 def main() -> None:

@@ -3,54 +3,22 @@
 from __future__ import annotations
 
 import re
-import socket
-import subprocess
-import sys
+import shlex
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
-import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from loom.bench.server import LOOM_SERVE, LocalServer
 
 
 @contextmanager
 def serve(*flags: str, startup_timeout: float = 180.0) -> Iterator[str]:
     """Start `loom serve` with `flags` on a free loopback port; yield its base URL once
     /health answers 200; stop it afterwards. Its log is shown if it fails to come up."""
-    port = free_port()
-    log = tempfile.TemporaryFile(mode="w+")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "loom.entrypoints.cli", "serve", "--port", str(port), *flags],
-        stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise RuntimeError(f"loom serve did not come up:\n{log.read()[-5000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+    with tempfile.TemporaryDirectory() as tmp, LocalServer(
+            LOOM_SERVE, shlex.join(flags), Path(tmp) / "serve.log", startup_timeout) as server:
+        yield server.url
 
 
 def metric(text: str, name: str, **labels: str) -> float:

@@ -99,7 +99,7 @@ def test_503s_are_counted_not_dropped(busy_url: str) -> None:
 
 
 def test_connection_errors_are_counted() -> None:
-    from fake_openai_server import free_port
+    from loom.bench.server import free_port
 
     result = _replay(_trace(3), Load(), f"http://127.0.0.1:{free_port()}", model="m")
     assert (result["failed"], result["completed"]) == (3, 0)
