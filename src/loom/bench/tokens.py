@@ -42,20 +42,12 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
 
 
 def _gguf_tokenizer(path: Path) -> Tokenizer:
-    """The byte-level BPE tokenizer in a GGUF file's metadata (as loom.model.loader reads it)."""
+    """The tokenizer in a GGUF file's metadata, without reading its tensors."""
     import gguf
 
-    from loom.model.tokenizer import bpe_from_gguf
+    from loom.model.tokenizer import bpe_from_gguf_fields
 
-    fields = gguf.GGUFReader(str(path)).fields
-    kind = fields["tokenizer.ggml.model"].contents()
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer {kind!r} is not supported (only byte-level BPE); "
-                         "pass the model's tokenizer.json with --tokenizer")
-    pre = fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in fields else "default"
-    return bpe_from_gguf(fields["tokenizer.ggml.tokens"].contents(),
-                         fields["tokenizer.ggml.merges"].contents(),
-                         fields["tokenizer.ggml.token_type"].contents(), pre)
+    return bpe_from_gguf_fields(gguf.GGUFReader(str(path)).fields)
 
 
 class PromptSynth:

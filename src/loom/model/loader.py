@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from loom.model.tokenizer import Tokenizer, bpe_from_gguf
+from loom.model.tokenizer import Tokenizer, bpe_from_gguf_fields
 
 logger = logging.getLogger(__name__)
 
@@ -149,15 +149,7 @@ def _load_gguf(path: Path) -> LoadedModel:
             array = array.copy()
         weights[_hf_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(array))
 
-    fields = reader.fields
-    # Checked before reading merges: a SentencePiece ('llama') vocabulary has none.
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ModelLoadError(f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} is not "
-                             "supported (only byte-level BPE); load a Hugging Face folder")
-    tokens = fields["tokenizer.ggml.tokens"].contents()
-    backend = bpe_from_gguf(tokens, fields["tokenizer.ggml.merges"].contents(),
-                            fields["tokenizer.ggml.token_type"].contents(),
-                            meta.get("tokenizer.ggml.pre", "default"))
+    backend = bpe_from_gguf_fields(reader.fields)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     tokenizer = Tokenizer(
         backend=backend,

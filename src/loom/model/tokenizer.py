@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -36,6 +37,20 @@ def gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; load a Hugging Face folder instead")
+
+
+def bpe_from_gguf_fields(fields: Mapping[str, Any]) -> HFTokenizer:
+    """The tokenizer stored in a GGUF file's metadata (`gguf.GGUFReader.fields`). Only
+    byte-level BPE is supported; the model type is checked first because a SentencePiece
+    vocabulary has no merges to read."""
+    kind = fields["tokenizer.ggml.model"].contents() if "tokenizer.ggml.model" in fields else None
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer {kind!r} is not supported (only byte-level BPE); "
+                         "use the model's Hugging Face folder or tokenizer.json instead")
+    pre = fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in fields else "default"
+    return bpe_from_gguf(fields["tokenizer.ggml.tokens"].contents(),
+                         fields["tokenizer.ggml.merges"].contents(),
+                         fields["tokenizer.ggml.token_type"].contents(), pre)
 
 
 def bpe_from_gguf(tokens: list[str], merges: list[str], token_types: list[int],
