@@ -87,10 +87,11 @@ class EngineMetrics:
         elapsed = now - self._last_log
         if elapsed < self.log_interval_s:
             return
-        current = {"prompt": self.prompt_tokens._value.get(),
-                   "generation": self.generation_tokens._value.get(),
-                   "queries": self.prefix_queries._value.get(),
-                   "hits": self.prefix_hits._value.get()}
+        values = self.snapshot()
+        current = {"prompt": values["loom:prompt_tokens_total"],
+                   "generation": values["loom:generation_tokens_total"],
+                   "queries": values["loom:prefix_cache_queries_total"],
+                   "hits": values["loom:prefix_cache_hits_total"]}
         delta = {k: current[k] - self._logged[k] for k in current}
         self._last_log, self._logged = now, current
         if not busy and not delta["prompt"] and not delta["generation"]:
@@ -101,5 +102,6 @@ class EngineMetrics:
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d, "
             "Prefix cache hit rate: %.1f%%",
             delta["prompt"] / elapsed, delta["generation"] / elapsed,
-            self.running._value.get(), self.waiting._value.get(),
-            100.0 * self.kv_usage._value.get(), self.preemptions._value.get(), hit_rate)
+            values["loom:num_requests_running"], values["loom:num_requests_waiting"],
+            100.0 * values["loom:kv_cache_usage_perc"], values["loom:num_preemptions_total"],
+            hit_rate)
