@@ -1,9 +1,9 @@
-"""A request as the engine tracks it: tokens, progress, status and timings."""
+"""A request as the scheduler tracks it: tokens, progress and status. (Latency marks live
+with the engine, in outputs.RequestMetrics.)"""
 
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from loom.sampling import SamplingParams
@@ -23,17 +23,6 @@ class RequestStatus(enum.Enum):
         return self.name.startswith("FINISHED")
 
 
-@dataclass
-class RequestTimings:
-    """Wall-clock marks (time.monotonic) for latency metrics."""
-
-    arrival: float = field(default_factory=time.monotonic)
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    finished: float | None = None
-
-
 @dataclass(eq=False)
 class Request:
     """One generation request. `num_computed_tokens` counts tokens whose KV is in the cache;
@@ -50,7 +39,6 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    timings: RequestTimings = field(default_factory=RequestTimings)
 
     @property
     def num_prompt_tokens(self) -> int:
