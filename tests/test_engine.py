@@ -31,6 +31,15 @@ def reference(llm: LLM) -> list[list[int]]:
     return [llm.generate(p, greedy())[0].outputs[0].token_ids for p in PROMPTS]
 
 
+@pytest.fixture(scope="module", params=["sync", "async"])
+def any_llm(request, llm: LLM) -> LLM:
+    """The shared engine, and one that schedules a step ahead of the model: both must give
+    the same answers."""
+    if request.param == "sync":
+        return llm
+    return LLM(kv_cache_memory="256MiB", max_model_len=2048, async_scheduling=True)
+
+
 def test_answers_the_capital_of_france(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(max_tokens=32, temperature=0.0))[0]
@@ -38,8 +47,8 @@ def test_answers_the_capital_of_france(llm: LLM) -> None:
     assert out.outputs[0].finish_reason == "stop"
 
 
-def test_batch_composition_does_not_change_greedy_output(llm: LLM, reference) -> None:
-    outs = llm.generate(PROMPTS, greedy())
+def test_batch_composition_does_not_change_greedy_output(any_llm: LLM, reference) -> None:
+    outs = any_llm.generate(PROMPTS, greedy())
     assert [o.outputs[0].token_ids for o in outs] == reference
 
 
@@ -48,7 +57,11 @@ def test_batch_composition_does_not_change_greedy_output(llm: LLM, reference) ->
     dict(max_num_seqs=3, max_num_batched_tokens=16),  # tiny budget: chunked prefill everywhere
     dict(num_kv_blocks=12, max_num_seqs=6, enable_prefix_caching=False),  # forces preemption
     dict(enable_chunked_prefill=False, max_num_batched_tokens=2048),
-], ids=["static", "chunked", "preemption", "no-chunking"])
+    dict(async_scheduling=True, max_num_seqs=3, max_num_batched_tokens=16),
+    dict(async_scheduling=True, num_kv_blocks=12, max_num_seqs=6, enable_prefix_caching=False),
+    dict(async_scheduling=True, scheduler="static", max_num_seqs=2),
+], ids=["static", "chunked", "preemption", "no-chunking", "async-chunked", "async-preemption",
+        "async-static"])
 def test_scheduler_settings_do_not_change_greedy_output(options, reference) -> None:
     llm = LLM(max_model_len=2048, kv_cache_memory="128MiB", **options)
     outs = llm.generate(PROMPTS, greedy())
@@ -60,13 +73,13 @@ def test_scheduler_settings_do_not_change_greedy_output(options, reference) -> N
     assert llm.engine.kv_cache.pool.usage == 0.0
 
 
-def test_prefix_cache_hits_keep_outputs_identical(llm: LLM) -> None:
+def test_prefix_cache_hits_keep_outputs_identical(any_llm: LLM) -> None:
     shared = "You are a careful assistant. Answer briefly and cite the document. " * 6
     prompts = [shared + q for q in ("What is loom?", "Who wrote it?", "Why batch?")]
-    first = llm.generate(prompts[0], greedy(8))[0]
-    before = llm.get_metrics()["loom:prefix_cache_hits_total"]
-    outs = llm.generate(prompts, greedy(8))
-    assert llm.get_metrics()["loom:prefix_cache_hits_total"] - before >= 3 * 64
+    first = any_llm.generate(prompts[0], greedy(8))[0]
+    before = any_llm.get_metrics()["loom:prefix_cache_hits_total"]
+    outs = any_llm.generate(prompts, greedy(8))
+    assert any_llm.get_metrics()["loom:prefix_cache_hits_total"] - before >= 3 * 64
     assert outs[0].outputs[0].token_ids == first.outputs[0].token_ids
     assert all(o.num_cached_tokens > 0 for o in outs)
     uncached = LLM(enable_prefix_caching=False, max_model_len=2048,
@@ -74,43 +87,43 @@ def test_prefix_cache_hits_keep_outputs_identical(llm: LLM) -> None:
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in uncached]
 
 
-def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(llm: LLM) -> None:
+def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(any_llm: LLM) -> None:
     seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=7)
-    alone = llm.generate("Once upon a time", seeded)[0].outputs[0].token_ids
-    crowd = llm.generate(["Once upon a time", *PROMPTS],
+    alone = any_llm.generate("Once upon a time", seeded)[0].outputs[0].token_ids
+    crowd = any_llm.generate(["Once upon a time", *PROMPTS],
                          [seeded] + [SamplingParams(max_tokens=16, temperature=1.0)] * 6)
     assert crowd[0].outputs[0].token_ids == alone
     other = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=8)
-    assert llm.generate("Once upon a time", other)[0].outputs[0].token_ids != alone
+    assert any_llm.generate("Once upon a time", other)[0].outputs[0].token_ids != alone
 
 
-def test_stop_strings_are_cut_from_the_text(llm: LLM) -> None:
-    full = llm.generate("1, 2, 3, 4, 5, 6,", greedy(20))[0].outputs[0].text
+def test_stop_strings_are_cut_from_the_text(any_llm: LLM) -> None:
+    full = any_llm.generate("1, 2, 3, 4, 5, 6,", greedy(20))[0].outputs[0].text
     assert " 9," in full
-    out = llm.generate("1, 2, 3, 4, 5, 6,", SamplingParams(max_tokens=20, temperature=0.0,
+    out = any_llm.generate("1, 2, 3, 4, 5, 6,", SamplingParams(max_tokens=20, temperature=0.0,
                                                             stop=[" 9", "never"]))[0].outputs[0]
     assert out.text == full[:full.index(" 9")]
     assert out.finish_reason == "stop" and out.stop_reason == " 9"
 
 
-def test_stop_token_ids_min_tokens_and_max_tokens(llm: LLM) -> None:
-    base = llm.generate("1, 2, 3, 4, 5, 6,", greedy(10))[0].outputs[0].token_ids
+def test_stop_token_ids_min_tokens_and_max_tokens(any_llm: LLM) -> None:
+    base = any_llm.generate("1, 2, 3, 4, 5, 6,", greedy(10))[0].outputs[0].token_ids
     stop_id = base[3]
-    out = llm.generate("1, 2, 3, 4, 5, 6,", SamplingParams(
+    out = any_llm.generate("1, 2, 3, 4, 5, 6,", SamplingParams(
         max_tokens=10, temperature=0.0, stop_token_ids=[stop_id]))[0].outputs[0]
     assert out.token_ids == base[:base.index(stop_id) + 1] and out.stop_reason == stop_id
     chat = [{"role": "user", "content": "Say hi."}]
-    short = llm.chat(chat, SamplingParams(max_tokens=64, temperature=0.0))[0].outputs[0]
+    short = any_llm.chat(chat, SamplingParams(max_tokens=64, temperature=0.0))[0].outputs[0]
     assert short.finish_reason == "stop" and len(short.token_ids) < 64  # ends on EOS
-    forced = llm.chat(chat, SamplingParams(max_tokens=64, min_tokens=len(short.token_ids) + 5,
+    forced = any_llm.chat(chat, SamplingParams(max_tokens=64, min_tokens=len(short.token_ids) + 5,
                                            temperature=0.0))[0].outputs[0]
     assert len(forced.token_ids) >= len(short.token_ids) + 5
-    capped = llm.generate("Hello", greedy(5))[0].outputs[0]
+    capped = any_llm.generate("Hello", greedy(5))[0].outputs[0]
     assert len(capped.token_ids) == 5 and capped.finish_reason == "length"
 
 
-def test_logprobs_match_the_greedy_choice(llm: LLM) -> None:
-    out = llm.generate("The capital of France is", SamplingParams(
+def test_logprobs_match_the_greedy_choice(any_llm: LLM) -> None:
+    out = any_llm.generate("The capital of France is", SamplingParams(
         max_tokens=4, temperature=0.0, logprobs=3, prompt_logprobs=2))[0]
     for entry, token_id in zip(out.outputs[0].logprobs, out.outputs[0].token_ids):
         assert entry.token_id == token_id
@@ -120,8 +133,8 @@ def test_logprobs_match_the_greedy_choice(llm: LLM) -> None:
     assert all(e.logprob <= 0 for e in out.prompt_logprobs[1:])
 
 
-def test_abort_returns_blocks_and_others_keep_running(llm: LLM) -> None:
-    engine = llm.engine
+def test_abort_returns_blocks_and_others_keep_running(any_llm: LLM) -> None:
+    engine = any_llm.engine
     engine.add_request("keep", "Hello there", greedy(6))
     engine.add_request("drop", "Tell me everything about the ocean", greedy(200))
     engine.step()
@@ -133,11 +146,11 @@ def test_abort_returns_blocks_and_others_keep_running(llm: LLM) -> None:
         done += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in done] == ["keep"] and len(done[0].outputs[0].token_ids) == 6
     assert engine.kv_cache.pool.usage == 0.0
-    assert llm.get_metrics()["loom:request_success_total{finished_reason=abort}"] >= 1
+    assert any_llm.get_metrics()["loom:request_success_total{finished_reason=abort}"] >= 1
 
 
-def test_bad_requests_fail_alone_with_clear_errors(llm: LLM) -> None:
-    engine = llm.engine
+def test_bad_requests_fail_alone_with_clear_errors(any_llm: LLM) -> None:
+    engine = any_llm.engine
     engine.add_request("good", "Hello", greedy(3))
     with pytest.raises(ValueError, match="max_model_len is 2048"):
         engine.add_request("too-long", [5] * 2048, greedy(3))
@@ -172,8 +185,8 @@ def test_get_metrics_reports_the_documented_names(llm: LLM) -> None:
     assert metrics["loom:generation_tokens_total"] >= 2
 
 
-def test_a_request_whose_step_throws_fails_alone(llm: LLM, reference, monkeypatch) -> None:
-    engine = llm.engine
+def test_a_request_whose_step_throws_fails_alone(any_llm: LLM, reference, monkeypatch) -> None:
+    engine = any_llm.engine
     real_execute = engine.runner.execute
 
     def execute(batch):

@@ -84,12 +84,37 @@ def add(scheduler: Scheduler, request_id: str, prompt: list[int], max_tokens: in
 
 def run_step(scheduler: Scheduler, model: SlotModel) -> SchedulerOutput:
     batch = scheduler.schedule()
+    check_limits(scheduler, batch)
+    scheduler.update(batch, model.execute(batch))
+    return batch
+
+
+def check_limits(scheduler: Scheduler, batch: SchedulerOutput) -> None:
     cfg = scheduler.config
     assert batch.num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(batch.scheduled) <= cfg.max_num_seqs
     assert len(scheduler.running) <= cfg.max_num_seqs
-    scheduler.update(batch, model.execute(batch))
-    return batch
+
+
+class AsyncDriver:
+    """Drives the scheduler one step ahead of the model, in the engine's async order:
+    schedule N+1, fill its placeholders from N's tokens, run N+1, then update with N."""
+
+    def __init__(self, scheduler: Scheduler, model: SlotModel) -> None:
+        self.scheduler, self.model = scheduler, model
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+
+    def step(self) -> SchedulerOutput:
+        batch = self.scheduler.schedule()
+        check_limits(self.scheduler, batch)
+        previous, self.in_flight = self.in_flight, None
+        if previous is not None:
+            batch.fill_placeholders(previous[1])
+        if batch.scheduled:
+            self.in_flight = (batch, self.model.execute(batch))
+        if previous is not None:
+            self.scheduler.update(*previous)
+        return batch
 
 
 @st.composite
@@ -119,7 +144,8 @@ def workloads(draw: st.DrawFn) -> dict:
             scheduling_policy=draw(st.sampled_from(["fcfs", "priority"]))),
         block_size=block_size, max_model_len=max_model_len,
         num_blocks=draw(st.integers(min_blocks, min_blocks + 12)),
-        prefix_caching=draw(st.booleans()), requests=requests)
+        prefix_caching=draw(st.booleans()), async_scheduling=draw(st.booleans()),
+        requests=requests)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -128,6 +154,7 @@ def test_random_workloads_finish_correctly_without_leaks(w: dict) -> None:
     scheduler = make(w["config"], w["num_blocks"], w["block_size"], w["max_model_len"],
                      w["prefix_caching"])
     model = SlotModel(w["block_size"])
+    driver = AsyncDriver(scheduler, model) if w["async_scheduling"] else None
     live: dict[str, Request] = {}
     aborted: set[str] = set()
     for step in range(3000):
@@ -142,7 +169,10 @@ def test_random_workloads_finish_correctly_without_leaks(w: dict) -> None:
             assert {r.request_id for r in scheduler.running} <= scheduler.batch_ids
             assert len(scheduler.batch_ids) <= w["config"].max_num_seqs
             assert len(scheduler.running) + len(scheduler.padding) <= w["config"].max_num_seqs
-        run_step(scheduler, model)
+        if driver is not None:
+            driver.step()
+        else:
+            run_step(scheduler, model)
         if step > 15 and not scheduler.has_unfinished_requests():
             break
     else:

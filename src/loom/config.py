@@ -88,6 +88,8 @@ class SchedulerConfig:
         "continuous batching, or the fixed-batch baseline"))
     scheduling_policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=flag_help(
         "admission order: arrival, or per-request priority (lower first)"))
+    async_scheduling: bool = field(default=False, metadata=flag_help(
+        "schedule step N+1 and stream step N-1's tokens while step N runs on the model"))
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -26,7 +26,13 @@ class RequestStatus(enum.Enum):
 @dataclass(eq=False)
 class Request:
     """One generation request. `num_computed_tokens` counts tokens whose KV is in the cache;
-    the scheduler's only job is to close the gap to `num_tokens`."""
+    the scheduler's only job is to close the gap to `num_tokens`.
+
+    With async scheduling the next step is scheduled while the current one runs:
+    `num_inflight_tokens` are fed to a step that has not finished yet, and
+    `num_output_placeholders` tokens are being sampled by such steps (their ids are unknown
+    until the step ends). Both are zero whenever no step is in flight.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -36,6 +42,8 @@ class Request:
     arrival_order: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_inflight_tokens: int = 0
+    num_output_placeholders: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -47,6 +55,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens already handed to a step, finished or not: where the next step starts."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens the model still has to be fed, counting those being sampled right now."""
+        return self.num_tokens + self.num_output_placeholders - self.num_scheduled_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

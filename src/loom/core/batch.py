@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from loom.sampling import SamplingParams
 
+# Stands for a token that an in-flight step is sampling; the engine fills it in when that step
+# ends (async scheduling). The runner refuses to embed it.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass
 class ScheduledRequest:
@@ -32,7 +36,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
-    # Requests that ended since the previous step: the runner drops their per-request state.
+    # Requests that ended since the previous non-empty step: the runner drops their
+    # per-request state when it runs this one.
     finished_request_ids: list[str] = field(default_factory=list)
 
     @property
@@ -42,6 +47,20 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def fill_placeholders(self, previous: ModelRunnerOutput) -> None:
+        """Put the tokens the previous step sampled where this step has placeholders for them
+        (async scheduling). A request the previous step has no token for (its step failed)
+        has ended, and is dropped from this one."""
+        kept = []
+        for item in self.scheduled:
+            if item.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                token_id = previous.sampled_token_ids.get(item.request_id)
+                if token_id is None:
+                    continue
+                item.token_ids[-1] = token_id
+            kept.append(item)
+        self.scheduled = kept
 
 
 TopLogprobs = list[tuple[int, float]]

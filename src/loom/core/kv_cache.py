@@ -53,7 +53,7 @@ class KVCacheManager:
         pool cannot, in which case nothing changes."""
         cached_block_ids = cached_block_ids or []
         table = self.block_tables.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(cached_block_ids) * self.block_size
+        num_computed = request.num_scheduled_tokens + len(cached_block_ids) * self.block_size
         num_needed = self.num_blocks_for(num_computed + num_new_tokens)
         num_new_blocks = num_needed - len(table) - len(cached_block_ids)
         num_revived = sum(1 for b in cached_block_ids if self.pool.ref_cnt[b] == 0)

@@ -5,6 +5,10 @@ chunk of a prefill in progress), then waiting requests in policy order while the
 sequence limit and the KV cache allow. When the cache cannot hold a running request's next
 tokens, the lowest-priority / latest-arrived running request is preempted: its blocks are freed
 and it goes back to the waiting queue to be recomputed later.
+
+The scheduler may run one step ahead of the model (async scheduling): a request that samples in
+the step now running is scheduled again with a placeholder for the token being sampled, unless
+that token is certain to be its last.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from loom.config import SchedulerConfig
-from loom.core.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from loom.core.batch import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from loom.core.kv_cache import KVCacheManager
 from loom.request import Request, RequestStatus
 
@@ -141,8 +150,8 @@ class Scheduler:
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(request.num_pending_tokens, budget)
+            if num_new <= 0 or self._last_token_in_flight(request):
                 continue
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = max(self.running, key=self._key)
@@ -162,8 +171,17 @@ class Scheduler:
         output = SchedulerOutput(scheduled=list(scheduled.values()),
                                  preempted_request_ids=preempted,
                                  finished_request_ids=self.finished_request_ids)
-        self.finished_request_ids = []
+        if scheduled:  # an empty step is not run, so its news waits for the next one
+            self.finished_request_ids = []
         return output
+
+    def _last_token_in_flight(self, request: Request) -> bool:
+        """Whether a step already running samples this request's final token (length limit)."""
+        if not request.num_output_placeholders:
+            return False
+        num_outputs = len(request.output_token_ids) + request.num_output_placeholders
+        return (num_outputs >= request.sampling_params.max_tokens
+                or request.num_tokens + request.num_output_placeholders >= self.max_model_len)
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
         for request in self._admission_candidates():
@@ -188,14 +206,20 @@ class Scheduler:
         return budget
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
+        start, end = request.num_scheduled_tokens, request.num_scheduled_tokens + num_new
+        known_end = min(end, request.num_tokens)
+        token_ids = request.token_ids_slice(start, known_end)
+        token_ids += [PLACEHOLDER_TOKEN_ID] * (end - known_end)
+        sample = end == request.num_tokens + request.num_output_placeholders
+        request.num_inflight_tokens += num_new
+        request.num_output_placeholders += sample
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_ids_slice(start, start + num_new),
+            token_ids=token_ids,
             start_position=start,
-            block_ids=self.kv_cache.get_block_table(request.request_id),
+            block_ids=list(self.kv_cache.get_block_table(request.request_id)),
             sampling_params=request.sampling_params,
-            sample=start + num_new == request.num_tokens,
+            sample=sample,
             prompt_token_ids=request.prompt_token_ids,
         )
 
@@ -204,6 +228,8 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_inflight_tokens = 0  # a step still running for it is ignored on return
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request)
@@ -221,11 +247,13 @@ class Scheduler:
         for item in output.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+                continue  # ended or preempted while the step ran
             request.num_computed_tokens += len(item.token_ids)
+            request.num_inflight_tokens -= len(item.token_ids)
             self.kv_cache.cache_computed_blocks(request)
             if not item.sample:
                 continue
+            request.num_output_placeholders -= 1
             token_id = runner_output.sampled_token_ids[item.request_id]
             request.output_token_ids.append(token_id)
             status = self._stop_status(request, token_id)

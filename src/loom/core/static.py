@@ -51,7 +51,8 @@ class StaticScheduler(Scheduler):
     def _release(self, request: Request) -> None:
         others_left = self.batch_ids & self.requests.keys() - {request.request_id}
         if request.status == RequestStatus.RUNNING and others_left:
-            position = request.num_computed_tokens - 1
+            # its last fed token (a step may still be running: the fed count is ahead)
+            position = min(request.num_scheduled_tokens, request.num_tokens) - 1
             self.padding.append(ScheduledRequest(
                 request_id=request.request_id,
                 token_ids=request.token_ids_slice(position, position + 1),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,12 @@ class EngineCore:
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
         self.metrics = EngineMetrics(self.model_name)
         self.states: dict[str, _RequestState] = {}
+        # Async scheduling: one worker thread runs the model; at most one step is in flight.
+        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="loom-model")
+                          if sc.async_scheduling else None)
+        self._in_flight: tuple[SchedulerOutput, Future] | None = None
+        self._back_to_back = False
+        self._last_forward_end: float | None = None
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -141,28 +148,59 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: returns an output for every request that progressed or finished."""
+        """One iteration: returns an output for every request that progressed or finished.
+
+        With async scheduling, this schedules step N+1 while step N runs, launches N+1 as soon
+        as N ends, and then processes N's tokens (so the outputs lag one step behind)."""
         batch = self.scheduler.schedule()
-        self.runner.release(batch.finished_request_ids)
-        now = time.monotonic()
-        self._note_scheduled(batch, now)
-        if batch.is_empty:
+        self._note_scheduled(batch, time.monotonic())
+        if self._executor is None:
+            if batch.is_empty:
+                self.update_gauges()
+                return []
+            return self._finish_step(batch, self._execute(batch))
+        previous, self._in_flight = self._in_flight, None
+        previous_output = None
+        if previous is not None:
+            previous_output = self._execute(*previous)
+            batch.fill_placeholders(previous_output)
+        if not batch.is_empty:
+            self._in_flight = (batch, self._executor.submit(self._timed_forward, batch))
+        if previous is None:
             self.update_gauges()
             return []
-        runner_output = self._execute(batch)
+        return self._finish_step(previous[0], previous_output)
+
+    def _finish_step(self, batch: SchedulerOutput, runner_output: ModelRunnerOutput
+                     ) -> list[RequestOutput]:
         updates = self.scheduler.update(batch, runner_output)
         outputs = self._process(batch, runner_output, updates)
         self.metrics.iteration_tokens.observe(batch.num_scheduled_tokens)
         self.update_gauges()
+        # The loop goes straight on to the next step only while work is left; only then is
+        # the time until the next forward pass overhead rather than waiting for requests.
+        self._back_to_back = self.has_unfinished_requests()
         return outputs
 
-    def _execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the batch; if it throws, rerun each request alone so only the culprit fails."""
+    def _timed_forward(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.monotonic()
+        if self._back_to_back and self._last_forward_end is not None:
+            self.metrics.idle_gap.observe(max(0.0, start - self._last_forward_end))
+        output = self.runner.execute(batch)
+        self._last_forward_end = time.monotonic()
+        self.metrics.forward_time.observe(self._last_forward_end - start)
+        return output
+
+    def _execute(self, batch: SchedulerOutput, running: Future | None = None
+                 ) -> ModelRunnerOutput:
+        """Run the batch (or collect it, if already `running`); if it throws, rerun each
+        request alone so only the culprit fails."""
         try:
-            return self.runner.execute(batch)
+            return running.result() if running is not None else self._timed_forward(batch)
         except Exception:
             logger.exception("model step failed; retrying its %d requests one by one",
                              len(batch.scheduled))
+        self._last_forward_end = None
         merged = ModelRunnerOutput()
         for item in batch.scheduled:
             if item.padding:

@@ -54,6 +54,11 @@ class EngineMetrics:
         self.prefill_time = histogram("request_prefill_time_seconds",
                                       "First scheduled to first token")
         self.decode_time = histogram("request_decode_time_seconds", "First token to finish")
+        self.forward_time = histogram("model_forward_seconds", "One step on the model")
+        self.idle_gap = histogram(
+            "model_idle_seconds",
+            "Model idle between back-to-back steps (Python: schedule, prepare, process)",
+            (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25))
         for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name=model_name, finished_reason=reason)
 

@@ -37,13 +37,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
 
-    def release(self, request_ids: list[str]) -> None:
-        """Drop the per-request state of requests that have ended."""
-        for request_id in request_ids:
-            self.generators.pop(request_id, None)
-
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in batch.finished_request_ids:  # here, not by the caller: in order with
+            self.generators.pop(request_id, None)  # steps still running (async scheduling)
         items, input_ids, positions, meta = self._prepare(batch.scheduled)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
 
