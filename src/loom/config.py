@@ -49,6 +49,10 @@ class ModelConfig:
         "longest prompt + output in tokens; default: the model's context length"))
     num_threads: int | None = field(default=None, metadata=flag_help(
         "CPU threads for torch; default: the cores this process may use"))
+    attention_backend: Literal["auto", "native", "torch"] = field(
+        default="auto", metadata=flag_help(
+        "decode attention: native = loom's C++ paged kernel (CPU; compiled on first use), "
+        "torch = gather + SDPA; auto = native on CPU if it builds, else torch"))
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -17,6 +17,7 @@ from loom.core.scheduler import RequestUpdate, Scheduler
 from loom.core.static import StaticScheduler
 from loom.engine.detokenizer import IncrementalDetokenizer
 from loom.engine.metrics import EngineMetrics
+from loom.model.kernels import paged_attention_ops
 from loom.model.llama import LlamaModel
 from loom.model.loader import ModelArch, load_model
 from loom.model.runner import ModelRunner
@@ -73,7 +74,8 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         scheduler_cls = StaticScheduler if sc.scheduler == "static" else Scheduler
         self.scheduler: Scheduler = scheduler_cls(sc, self.kv_cache, self.max_model_len)
-        self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
+        self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device,
+                                  native_decode=self._use_native_decode(mc.attention_backend))
         self.metrics = EngineMetrics(self.model_name)
         self.states: dict[str, _RequestState] = {}
         # Async scheduling: one worker thread runs the model; at most one step is in flight.
@@ -84,6 +86,19 @@ class EngineCore:
         self._last_forward_end: float | None = None
 
     # -- set-up ------------------------------------------------------------------------------
+
+    def _use_native_decode(self, backend: str) -> bool:
+        if backend == "torch" or (backend == "auto" and self.device.type != "cpu"):
+            return False
+        if self.device.type != "cpu":
+            raise ValueError("attention_backend 'native' is a CPU kernel; use 'torch' on "
+                             f"{self.device.type}")
+        if paged_attention_ops() is None:
+            if backend == "native":
+                raise ValueError("attention_backend 'native': the C++ kernel could not be built "
+                                 "(see the warning above); use 'torch' or install a compiler")
+            return False
+        return True
 
     def _num_kv_blocks(self, arch: ModelArch) -> int:
         cc = self.config.cache

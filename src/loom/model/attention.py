@@ -1,9 +1,10 @@
 """Paged attention: K/V live in fixed-size blocks addressed through per-request block tables.
 
-This is the torch reference used on CPU (and as a fallback elsewhere). Requests with a single
-query token (decodes) are batched into SDPA calls over their gathered, padded contexts — one
-call per group of similar context lengths, so a short chat never pads out to a long
-document's length; prefill chunks run one SDPA call each, causal within the chunk and over the
+Requests with a single query token (decodes) go, on CPU, to the native kernel in
+`csrc/paged_attention.cpp` (all of them in one call per layer, reading K/V straight from the
+blocks). The torch fallback batches them into SDPA calls over their gathered, padded contexts —
+one call per group of similar context lengths, so a short chat never pads out to a long
+document's length. Prefill chunks run one SDPA call each, causal within the chunk and over the
 cached context before it.
 """
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from loom.model.kernels import paged_attention_ops
 
 
 @dataclass
@@ -34,12 +37,23 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedDecodes:
+    """All single-token queries (the first rows of the batch), for the native kernel."""
+
+    num_queries: int
+    block_tables: torch.Tensor  # [num_queries, max_blocks], padded with block 0
+    context_lens: torch.Tensor  # [num_queries]
+
+
+@dataclass
 class AttentionMetadata:
-    """Where each token's K/V goes and what each query attends to, for one step."""
+    """Where each token's K/V goes and what each query attends to, for one step. Decodes come
+    either as `paged_decodes` (native kernel) or as `decodes` groups (torch path)."""
 
     slot_mapping: torch.Tensor  # [num_tokens] flat slot (block * block_size + offset)
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    paged_decodes: PagedDecodes | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -58,6 +72,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_kv_heads = k.shape[1]
     out = torch.empty_like(q)
     group = num_heads // num_kv_heads
+    if meta.paged_decodes is not None and meta.paged_decodes.num_queries:
+        n = meta.paged_decodes.num_queries
+        out[:n] = paged_attention_ops().paged_decode_attention(
+            q[:n], k_cache, v_cache, meta.paged_decodes.block_tables,
+            meta.paged_decodes.context_lens, head_dim ** -0.5)
     for dec in meta.decodes:
         rows = slice(dec.query_start, dec.query_start + dec.num_queries)
         n = dec.num_queries

@@ -14,7 +14,7 @@ from loom.core.batch import (
     SchedulerOutput,
     TokenLogprob,
 )
-from loom.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from loom.model.attention import AttentionMetadata, DecodeGroup, PagedDecodes, PrefillSpan
 from loom.model.llama import LlamaModel
 from loom.sampling import Sampler
 
@@ -23,9 +23,10 @@ _MAX_PADDING = 1.25  # padded KV a decode group may gather, relative to what it 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, native_decode: bool) -> None:
         arch = model.arch
         self.model = model
+        self.native_decode = native_decode  # decodes through the C++ paged-attention kernel
         self.block_size = block_size
         self.device = device
         # One block more than the pool hands out: the scratch block padding tokens write to.
@@ -122,13 +123,23 @@ class ModelRunner:
                     query_start=len(ids) - n, query_len=n, context_len=start + n,
                     block_ids=torch.tensor(item.block_ids[:num_blocks], device=device)))
         decode_lens = [item.start_position + 1 for item in items[:len(decode_tables)]]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            decodes=self._decode_groups(decode_tables, decode_lens),
-            prefills=prefills,
-        )
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        if self.native_decode:
+            meta = AttentionMetadata(slot_mapping, [], prefills,
+                                     self._paged_decodes(decode_tables, decode_lens))
+        else:
+            meta = AttentionMetadata(slot_mapping, self._decode_groups(decode_tables, decode_lens),
+                                     prefills)
         return (items, torch.tensor(ids, dtype=torch.long, device=device),
                 torch.tensor(positions, dtype=torch.long, device=device), meta)
+
+    def _paged_decodes(self, tables: list[list[int]], lens: list[int]) -> PagedDecodes:
+        max_blocks = max((len(t) for t in tables), default=0)
+        return PagedDecodes(
+            num_queries=len(tables),
+            block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
+                                      dtype=torch.long, device=self.device),
+            context_lens=torch.tensor(lens, dtype=torch.long, device=self.device))
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Split decodes (sorted by context length) wherever padding to the group's longest
