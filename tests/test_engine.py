@@ -37,7 +37,8 @@ def any_llm(request, llm: LLM) -> LLM:
     the same answers."""
     if request.param == "sync":
         return llm
-    return LLM(kv_cache_memory="256MiB", max_model_len=2048, async_scheduling=True)
+    return LLM(kv_cache_memory="256MiB", max_model_len=2048, async_scheduling=True,
+               dtype="float32")
 
 
 def test_answers_the_capital_of_france(llm: LLM) -> None:
@@ -63,7 +64,7 @@ def test_batch_composition_does_not_change_greedy_output(any_llm: LLM, reference
 ], ids=["static", "chunked", "preemption", "no-chunking", "async-chunked", "async-preemption",
         "async-static"])
 def test_scheduler_settings_do_not_change_greedy_output(options, reference) -> None:
-    llm = LLM(max_model_len=2048, kv_cache_memory="128MiB", **options)
+    llm = LLM(max_model_len=2048, kv_cache_memory="128MiB", dtype="float32", **options)
     outs = llm.generate(PROMPTS, greedy())
     assert [o.outputs[0].token_ids for o in outs] == reference
     preemptions = llm.get_metrics()["loom:num_preemptions_total"]
@@ -83,7 +84,7 @@ def test_prefix_cache_hits_keep_outputs_identical(any_llm: LLM) -> None:
     assert outs[0].outputs[0].token_ids == first.outputs[0].token_ids
     assert all(o.num_cached_tokens > 0 for o in outs)
     uncached = LLM(enable_prefix_caching=False, max_model_len=2048,
-                   kv_cache_memory="128MiB").generate(prompts, greedy(8))
+                   kv_cache_memory="128MiB", dtype="float32").generate(prompts, greedy(8))
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in uncached]
 
 

@@ -59,7 +59,8 @@ def prompt_ids(tokenizer, prompt) -> list[int]:
 @pytest.fixture(scope="module")
 def llm_alone():
     """Default token budget (every prompt is one prefill); no prefix caching."""
-    return LLM(num_kv_blocks=64, max_model_len=1024, enable_prefix_caching=False, num_threads=1)
+    return LLM(num_kv_blocks=64, max_model_len=1024, enable_prefix_caching=False, num_threads=1,
+               dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +101,7 @@ def test_batch_with_chunked_prefill_matches_transformers(prompts, reference):
     transformers' teacher-forced log-softmax. Then the chat prompts again, which now start from
     prefix-cached KV blocks."""
     llm = LLM(num_kv_blocks=128, max_model_len=1024, max_num_batched_tokens=64, max_num_seqs=16,
+              dtype="float32",
               num_threads=1)
     steps = []
     execute = llm.engine.runner.execute
