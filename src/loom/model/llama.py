@@ -50,8 +50,9 @@ class LlamaModel:
         inv_freq = rope_inv_freq(arch).to(device)
         positions = torch.arange(arch.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
-        self.rope_cos = freqs.cos().to(dtype)
-        self.rope_sin = freqs.sin().to(dtype)
+        # Laid out for _rope: cos repeated over both halves, sin negated on the first half.
+        self.rope_cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(dtype)
+        self.rope_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(dtype)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
 
@@ -61,15 +62,16 @@ class LlamaModel:
         """[num_tokens] ids -> [num_tokens, hidden] final hidden states (normed)."""
         arch = self.arch
         eps = arch.rms_norm_eps
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        num_qk_heads = arch.num_heads + arch.num_kv_heads
         hidden = F.embedding(input_ids, self.embed)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = F.rms_norm(hidden, (arch.hidden_size,), layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = _rope(q.view(-1, arch.num_heads, arch.head_dim), cos, sin)
-            k = _rope(k.view(-1, arch.num_kv_heads, arch.head_dim), cos, sin)
-            v = v.reshape(-1, arch.num_kv_heads, arch.head_dim)
+            qk = _rope(qkv[:, :self.q_size + self.kv_size].view(-1, num_qk_heads, arch.head_dim),
+                       cos, sin)  # q and k heads rotated together: 3 ops per layer
+            q, k = qk[:, :arch.num_heads], qk[:, arch.num_heads:]
+            v = qkv[:, self.q_size + self.kv_size:].reshape(-1, arch.num_kv_heads, arch.head_dim)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta)
             hidden = hidden + F.linear(attn, layer.o_weight, layer.o_bias)
@@ -83,11 +85,11 @@ class LlamaModel:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (transformers' layout) on [tokens, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    """Rotate-half RoPE (transformers' layout) on [tokens, heads, head_dim]: with x = (x1, x2),
+    (x1 c - x2 s, x2 c + x1 s) = x * (c, c) + (x2, x1) * (-s, s)."""
+    tokens, heads, dim = x.shape
+    swapped = x.view(tokens, heads, 2, dim // 2).flip(2).view(tokens, heads, dim)
+    return torch.addcmul(x * cos, swapped, sin)
 
 
 def _required_names(arch: ModelArch) -> list[str]:
