@@ -27,6 +27,12 @@ def server() -> str:
 
 
 @pytest.fixture(scope="module")
+def async_server() -> str:
+    with serve("--kv-cache-memory", "256MiB", "--async-scheduling") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
 def limited_server() -> str:
     """Two sequences at a time, two waiting at most, 4 s in the queue at most."""
     with serve("--kv-cache-memory", "128MiB", "--max-num-seqs", "2",
@@ -187,9 +193,12 @@ def test_models_health_version_metrics(server: str) -> None:
 # -- continuous batching through HTTP -------------------------------------------------------------
 
 
-def test_concurrent_streams_are_batched(server: str) -> None:
+@pytest.mark.parametrize("which", ["server", "async_server"])
+def test_concurrent_streams_are_batched(which: str, request: pytest.FixtureRequest) -> None:
     """32 streams at once: each gets exactly max_tokens tokens, and /metrics saw them run
-    together (more than one request in a step), then nothing running."""
+    together (more than one request in a step), then nothing running; with and without async
+    scheduling."""
+    server = request.getfixturevalue(which)
     max_tokens, num_requests = 12, 32
     client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
 
@@ -225,7 +234,10 @@ def test_concurrent_streams_are_batched(server: str) -> None:
     results, most_running = asyncio.run(run())
     assert results == [(max_tokens, "length")] * num_requests
     assert most_running > 1
-    assert metric(wait_idle(server), "loom:num_requests_running") == 0
+    idle = wait_idle(server)
+    assert metric(idle, "loom:num_requests_running") == 0
+    assert metric(idle, "loom:model_forward_seconds_count") >= max_tokens
+    assert metric(idle, "loom:model_idle_seconds_count") >= max_tokens - 2
 
 
 def test_disconnect_mid_stream_aborts(server: str, client: openai.OpenAI) -> None:
