@@ -9,12 +9,15 @@ exact class counts. Every request uses ignore_eos so output lengths are exactly 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
+from loom import SamplingParams
 from loom.bench.tokens import PromptSynth, load_tokenizer
 from loom.bench.trace import CLASSES
+from loom.engine.core import EngineCore
 
 MIX = {"chat": 0.60, "long": 0.15, "rag": 0.25}
 
@@ -47,3 +50,14 @@ def mixed_workload(tokenizer: Tokenizer, n: int = 64, seed: int = 0) -> list[Wor
 def bundled_tokenizer() -> Tokenizer:
     """The bundled model's tokenizer, read from its GGUF metadata without the weights."""
     return load_tokenizer(None)
+
+
+def run_offline(engine: EngineCore, items: list[WorkItem]) -> float:
+    """Queue every item at once (greedy, ignore_eos) and step until all finish; wall seconds."""
+    for i, item in enumerate(items):
+        engine.add_request(f"r{i}", item.prompt_token_ids, SamplingParams(
+            max_tokens=item.max_tokens, temperature=0, ignore_eos=True))
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - start
