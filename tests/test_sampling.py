@@ -38,6 +38,17 @@ def test_seeded_draws_follow_the_distribution_and_repeat() -> None:
     assert [Sampler()(logits, params, [gen2]).item() for _ in range(3000)] == draws
 
 
+def test_unseeded_rows_of_one_batch_follow_their_distributions() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.0, 0.0, 0.1, 0.9]])
+    logits = torch.log(probs).repeat(2000, 1)  # zero-probability tokens: -inf logits
+    params = [SamplingParams(temperature=1.0)] * len(logits)
+    draws = Sampler()(logits, params, [None] * len(logits)).view(2000, 2)
+    for row, expected in enumerate(probs.tolist()):
+        share = [(draws[:, row] == i).float().mean().item() for i in range(4)]
+        assert share == pytest.approx(expected, abs=0.04)
+        assert all(share[i] == 0 for i in range(4) if expected[i] == 0)
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=0), "top_k"),

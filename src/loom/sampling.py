@@ -52,9 +52,11 @@ class SamplingParams:
 class Sampler:
     """Samples one token per row of a logits matrix, each row with its own parameters.
 
-    Random rows use the exponential-race trick (argmax of p / Exp(1) is a draw from p), so a
-    per-request `torch.Generator` only has to produce one noise vector and seeded requests stay
-    reproducible whatever else shares the batch.
+    Random rows use inverse-CDF sampling: one uniform draw per row, located in the row's
+    cumulative distribution. A per-request `torch.Generator` therefore produces one number per
+    step, so seeded requests stay reproducible whatever else shares the batch. (The
+    exponential-race trick needs a random number per vocabulary entry; torch's CPU
+    `exponential_` made that 23 ms for 32 rows of a 49k vocabulary, against 0.6 ms here.)
     """
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
@@ -64,18 +66,23 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
             return greedy_ids
-        rows = torch.tensor(random_rows, device=logits.device)
-        sub = logits[rows]
-        temps = torch.tensor([params[i].temperature for i in random_rows],
-                             device=logits.device, dtype=sub.dtype)
-        sub = sub / temps.unsqueeze(1)
-        sub = _apply_top_k_top_p(sub, [params[i].top_k for i in random_rows],
+        device = logits.device
+        rows = torch.tensor(random_rows, device=device)
+        temps = torch.tensor([params[i].temperature for i in random_rows], device=device)
+        sub = _apply_top_k_top_p(logits[rows] / temps.unsqueeze(1),
+                                 [params[i].top_k for i in random_rows],
                                  [params[i].top_p for i in random_rows])
-        probs = sub.softmax(dim=-1)
-        noise = torch.empty_like(probs)
+        cdf = sub.softmax(dim=-1).cumsum(dim=-1)
+        uniform = torch.rand(len(random_rows), 1, device=device)
         for j, i in enumerate(random_rows):
-            noise[j].exponential_(generator=generators[i])
-        greedy_ids[rows] = (probs / noise).argmax(dim=-1)
+            if generators[i] is not None:
+                uniform[j] = torch.rand(1, device=device, generator=generators[i])
+        # right=True: the first token whose cumulative mass exceeds the draw, so a token of
+        # zero probability (flat cdf) is never chosen.
+        drawn = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+        # Rounding can put the draw at the very top: take the last token with mass.
+        drawn = torch.where(drawn < cdf.shape[-1], drawn, cdf.argmax(dim=-1))
+        greedy_ids[rows] = drawn
         return greedy_ids
 
 
