@@ -265,11 +265,12 @@ def write_gguf(model: Any, path: Path, pre: str = "smollm", arch: str | None = N
 
 # -- running loom's model on hand-built steps -------------------------------------------------
 
-def make_runner(loaded: LoadedModel, num_blocks: int = 64, block_size: int = 4,
-                native_decode: bool = False) -> ModelRunner:
+def make_runner(loaded: LoadedModel, num_blocks: int = 64, block_size: int = 4) -> ModelRunner:
+    """The torch attention path: the tiny models' shapes are outside the native kernel's
+    (which test_attention checks against this path)."""
     model = LlamaModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"))
     return ModelRunner(model, num_blocks, block_size, torch.float32, torch.device("cpu"),
-                       native_decode)
+                       native_decode=False)
 
 
 @dataclass

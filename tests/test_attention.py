@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from loom.model.attention import AttentionMetadata, paged_attention
+from loom.model.attention import AttentionMetadata, new_kv_cache, paged_attention
 from loom.model.kernels import paged_attention_ops
 from loom.model.runner import ModelRunner
 
@@ -26,15 +26,19 @@ def decode_metadata(tables: list[list[int]], lens: list[int], block_size: int,
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
 def test_native_decode_attention_matches_torch(dtype, tolerance, num_heads, num_kv_heads,
                                                head_dim) -> None:
-    assert paged_attention_ops() is not None, "the kernel must build on the test machine"
+    ops = paged_attention_ops()
+    assert ops is not None, "the kernel must build on the test machine"
+    assert ops.supported(num_heads, num_kv_heads, head_dim, 16, dtype)
     rng = random.Random(0)
     torch.manual_seed(0)
     block_size, num_blocks = 16, 400
-    shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    k_cache, v_cache = new_kv_cache(num_blocks + 1, block_size, num_kv_heads, head_dim, dtype,
+                                    torch.device("cpu"))
+    k_cache.copy_(torch.randn(k_cache.shape))
+    v_cache.copy_(torch.randn(v_cache.shape))
     lens = sorted(rng.randint(1, 600) for _ in range(12))
     free = rng.sample(range(num_blocks), num_blocks)
     tables = []
@@ -49,3 +53,11 @@ def test_native_decode_attention_matches_torch(dtype, tolerance, num_heads, num_
                         decode_metadata(tables, lens, block_size, native))
         for native in (False, True))
     torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_shapes_outside_the_kernel_are_reported_unsupported() -> None:
+    ops = paged_attention_ops()
+    assert not ops.supported(4, 4, 32, 16, torch.float32)  # head_dim
+    assert not ops.supported(9, 3, 64, 8, torch.float32)  # block size
+    assert not ops.supported(9, 3, 64, 16, torch.float16)
+    assert not ops.supported(36, 3, 64, 16, torch.float32)  # 12 heads per kv head

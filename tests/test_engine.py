@@ -41,6 +41,10 @@ def any_llm(request, llm: LLM) -> LLM:
                dtype="float32")
 
 
+def test_native_decode_attention_is_the_cpu_default(llm: LLM) -> None:
+    assert llm.engine.runner.native_decode
+
+
 def test_answers_the_capital_of_france(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(max_tokens=32, temperature=0.0))[0]
@@ -61,8 +65,9 @@ def test_batch_composition_does_not_change_greedy_output(any_llm: LLM, reference
     dict(async_scheduling=True, max_num_seqs=3, max_num_batched_tokens=16),
     dict(async_scheduling=True, num_kv_blocks=12, max_num_seqs=6, enable_prefix_caching=False),
     dict(async_scheduling=True, scheduler="static", max_num_seqs=2),
+    dict(attention_backend="torch"),  # the reference runs the native kernel
 ], ids=["static", "chunked", "preemption", "no-chunking", "async-chunked", "async-preemption",
-        "async-static"])
+        "async-static", "torch-attention"])
 def test_scheduler_settings_do_not_change_greedy_output(options, reference) -> None:
     llm = LLM(max_model_len=2048, kv_cache_memory="128MiB", dtype="float32", **options)
     outs = llm.generate(PROMPTS, greedy())

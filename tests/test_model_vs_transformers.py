@@ -88,12 +88,11 @@ def test_prefill_logits_match_transformers(case):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("native", [False, True], ids=["torch-attention", "native-attention"])
-def test_decodes_after_prefill_read_the_paged_cache(case, native):
+def test_decodes_after_prefill_read_the_paged_cache(case):
     model, loaded = case
     ids = prompt(model, 22, seed=1)
     expected = reference_logits(model, ids)
-    runner = make_runner(loaded, native_decode=native)
+    runner = make_runner(loaded)
     blocks = [12, 2, 30, 4, 17, 8]  # scattered: positions 16.. live in block 17
     n = 18
     got = [step_logits(runner, [Chunk("a", ids[:n], 0, blocks)])["a"]]
@@ -103,14 +102,13 @@ def test_decodes_after_prefill_read_the_paged_cache(case, native):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("native", [False, True], ids=["torch-attention", "native-attention"])
 @pytest.mark.parametrize("split", [[9, 14], [4, 1, 11, 7]], ids=["two-chunks", "uneven-chunks"])
-def test_chunked_prefill_equals_full_forward(case, split, native):
+def test_chunked_prefill_equals_full_forward(case, split):
     """Chunk boundaries off block boundaries (block size 4); a 1-token chunk takes the decode
     path mid-prompt."""
     model, loaded = case
     ids = prompt(model, sum(split), seed=2)
-    runner = make_runner(loaded, native_decode=native)
+    runner = make_runner(loaded)
     blocks = [40, 41, 3, 50, 6, 22]
     got, start = [], 0
     for size in split:
@@ -120,14 +118,13 @@ def test_chunked_prefill_equals_full_forward(case, split, native):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("native", [False, True], ids=["torch-attention", "native-attention"])
-def test_mixed_step_of_decodes_chunks_and_prefills(case, native):
+def test_mixed_step_of_decodes_chunks_and_prefills(case):
     """One step holding two decodes, a second prefill chunk and a fresh prefill, each request
     with its own scattered blocks, gives every request the logits it gets alone."""
     model, loaded = case
     a, b, c, d = (prompt(model, n, seed=10 + i) for i, n in enumerate([13, 20, 11, 6]))
     tables = {"a": [1, 20, 7, 33], "b": [2, 9, 14, 25, 31], "c": [5, 11, 19], "d": [40, 3]}
-    runner = make_runner(loaded, native_decode=native)
+    runner = make_runner(loaded)
     first = step_logits(runner, [Chunk("a", a[:12], 0, tables["a"]),
                                  Chunk("b", b[:8], 0, tables["b"]),
                                  Chunk("d", d[:5], 0, tables["d"])])

@@ -52,8 +52,9 @@ class ModelConfig:
         "CPU threads for torch; default: the cores this process may use"))
     attention_backend: Literal["auto", "native", "torch"] = field(
         default="auto", metadata=flag_help(
-        "decode attention: native = loom's C++ paged kernel (CPU; compiled on first use), "
-        "torch = gather + SDPA; auto = native on CPU if it builds, else torch"))
+        "decode attention: native = loom's C++ paged kernel (CPU; compiled on first use; "
+        "block_size 16, head_dim 64/128), torch = gather + SDPA; auto = native where it "
+        "builds and fits, else torch"))
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

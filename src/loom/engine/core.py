@@ -76,7 +76,7 @@ class EngineCore:
         scheduler_cls = StaticScheduler if sc.scheduler == "static" else Scheduler
         self.scheduler: Scheduler = scheduler_cls(sc, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device,
-                                  native_decode=self._use_native_decode(mc.attention_backend))
+                                  native_decode=self._use_native_decode(mc.attention_backend, arch))
         self.metrics = EngineMetrics(self.model_name)
         self.states: dict[str, _RequestState] = {}
         # Async scheduling: one worker thread runs the model; at most one step is in flight.
@@ -88,18 +88,20 @@ class EngineCore:
 
     # -- set-up ------------------------------------------------------------------------------
 
-    def _use_native_decode(self, backend: str) -> bool:
+    def _use_native_decode(self, backend: str, arch: ModelArch) -> bool:
         if backend == "torch" or (backend == "auto" and self.device.type != "cpu"):
             return False
-        if self.device.type != "cpu":
-            raise ValueError("attention_backend 'native' is a CPU kernel; use 'torch' on "
-                             f"{self.device.type}")
-        if paged_attention_ops() is None:
-            if backend == "native":
-                raise ValueError("attention_backend 'native': the C++ kernel could not be built "
-                                 "(see the warning above); use 'torch' or install a compiler")
-            return False
-        return True
+        ops = paged_attention_ops() if self.device.type == "cpu" else None
+        shape = (arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                 self.config.cache.block_size, self.dtype)
+        if ops is not None and ops.supported(*shape):
+            return True
+        if backend == "native":
+            raise ValueError(
+                "attention_backend 'native' is unavailable: it needs a CPU device, a C++ "
+                "compiler (see any warning above), block_size 16, head_dim 64 or 128, 1-8 "
+                "query heads per kv head and float32/bfloat16; use 'torch' or 'auto'")
+        return False
 
     def _num_kv_blocks(self, arch: ModelArch) -> int:
         cc = self.config.cache

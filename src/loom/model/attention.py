@@ -56,11 +56,25 @@ class AttentionMetadata:
     paged_decodes: PagedDecodes | None = None
 
 
+def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V caches, both indexed [block, position in block, kv head, dim].
+
+    K is stored [block, kv head, dim, position] and handed out as a permuted view: the
+    native kernel then scores a whole block with vector FMAs across its positions (no
+    horizontal sums), while every torch op still sees the common indexing."""
+    k = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
+    v = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return k.permute(0, 3, 1, 2), v
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store this step's keys/values ([tokens, kv_heads, head_dim]) into their slots."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    block_size = k_cache.shape[1]
+    index = (slot_mapping // block_size, slot_mapping % block_size)
+    k_cache.index_put_(index, k)  # through the view, into the [block, head, dim, pos] storage
+    v_cache.index_put_(index, v)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

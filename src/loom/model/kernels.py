@@ -27,7 +27,7 @@ def paged_attention_ops() -> ModuleType | None:
 
     try:
         return load(name="loom_paged_attention", sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"], verbose=bool(os.environ.get("LOOM_VERBOSE_BUILD")))
     except Exception as e:  # noqa: BLE001 - compiler missing or failing: fall back, loudly
         logger.warning("could not build the C++ paged-attention kernel (%s: %s); using the "

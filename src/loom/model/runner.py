@@ -14,7 +14,13 @@ from loom.core.batch import (
     SchedulerOutput,
     TokenLogprob,
 )
-from loom.model.attention import AttentionMetadata, DecodeGroup, PagedDecodes, PrefillSpan
+from loom.model.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PagedDecodes,
+    PrefillSpan,
+    new_kv_cache,
+)
 from loom.model.llama import LlamaModel
 from loom.sampling import Sampler
 
@@ -31,9 +37,8 @@ class ModelRunner:
         self.device = device
         # One block more than the pool hands out: the scratch block padding tokens write to.
         self.scratch_slot = num_blocks * block_size
-        shape = (num_blocks + 1, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_caches = [new_kv_cache(num_blocks + 1, block_size, arch.num_kv_heads,
+                                       arch.head_dim, dtype, device)
                           for _ in range(arch.num_layers)]
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
