@@ -84,11 +84,13 @@ def create_app(ttft: float, itl: float, max_running: int | None) -> FastAPI:
                     delay = start + ttft + i * itl - time.perf_counter()
                     if delay > 0:
                         await asyncio.sleep(delay)
+                    # Raw U+2028 / NEL inside JSON strings, as pydantic-based servers send
+                    # them: a client must not split the event there.
                     chunk = {"id": "cmpl-fake", "object": "text_completion", "model": MODEL,
-                             "choices": [{"index": 0, "text": f" t{i}", "finish_reason":
-                                          "length" if i == n - 1 else None}]}
+                             "choices": [{"index": 0, "text": f" t{i}\u2028\x85",
+                                          "finish_reason": "length" if i == n - 1 else None}]}
                     state["tokens"] += 1
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
                 if (body.get("stream_options") or {}).get("include_usage"):
                     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -104,7 +105,7 @@ async def _stream(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
         last = None
         usage_tokens = None
         done = False
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()
@@ -138,3 +139,17 @@ async def _stream(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
             result.status, result.error = ERROR, "no tokens in the response"
         else:
             result.status = OK
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """Lines of an event stream, split only where SSE splits them (LF, CR LF). httpx's
+    aiter_lines also splits on U+2028, NEL and friends, which servers may send raw inside
+    JSON strings (vLLM and pydantic do), cutting an event in two."""
+    buffer = ""
+    async for text in response.aiter_text():
+        buffer += text
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if buffer:
+        yield buffer.removesuffix("\r")

@@ -36,8 +36,14 @@ SSE_DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but the log shows why
 
 
+# JSON may carry these raw inside strings, but many line readers (Python's str.splitlines,
+# httpx's aiter_lines) break lines on them, which cuts an SSE event in two: escape them.
+_LINE_BREAKS_JSON_ALLOWS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028",
+                                          "\u2029": "\\u2029"})
+
+
 def sse(message: BaseModel) -> str:
-    return f"data: {message.model_dump_json()}\n\n"
+    return f"data: {message.model_dump_json().translate(_LINE_BREAKS_JSON_ALLOWS)}\n\n"
 
 
 class ClientStream:

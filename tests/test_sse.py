@@ -1,0 +1,23 @@
+"""Server-sent events must survive line readers that split on more than LF (httpx's
+aiter_lines, str.splitlines): text the model generates may hold U+2028, U+2029 or NEL."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loom.entrypoints.openai.protocol import CompletionChoice, CompletionChunk
+from loom.entrypoints.openai.serving import sse
+
+pytestmark = pytest.mark.unit
+
+
+def test_sse_event_is_one_line_whatever_the_text() -> None:
+    text = "a\u2028b\u2029c\x85d\ne\rf"
+    event = sse(CompletionChunk(
+        id="x", created=0, model="m",
+        choices=[CompletionChoice(index=0, text=text)]))
+    assert event.endswith("\n\n")
+    (line,) = event[:-2].splitlines()
+    assert json.loads(line.removeprefix("data: "))["choices"][0]["text"] == text
