@@ -77,6 +77,11 @@ class EngineCore:
         self.scheduler: Scheduler = scheduler_cls(sc, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device,
                                   native_decode=self._use_native_decode(mc.attention_backend, arch))
+        logger.info("model %s on %s: dtype %s%s, decode attention %s, %d threads",
+                    self.model_name, self.device, str(self.dtype).removeprefix("torch."),
+                    " (auto)" if mc.dtype == "auto" else "",
+                    "native kernel" if self.runner.native_decode else "torch",
+                    torch.get_num_threads())
         self.metrics = EngineMetrics(self.model_name)
         self.states: dict[str, _RequestState] = {}
         # Async scheduling: one worker thread runs the model; at most one step is in flight.

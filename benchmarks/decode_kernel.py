@@ -1,0 +1,67 @@
+"""Decode attention alone, one layer: the native kernel against the torch path (gather each
+request's blocks, pad, SDPA per length group), on random caches with SmolLM2's shape (9 query
+heads, 3 kv heads, head_dim 64, block 16) and scattered blocks. Run from the repository root:
+
+    python benchmarks/decode_kernel.py
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from loom.model.attention import AttentionMetadata, new_kv_cache, paged_attention
+from loom.model.runner import ModelRunner
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def per_layer_ms(fn, repeats: int = 20) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def main() -> None:
+    print("| dtype | decodes | mean context | torch path ms/layer | native ms/layer | native "
+          "GFLOP/s | speed-up |\n|---|--:|--:|--:|--:|--:|--:|")
+    runner = ModelRunner.__new__(ModelRunner)  # only its metadata builders
+    runner.block_size, runner.device = BLOCK, torch.device("cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (8, 32, 64):
+            rng = random.Random(n)
+            lens = [rng.randint(50, 1100) for _ in range(n)]
+            num_blocks = sum(-(-length // BLOCK) for length in lens) + 1
+            k_cache, v_cache = new_kv_cache(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype,
+                                            torch.device("cpu"))
+            k_cache.copy_(torch.randn(k_cache.shape))
+            v_cache.copy_(torch.randn(v_cache.shape))
+            free = list(range(num_blocks - 1))
+            rng.shuffle(free)
+            tables = []
+            for length in lens:
+                count = -(-length // BLOCK)
+                tables.append(free[:count])
+                free = free[count:]
+            order = sorted(range(n), key=lambda i: lens[i])  # the runner sorts by length
+            tables, lens = [tables[i] for i in order], [lens[i] for i in order]
+            q = torch.randn(n, HEADS, HEAD_DIM).to(dtype)
+            unused = torch.zeros(n, KV_HEADS, HEAD_DIM, dtype=dtype)
+            slots = torch.zeros(0, dtype=torch.long)
+            native = AttentionMetadata(slots, [], [], runner._paged_decodes(tables, lens))
+            torch_path = AttentionMetadata(slots, runner._decode_groups(tables, lens), [])
+            args = (q, unused, unused, k_cache, v_cache)
+            times = [per_layer_ms(lambda m=m, args=args: paged_attention(*args, m))
+                     for m in (torch_path, native)]
+            flops = 4 * sum(lens) * HEADS * HEAD_DIM
+            print(f"| {str(dtype).removeprefix('torch.')} | {n} | {sum(lens) // n} | "
+                  f"{times[0]:.3f} | {times[1]:.3f} | {flops / times[1] / 1e6:.0f} | "
+                  f"{times[0] / times[1]:.1f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
