@@ -23,7 +23,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5
 
 def main() -> None:
     items = mixed_workload(bundled_tokenizer())
-    fp32 = LLM(kv_cache_memory="256MiB")
+    fp32 = LLM(dtype="float32", kv_cache_memory="256MiB")
     bf16 = LLM(dtype="bfloat16", kv_cache_memory="256MiB")
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     print(repr(bf16.chat(chat, SamplingParams(max_tokens=30, temperature=0))[0].outputs[0].text))
