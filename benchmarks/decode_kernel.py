@@ -51,7 +51,7 @@ def main() -> None:
             tables, lens = [tables[i] for i in order], [lens[i] for i in order]
             q = torch.randn(n, HEADS, HEAD_DIM).to(dtype)
             unused = torch.zeros(n, KV_HEADS, HEAD_DIM, dtype=dtype)
-            slots = torch.zeros(0, dtype=torch.long)
+            slots = (torch.zeros(0, dtype=torch.long),) * 2  # nothing is written
             native = AttentionMetadata(slots, [], [], runner._paged_decodes(tables, lens))
             torch_path = AttentionMetadata(slots, runner._decode_groups(tables, lens), [])
             args = (q, unused, unused, k_cache, v_cache)

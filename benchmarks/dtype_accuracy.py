@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from loom import LLM, SamplingParams
-from loom.model.attention import AttentionMetadata, PrefillSpan
+from loom.model.attention import AttentionMetadata, PrefillSpan, new_kv_cache
 from loom.model.llama import LlamaModel
 from loom.model.tokenizer import Tokenizer
 
@@ -189,11 +189,11 @@ def passage_logits(model: LlamaModel, token_ids: list[int]) -> torch.Tensor:
     arch, n = model.arch, len(token_ids)
     dtype = model.embed.dtype
     num_blocks = -(-n // BLOCK_SIZE)
-    shape = (num_blocks, BLOCK_SIZE, arch.num_kv_heads, arch.head_dim)
-    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-              for _ in range(arch.num_layers)]
+    caches = [new_kv_cache(num_blocks, BLOCK_SIZE, arch.num_kv_heads, arch.head_dim, dtype,
+                           torch.device("cpu")) for _ in range(arch.num_layers)]
     positions = torch.arange(n)
-    meta = AttentionMetadata(slot_mapping=positions, decodes=[], prefills=[PrefillSpan(
+    slots = (positions // BLOCK_SIZE, positions % BLOCK_SIZE)
+    meta = AttentionMetadata(slots=slots, decodes=[], prefills=[PrefillSpan(
         query_start=0, query_len=n, context_len=n, block_ids=torch.arange(num_blocks))])
     hidden = model.forward(torch.tensor(token_ids), positions, caches, meta)
     return model.compute_logits(hidden).float()

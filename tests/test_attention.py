@@ -19,7 +19,7 @@ def decode_metadata(tables: list[list[int]], lens: list[int], block_size: int,
                     native: bool) -> AttentionMetadata:
     runner = ModelRunner.__new__(ModelRunner)  # only the metadata builders are needed
     runner.block_size, runner.device = block_size, torch.device("cpu")
-    slots = torch.zeros(0, dtype=torch.long)
+    slots = (torch.zeros(0, dtype=torch.long),) * 2  # decodes only: nothing is written
     if native:
         return AttentionMetadata(slots, [], [], runner._paged_decodes(tables, lens))
     return AttentionMetadata(slots, runner._decode_groups(tables, lens), [])

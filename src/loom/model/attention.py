@@ -50,7 +50,8 @@ class AttentionMetadata:
     """Where each token's K/V goes and what each query attends to, for one step. Decodes come
     either as `paged_decodes` (native kernel) or as `decodes` groups (torch path)."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] flat slot (block * block_size + offset)
+    # Each token's K/V slot: (block ids, offsets in the block), both [num_tokens].
+    slots: tuple[torch.Tensor, torch.Tensor]
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
     paged_decodes: PagedDecodes | None = None
@@ -69,12 +70,10 @@ def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: 
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slots: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Store this step's keys/values ([tokens, kv_heads, head_dim]) into their slots."""
-    block_size = k_cache.shape[1]
-    index = (slot_mapping // block_size, slot_mapping % block_size)
-    k_cache.index_put_(index, k)  # through the view, into the [block, head, dim, pos] storage
-    v_cache.index_put_(index, v)
+    k_cache.index_put_(slots, k)  # through the view, into the [block, head, dim, pos] storage
+    v_cache.index_put_(slots, v)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

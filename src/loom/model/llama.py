@@ -72,7 +72,7 @@ class LlamaModel:
                        cos, sin)  # q and k heads rotated together: 3 ops per layer
             q, k = qk[:, :arch.num_heads], qk[:, arch.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].reshape(-1, arch.num_kv_heads, arch.head_dim)
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            write_kv(k_cache, v_cache, k, v, meta.slots)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta)
             hidden = hidden + F.linear(attn, layer.o_weight, layer.o_bias)
             x = F.rms_norm(hidden, (arch.hidden_size,), layer.post_attn_norm, eps)

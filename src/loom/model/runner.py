@@ -36,7 +36,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         # One block more than the pool hands out: the scratch block padding tokens write to.
-        self.scratch_slot = num_blocks * block_size
+        self.scratch_block = num_blocks
         self.kv_caches = [new_kv_cache(num_blocks + 1, block_size, arch.num_kv_heads,
                                        arch.head_dim, dtype, device)
                           for _ in range(arch.num_layers)]
@@ -108,7 +108,8 @@ class ModelRunner:
         device = self.device
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
         prefills: list[PrefillSpan] = []
         decode_tables: list[list[int]] = []
         for item in items:
@@ -116,10 +117,9 @@ class ModelRunner:
             ids.extend(item.token_ids)
             span = range(start, start + n)
             positions.extend(span)
-            if item.padding:
-                slots.extend([self.scratch_slot] * n)
-            else:
-                slots.extend(item.block_ids[p // bs] * bs + p % bs for p in span)
+            slot_blocks.extend([self.scratch_block] * n if item.padding
+                               else (item.block_ids[p // bs] for p in span))
+            slot_offsets.extend(p % bs for p in span)
             num_blocks = -(-(start + n) // bs)
             if n == 1:
                 decode_tables.append(item.block_ids[:num_blocks])
@@ -128,12 +128,13 @@ class ModelRunner:
                     query_start=len(ids) - n, query_len=n, context_len=start + n,
                     block_ids=torch.tensor(item.block_ids[:num_blocks], device=device)))
         decode_lens = [item.start_position + 1 for item in items[:len(decode_tables)]]
-        slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        slots = (torch.tensor(slot_blocks, dtype=torch.long, device=device),
+                 torch.tensor(slot_offsets, dtype=torch.long, device=device))
         if self.native_decode:
-            meta = AttentionMetadata(slot_mapping, [], prefills,
+            meta = AttentionMetadata(slots, [], prefills,
                                      self._paged_decodes(decode_tables, decode_lens))
         else:
-            meta = AttentionMetadata(slot_mapping, self._decode_groups(decode_tables, decode_lens),
+            meta = AttentionMetadata(slots, self._decode_groups(decode_tables, decode_lens),
                                      prefills)
         return (items, torch.tensor(ids, dtype=torch.long, device=device),
                 torch.tensor(positions, dtype=torch.long, device=device), meta)
