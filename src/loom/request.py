@@ -67,10 +67,6 @@ class Request:
         return self.num_tokens + self.num_output_placeholders - self.num_scheduled_tokens
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
     def max_num_tokens(self) -> int:
         return self.num_prompt_tokens + self.sampling_params.max_tokens
 
