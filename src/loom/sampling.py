@@ -56,7 +56,8 @@ class Sampler:
     cumulative distribution. A per-request `torch.Generator` therefore produces one number per
     step, so seeded requests stay reproducible whatever else shares the batch. (The
     exponential-race trick needs a random number per vocabulary entry; torch's CPU
-    `exponential_` made that 23 ms for 32 rows of a 49k vocabulary, against 0.6 ms here.)
+    `exponential_` made that 25 ms for 32 rows of a 49k vocabulary, against 1.5 ms here:
+    benchmarks/op_costs.py.)
     """
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],

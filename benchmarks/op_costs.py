@@ -1,0 +1,69 @@
+"""Two single-op costs that BENCHMARKS.md's speed section leans on, timed alone at this
+model's shapes. Run from the repository root:
+
+    python benchmarks/op_costs.py
+
+1. Prefill attention for a 512-token chunk over 1,024 tokens of cached context (9 heads, 3 kv
+   heads, dim 64): torch's SDPA with the chunk's causal mask, in fp32 and bf16, against a bare
+   bf16 bmm of the same q.K scores (a lower bound on what a native kernel would pay).
+2. Sampling 32 rows of a 49,152-token vocabulary: the exponential race (one random number
+   per vocabulary entry) against inverse-CDF sampling (one per row), which loom uses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from loom.model.attention import _chunk_causal_mask
+
+
+def ms(fn: Callable[[], object], repeats: int = 10) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def prefill_attention() -> None:
+    query_len, context_len, heads, kv_heads, dim = 512, 1024, 9, 3, 64
+    mask = _chunk_causal_mask(query_len, context_len, torch.device("cpu"))
+    print(f"prefill attention, {query_len} queries over {context_len} keys, one layer:")
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, heads, query_len, dim).to(dtype)
+        k = torch.randn(1, kv_heads, context_len, dim).to(dtype)
+        v = torch.randn(1, kv_heads, context_len, dim).to(dtype)
+        sdpa = ms(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=True))
+        flops = 4 * heads * query_len * context_len * dim
+        print(f"  SDPA with mask, {str(dtype).removeprefix('torch.')}: {sdpa:.2f} ms "
+              f"({flops / sdpa / 1e6:.0f} GFLOP/s)")
+    q = torch.randn(kv_heads, heads // kv_heads * query_len, dim).to(torch.bfloat16)
+    k = torch.randn(kv_heads, context_len, dim).to(torch.bfloat16)
+    print(f"  bf16 bmm of the q.K scores alone: {ms(lambda: torch.bmm(q, k.transpose(1, 2))):.2f}"
+          " ms")
+
+
+def sampling() -> None:
+    logits = torch.randn(32, 49152)
+
+    def exponential_race() -> torch.Tensor:
+        probs = logits.softmax(-1)
+        return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+
+    def inverse_cdf() -> torch.Tensor:
+        cdf = logits.softmax(-1).cumsum(-1)
+        return torch.searchsorted(cdf, torch.rand(32, 1) * cdf[:, -1:], right=True)
+
+    print("sampling 32 rows x 49,152 tokens:")
+    print(f"  exponential race: {ms(exponential_race):.2f} ms")
+    print(f"  inverse CDF: {ms(inverse_cdf):.2f} ms")
+
+
+if __name__ == "__main__":
+    prefill_attention()
+    sampling()
