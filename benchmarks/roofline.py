@@ -6,7 +6,9 @@ Measures, with the thread count loom uses (torch's default is every core this pr
   median of several repeats (copy counts bytes read + bytes written, as STREAM does);
 * matmul GFLOP/s at the model's own projection shapes (taken from the loaded model: fused qkv,
   o, fused gate_up, down, lm_head) for M = 1, 8, 32, 64, 256 tokens, in float32 and bfloat16,
-  plus one large square matmul for the machine's peak (best of two sweeps);
+  each in the weight layout the engine uses for that dtype (prepacked for oneDNN where
+  `loom.model.linear` does so), plus one large square matmul (F.linear) for the machine's
+  peak (best of two sweeps);
 * loom's steady-state decode throughput at batch 1, 8, 32, 64: B requests with short prompts
   and ignore_eos go into the engine, it steps until every prompt is prefilled, then a few
   warm-up steps, then N decode-only steps are timed.
@@ -38,10 +40,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from loom import LLM, SamplingParams
 from loom.bench.sysinfo import hardware
+from loom.model.linear import Linear, onednn_prepack_supported
 from loom.model.llama import LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -75,20 +77,20 @@ def measure_bandwidth(size_bytes: int, repeats: int) -> dict[str, float]:
             "copy_median_gbs": 2 * nbytes / copy_median / 1e9}
 
 
-def _time_linear(x: torch.Tensor, w: torch.Tensor, min_time: float) -> float:
-    """Seconds per F.linear(x, w): the best of many ~2 ms batches of calls filling min_time.
+def _time_linear(x: torch.Tensor, linear: Linear, min_time: float) -> float:
+    """Seconds per linear(x): the best of many ~2 ms batches of calls filling min_time.
     Best-of, not mean, so that other processes preempting a thread count as little as
     possible."""
     for _ in range(2):
-        F.linear(x, w)
+        linear(x)
     start = time.perf_counter()
-    F.linear(x, w)
+    linear(x)
     n = max(1, int(0.002 / max(time.perf_counter() - start, 1e-7)))
     best, batches, begin = float("inf"), 0, time.perf_counter()
     while batches < 5 or time.perf_counter() - begin < min_time:
         start = time.perf_counter()
         for _ in range(n):
-            F.linear(x, w)
+            linear(x)
         best = min(best, (time.perf_counter() - start) / n)
         batches += 1
     return best
@@ -106,17 +108,19 @@ def measure_matmuls(shapes: dict[str, tuple[int, int]], ms: list[int], square: i
             result = out.setdefault(dtype_name, {"shapes": {}, "square_n": square,
                                                  "square_gflops": 0.0})
             for name, (k, n) in shapes.items():
-                w = torch.randn(n, k, dtype=dtype)
+                # in the layout the engine uses for this dtype (prepacked for oneDNN or not)
+                linear = Linear(torch.randn(n, k, dtype=dtype), prepack=onednn_prepack_supported(
+                    torch.device("cpu"), dtype))
                 for m in ms:
                     x = torch.randn(m, k, dtype=dtype)
-                    seconds = _time_linear(x, w, min_time)
+                    seconds = _time_linear(x, linear, min_time)
                     best = result["shapes"].setdefault(name, {}).get(m)
                     if best is None or seconds < best["seconds"]:
                         result["shapes"][name][m] = {"seconds": seconds,
                                                      "gflops": 2 * m * k * n / seconds / 1e9}
             a = torch.randn(square, square, dtype=dtype)
             b = torch.randn(square, square, dtype=dtype)
-            gflops = 2 * square**3 / _time_linear(a, b, min_time * 4) / 1e9
+            gflops = 2 * square**3 / _time_linear(a, Linear(b), min_time * 4) / 1e9
             result["square_gflops"] = max(result["square_gflops"], gflops)
         print(f"  round {round_ + 1}/{rounds} done", flush=True)
     return out
@@ -127,20 +131,20 @@ def measure_matmuls(shapes: dict[str, tuple[int, int]], ms: list[int], square: i
 def model_shapes(model: LlamaModel) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection a decode step runs."""
     layer = model.layers[0]
-    weights = {"qkv": layer.qkv_weight, "o": layer.o_weight, "gate_up": layer.gate_up_weight,
-               "down": layer.down_weight, "lm_head": model.lm_head}
-    return {name: (w.shape[1], w.shape[0]) for name, w in weights.items()}
+    linears = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down,
+               "lm_head": model.lm_head}
+    return {name: (lin.in_features, lin.out_features) for name, lin in linears.items()}
 
 
 def model_figures(model: LlamaModel) -> dict[str, Any]:
     """Parameters and bytes one decode step reads, independent of the batch."""
     arch = model.arch
-    layer_weights = [w for layer in model.layers for w in (
-        layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)]
+    linears = [lin for layer in model.layers for lin in (
+        layer.qkv, layer.o, layer.gate_up, layer.down)]
     norms = [w for layer in model.layers for w in (layer.input_norm, layer.post_attn_norm)]
     norms.append(model.final_norm)
-    matmul_params = sum(w.numel() for w in layer_weights) + model.lm_head.numel()
-    itemsize = model.lm_head.element_size()
+    matmul_params = sum(lin.num_params for lin in linears) + model.lm_head.num_params
+    itemsize = model.embed.element_size()
     return {
         "matmul_params": matmul_params,
         "weight_bytes": (matmul_params + sum(w.numel() for w in norms)) * itemsize,
@@ -155,18 +159,18 @@ def measure_matmul_step(model: LlamaModel, batch: int, repeats: int) -> float:
     """Median seconds of just the matmuls of one decode step at batch B, on the model's own
     weights (so they stream from memory as in a real step): per layer qkv, o, gate_up, down,
     then lm_head."""
-    arch, dtype = model.arch, model.lm_head.dtype
+    arch, dtype = model.arch, model.embed.dtype
     h = torch.randn(batch, arch.hidden_size, dtype=dtype)
     a = torch.randn(batch, arch.num_heads * arch.head_dim, dtype=dtype)
     m = torch.randn(batch, arch.intermediate_size, dtype=dtype)
 
     def step() -> None:
         for layer in model.layers:
-            F.linear(h, layer.qkv_weight)
-            F.linear(a, layer.o_weight)
-            F.linear(h, layer.gate_up_weight)
-            F.linear(m, layer.down_weight)
-        F.linear(h, model.lm_head)
+            layer.qkv(h)
+            layer.o(a)
+            layer.gate_up(h)
+            layer.down(m)
+        model.lm_head(h)
 
     return _best_and_median(step, repeats)[1]
 
@@ -282,7 +286,7 @@ def print_report(machine: dict[str, Any], rows: list[dict[str, Any]],
           "it), so that other load on the machine counts less; mean tok/s: all timed steps. "
           "ctx: mean context per sequence over the timed steps; compute ms uses the best "
           "GFLOP/s measured at M = B; ideal uses the square-matmul peak instead; matmul ms: "
-          "median time of just the step's matmuls (F.linear on the model's own weights at M = "
+          "median time of just the step's matmuls (the model's own projections at M = "
           "B), i.e. step ms minus that is attention, sampling and engine overhead.")
 
 

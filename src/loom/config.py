@@ -55,6 +55,10 @@ class ModelConfig:
         "decode attention: native = loom's C++ paged kernel (CPU; compiled on first use; "
         "block_size 16, head_dim 64/128), torch = gather + SDPA; auto = native where it "
         "builds and fits, else torch"))
+    linear_backend: Literal["auto", "onednn", "torch"] = field(
+        default="auto", metadata=flag_help(
+        "projection matmuls: onednn = weights prepacked once for oneDNN (CPU float32), "
+        "torch = F.linear on plain weights; auto = onednn where it applies, else torch"))
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

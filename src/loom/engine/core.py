@@ -18,6 +18,7 @@ from loom.core.static import StaticScheduler
 from loom.engine.detokenizer import IncrementalDetokenizer
 from loom.engine.metrics import EngineMetrics
 from loom.model.kernels import paged_attention_ops
+from loom.model.linear import onednn_prepack_supported
 from loom.model.llama import LlamaModel
 from loom.model.loader import ModelArch, load_model
 from loom.model.runner import ModelRunner
@@ -68,7 +69,8 @@ class EngineCore:
             raise ValueError(
                 f"with chunked prefill disabled, max_num_batched_tokens "
                 f"({sc.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
-        model = LlamaModel(arch, loaded.weights, self.dtype, self.device)
+        prepack = self._use_onednn_linear(mc.linear_backend)
+        model = LlamaModel(arch, loaded.weights, self.dtype, self.device, prepack=prepack)
         del loaded
         num_blocks = self._num_kv_blocks(arch)
         block_size = config.cache.block_size
@@ -77,11 +79,11 @@ class EngineCore:
         self.scheduler: Scheduler = scheduler_cls(sc, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device,
                                   native_decode=self._use_native_decode(mc.attention_backend, arch))
-        logger.info("model %s on %s: dtype %s%s, decode attention %s, %d threads",
+        logger.info("model %s on %s: dtype %s%s, decode attention %s, matmuls %s, %d threads",
                     self.model_name, self.device, str(self.dtype).removeprefix("torch."),
                     " (auto)" if mc.dtype == "auto" else "",
                     "native kernel" if self.runner.native_decode else "torch",
-                    torch.get_num_threads())
+                    "oneDNN prepacked" if prepack else "torch", torch.get_num_threads())
         self.metrics = EngineMetrics(self.model_name)
         self.states: dict[str, _RequestState] = {}
         # Async scheduling: one worker thread runs the model; at most one step is in flight.
@@ -106,6 +108,16 @@ class EngineCore:
                 "attention_backend 'native' is unavailable: it needs a CPU device, a C++ "
                 "compiler (see any warning above), block_size 16, head_dim 64 or 128, 1-8 "
                 "query heads per kv head and float32/bfloat16; use 'torch' or 'auto'")
+        return False
+
+    def _use_onednn_linear(self, backend: str) -> bool:
+        if backend == "torch":
+            return False
+        if onednn_prepack_supported(self.device, self.dtype):
+            return True
+        if backend == "onednn":
+            raise ValueError("linear_backend 'onednn' needs a CPU device, float32 and a torch "
+                             "built with oneDNN (mkldnn); use 'torch' or 'auto'")
         return False
 
     def _num_kv_blocks(self, arch: ModelArch) -> int:

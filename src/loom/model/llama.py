@@ -13,39 +13,43 @@ import torch
 import torch.nn.functional as F
 
 from loom.model.attention import AttentionMetadata, paged_attention, write_kv
+from loom.model.linear import Linear
 from loom.model.loader import ModelArch, ModelLoadError
 
 
 class LlamaLayer:
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, bias: bool) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, bias: bool,
+                 prepack: bool) -> None:
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
-        self.qkv_weight = torch.cat([w[attn + f"{x}_proj.weight"] for x in "qkv"])
-        self.qkv_bias = torch.cat([w[attn + f"{x}_proj.bias"] for x in "qkv"]) if bias else None
-        self.o_weight = w[attn + "o_proj.weight"]
-        self.gate_up_weight = torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])
-        self.down_weight = w[mlp + "down_proj.weight"]
+        qkv_bias = torch.cat([w[attn + f"{x}_proj.bias"] for x in "qkv"]) if bias else None
+        self.qkv = Linear(torch.cat([w[attn + f"{x}_proj.weight"] for x in "qkv"]), qkv_bias,
+                          prepack)
         # Llama's attention_bias also puts a bias on o_proj, and mlp_bias on all three MLP
         # projections (Qwen2 has q/k/v biases only): use whichever the checkpoint has.
-        self.o_bias = w.get(attn + "o_proj.bias")
+        self.o = Linear(w[attn + "o_proj.weight"], w.get(attn + "o_proj.bias"), prepack)
         gate_bias, up_bias = w.get(mlp + "gate_proj.bias"), w.get(mlp + "up_proj.bias")
-        self.gate_up_bias = torch.cat([gate_bias, up_bias]) if gate_bias is not None else None
-        self.down_bias = w.get(mlp + "down_proj.bias")
+        self.gate_up = Linear(
+            torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]),
+            torch.cat([gate_bias, up_bias]) if gate_bias is not None else None, prepack)
+        self.down = Linear(w[mlp + "down_proj.weight"], w.get(mlp + "down_proj.bias"), prepack)
         self.input_norm = w[prefix + "input_layernorm.weight"]
         self.post_attn_norm = w[prefix + "post_attention_layernorm.weight"]
 
 
 class LlamaModel:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, prepack: bool = False) -> None:
+        """prepack: hold the projection weights prepacked for oneDNN (see model/linear.py)."""
         self.arch = arch
         missing = [n for n in _required_names(arch) if n not in weights]
         if missing:
             raise ModelLoadError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
         w = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if arch.tie_word_embeddings else w["lm_head.weight"]
+        self.lm_head = Linear(self.embed if arch.tie_word_embeddings else w["lm_head.weight"],
+                              prepack=prepack)
         self.final_norm = w["model.norm.weight"]
-        self.layers = [LlamaLayer(w, f"model.layers.{i}.", arch.attention_bias)
+        self.layers = [LlamaLayer(w, f"model.layers.{i}.", arch.attention_bias, prepack)
                        for i in range(arch.num_layers)]
         inv_freq = rope_inv_freq(arch).to(device)
         positions = torch.arange(arch.max_position_embeddings, device=device, dtype=torch.float32)
@@ -67,21 +71,21 @@ class LlamaModel:
         hidden = F.embedding(input_ids, self.embed)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = F.rms_norm(hidden, (arch.hidden_size,), layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = layer.qkv(x)
             qk = _rope(qkv[:, :self.q_size + self.kv_size].view(-1, num_qk_heads, arch.head_dim),
                        cos, sin)  # q and k heads rotated together: 3 ops per layer
             q, k = qk[:, :arch.num_heads], qk[:, arch.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].reshape(-1, arch.num_kv_heads, arch.head_dim)
             write_kv(k_cache, v_cache, k, v, meta.slots)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta)
-            hidden = hidden + F.linear(attn, layer.o_weight, layer.o_bias)
+            hidden = hidden + layer.o(attn)
             x = F.rms_norm(hidden, (arch.hidden_size,), layer.post_attn_norm, eps)
-            gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
         return F.rms_norm(hidden, (arch.hidden_size,), self.final_norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+        return self.lm_head(hidden)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
