@@ -4,8 +4,8 @@ On CPU, torch's `F.linear` hands an fp32 matmul to MKL, which re-packs the weigh
 own panel layout on every call. At the narrow batches of decode steps (1-64 rows) that
 re-pack costs about as much as the arithmetic. oneDNN can take the weight packed once, at
 load time, as vLLM's CPU backend and inductor's freezing pass do. On this model's
-projections, a 30-layer chain of them ran 1.4-1.8x faster prepacked at 1-32 rows and about
-even at 2,048 (`benchmarks/linear_layout.py`).
+projections, a 30-layer chain of them ran 1.5-2.2x faster prepacked at 1-64 rows and as fast
+or slightly faster at 512-2,048 (`benchmarks/linear_layout.py`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# oneDNN picks its packed layout for a typical batch; one layout serves every batch size, and
-# the hint barely mattered between 1 and 512 rows (benchmarks/linear_layout.py).
-_PACK_BATCH_HINT = 32
+# oneDNN picks its packed layout for a typical batch; one layout serves every batch size. A
+# hint of 512 rows was as fast as 1 or 32 from 8 to 512 rows, and unlike 32 it does not lose
+# to F.linear on prefill-sized batches (benchmarks/linear_layout.py).
+_PACK_BATCH_HINT = 512
 
 
 def onednn_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
