@@ -89,9 +89,9 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = field(default=512, metadata=flag_help(
+    max_num_batched_tokens: int = field(default=2048, metadata=flag_help(
         "token budget of one scheduler step (decodes + prefill chunks)"))
-    max_num_seqs: int = field(default=64, metadata=flag_help("sequences in one step at most"))
+    max_num_seqs: int = field(default=128, metadata=flag_help("sequences in one step at most"))
     enable_chunked_prefill: bool = field(default=True, metadata=flag_help(
         "split prompts longer than the remaining budget across steps"))
     scheduler: Literal["continuous", "static"] = field(default="continuous", metadata=flag_help(
