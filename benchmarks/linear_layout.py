@@ -7,7 +7,10 @@ bundled model's own fp32 weights. Run from the repository root:
 One "chain" is every projection of one step in model order: per layer qkv, o, gate_up, down,
 then lm_head (only for M <= 256: a prefill computes logits for a few rows, not all), each at M
 rows, so weights stream from memory as in a real step. Layouts alternate within each round;
-each figure is the best of --rounds. A second table shows the packed layout's batch hint.
+each figure is the best of --rounds. A second table shows the packed layout's batch hint. A
+third puts loom's native kernel on the GGUF's own Q4_1/Q8_0 blocks (`--linear-backend native`)
+next to the prepacked layout, at every row count, to place the engine's switch-over
+(BLOCK_QUANT_MAX_ROWS).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+import loom.model.linear
 from loom import LLM
 from loom.bench.sysinfo import hardware
 from loom.model.linear import Linear
@@ -47,6 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,8,32,64,256,512,1024,2048")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--native-rows", default="1,2,4,8,16,24,32,64")
     args = parser.parse_args()
     model = LLM(dtype="float32", linear_backend="torch").engine.runner.model
     weights = [lin.weight for layer in model.layers
@@ -77,6 +82,25 @@ def main() -> None:
         for m in (8, 64, 512):
             row = [chain_ms(linears(True, hint), m, args.rounds) for hint in (1, 32, 512)]
             print(f"| {m} | " + " | ".join(f"{t:.1f}" for t in row) + " |")
+        native_table(args.native_rows, args.rounds)
+
+
+def native_table(rows: str, rounds: int) -> None:
+    native = LLM(dtype="float32", linear_backend="native").engine.runner.model
+    layers = [lin for layer in native.layers for lin in (layer.qkv, layer.o, layer.gate_up,
+                                                         layer.down)] + [native.lm_head]
+    packed = [Linear(lin.weight) for lin in layers]  # the same packed weights, kernel off
+    for lin in packed:
+        lin.prepacked = True
+    loom.model.linear.BLOCK_QUANT_MAX_ROWS = 1 << 30  # the kernel at every row count
+    print("\nNative kernel on the GGUF's blocks against the prepacked layout (ms per chain):\n")
+    print("| M | prepacked ms | native ms | speed-up |\n|--:|--:|--:|--:|")
+    for m in map(int, rows.split(",")):
+        t_packed = t_native = float("inf")
+        for _ in range(rounds):
+            t_packed = min(t_packed, chain_ms(packed, m, 1))
+            t_native = min(t_native, chain_ms(layers, m, 1))
+        print(f"| {m} | {t_packed:.1f} | {t_native:.1f} | {t_packed / t_native:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -210,8 +210,10 @@ def gguf_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def write_gguf(model: Any, path: Path, pre: str = "smollm", arch: str | None = None) -> Path:
-    """Write `model` as an F32 GGUF file laid out as llama.cpp's converter lays it out."""
+def write_gguf(model: Any, path: Path, pre: str = "smollm", arch: str | None = None,
+               quant: str | None = None) -> Path:
+    """Write `model` as a GGUF file laid out as llama.cpp's converter lays it out: F32, or with
+    its 2-D weights in `quant` (a GGMLQuantizationType name, e.g. Q4_1)."""
     import gguf
 
     config = model.config
@@ -255,7 +257,12 @@ def write_gguf(model: Any, path: Path, pre: str = "smollm", arch: str | None = N
             array = _permute(array, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             array = _permute(array, config.num_key_value_heads)
-        writer.add_tensor(gguf_tensor_name(name), array)
+        if quant and array.ndim == 2:
+            kind = gguf.GGMLQuantizationType[quant]
+            writer.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(array, kind),
+                              raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_tensor_name(name), array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -55,10 +55,12 @@ class ModelConfig:
         "decode attention: native = loom's C++ paged kernel (CPU; compiled on first use; "
         "block_size 16, head_dim 64/128), torch = gather + SDPA; auto = native where it "
         "builds and fits, else torch"))
-    linear_backend: Literal["auto", "onednn", "torch"] = field(
+    linear_backend: Literal["auto", "native", "onednn", "torch"] = field(
         default="auto", metadata=flag_help(
-        "projection matmuls: onednn = weights prepacked once for oneDNN (CPU float32), "
-        "torch = F.linear on plain weights; auto = onednn where it applies, else torch"))
+        "projection matmuls: native = loom's C++ kernel on a GGUF's own Q4_0/Q4_1/Q8_0 "
+        "weights for batches up to 24 rows, onednn above (CPU float32, AVX2); onednn = "
+        "weights prepacked once for oneDNN (CPU float32); torch = F.linear on plain "
+        "weights; auto = the first of these that applies"))
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -17,10 +17,10 @@ from loom.core.scheduler import RequestUpdate, Scheduler
 from loom.core.static import StaticScheduler
 from loom.engine.detokenizer import IncrementalDetokenizer
 from loom.engine.metrics import EngineMetrics
-from loom.model.kernels import paged_attention_ops
+from loom.model.kernels import block_quant_linear_ops, paged_attention_ops
 from loom.model.linear import onednn_prepack_supported
 from loom.model.llama import LlamaModel
-from loom.model.loader import ModelArch, load_model
+from loom.model.loader import BlockQuantWeight, ModelArch, load_model
 from loom.model.runner import ModelRunner
 from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loom.request import Request, RequestStatus
@@ -70,7 +70,9 @@ class EngineCore:
                 f"with chunked prefill disabled, max_num_batched_tokens "
                 f"({sc.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
         prepack = self._use_onednn_linear(mc.linear_backend)
-        model = LlamaModel(arch, loaded.weights, self.dtype, self.device, prepack=prepack)
+        block_quant = self._use_block_quant_linear(mc.linear_backend, loaded.block_quant)
+        model = LlamaModel(arch, loaded.weights, self.dtype, self.device, prepack=prepack,
+                           block_quant=loaded.block_quant if block_quant else None)
         del loaded
         num_blocks = self._num_kv_blocks(arch)
         block_size = config.cache.block_size
@@ -83,7 +85,8 @@ class EngineCore:
                     self.model_name, self.device, str(self.dtype).removeprefix("torch."),
                     " (auto)" if mc.dtype == "auto" else "",
                     "native kernel" if self.runner.native_decode else "torch",
-                    "oneDNN prepacked" if prepack else "torch", torch.get_num_threads())
+                    ("native on GGUF blocks up to 24 rows, else " if block_quant else "")
+                    + ("oneDNN prepacked" if prepack else "torch"), torch.get_num_threads())
         self.metrics = EngineMetrics(self.model_name)
         self.states: dict[str, _RequestState] = {}
         # Async scheduling: one worker thread runs the model; at most one step is in flight.
@@ -115,9 +118,24 @@ class EngineCore:
             return False
         if onednn_prepack_supported(self.device, self.dtype):
             return True
-        if backend == "onednn":
-            raise ValueError("linear_backend 'onednn' needs a CPU device, float32 and a torch "
-                             "built with oneDNN (mkldnn); use 'torch' or 'auto'")
+        if backend in ("onednn", "native"):
+            raise ValueError(f"linear_backend {backend!r} needs a CPU device, float32 and a "
+                             "torch built with oneDNN (mkldnn); use 'torch' or 'auto'")
+        return False
+
+    def _use_block_quant_linear(self, backend: str,
+                                block_quant: dict[str, BlockQuantWeight]) -> bool:
+        if backend not in ("auto", "native") or not onednn_prepack_supported(self.device,
+                                                                             self.dtype):
+            return False
+        ops = block_quant_linear_ops()
+        if block_quant and ops is not None and ops.supported():
+            return True
+        if backend == "native":
+            raise ValueError(
+                "linear_backend 'native' needs a GGUF model with Q4_0, Q4_1 or Q8_0 weights, "
+                "a C++ compiler (see any warning above) and a CPU with AVX2 and FMA; use "
+                "'onednn' or 'auto'")
         return False
 
     def _num_kv_blocks(self, arch: ModelArch) -> int:

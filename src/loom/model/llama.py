@@ -13,43 +13,62 @@ import torch
 import torch.nn.functional as F
 
 from loom.model.attention import AttentionMetadata, paged_attention, write_kv
+from loom.model.kernels import block_quant_linear_ops
 from loom.model.linear import Linear
-from loom.model.loader import ModelArch, ModelLoadError
+from loom.model.loader import BlockQuantWeight, ModelArch, ModelLoadError
 
 
 class LlamaLayer:
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, bias: bool,
-                 prepack: bool) -> None:
+                 prepack: bool, block_quant: dict[str, BlockQuantWeight]) -> None:
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         qkv_bias = torch.cat([w[attn + f"{x}_proj.bias"] for x in "qkv"]) if bias else None
-        self.qkv = Linear(torch.cat([w[attn + f"{x}_proj.weight"] for x in "qkv"]), qkv_bias,
-                          prepack)
+        self.qkv = _linear(w, [attn + f"{x}_proj.weight" for x in "qkv"], qkv_bias, prepack,
+                           block_quant)
         # Llama's attention_bias also puts a bias on o_proj, and mlp_bias on all three MLP
         # projections (Qwen2 has q/k/v biases only): use whichever the checkpoint has.
-        self.o = Linear(w[attn + "o_proj.weight"], w.get(attn + "o_proj.bias"), prepack)
+        self.o = _linear(w, [attn + "o_proj.weight"], w.get(attn + "o_proj.bias"), prepack,
+                         block_quant)
         gate_bias, up_bias = w.get(mlp + "gate_proj.bias"), w.get(mlp + "up_proj.bias")
-        self.gate_up = Linear(
-            torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]),
-            torch.cat([gate_bias, up_bias]) if gate_bias is not None else None, prepack)
-        self.down = Linear(w[mlp + "down_proj.weight"], w.get(mlp + "down_proj.bias"), prepack)
+        self.gate_up = _linear(
+            w, [mlp + "gate_proj.weight", mlp + "up_proj.weight"],
+            torch.cat([gate_bias, up_bias]) if gate_bias is not None else None, prepack,
+            block_quant)
+        self.down = _linear(w, [mlp + "down_proj.weight"], w.get(mlp + "down_proj.bias"),
+                            prepack, block_quant)
         self.input_norm = w[prefix + "input_layernorm.weight"]
         self.post_attn_norm = w[prefix + "post_attention_layernorm.weight"]
 
 
+def _linear(w: dict[str, torch.Tensor], names: list[str], bias: torch.Tensor | None,
+            prepack: bool, block_quant: dict[str, BlockQuantWeight]) -> Linear:
+    """One projection from the named weights, stacked along the output rows; with the GGUF's
+    block-quantized form too when every part has one."""
+    weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
+    if not all(n in block_quant for n in names):
+        return Linear(weight, bias, prepack)
+    quant = BlockQuantWeight.cat([block_quant[n] for n in names])
+    return Linear(weight, bias, prepack, quant, block_quant_linear_ops())
+
+
 class LlamaModel:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, prepack: bool = False) -> None:
-        """prepack: hold the projection weights prepacked for oneDNN (see model/linear.py)."""
+                 device: torch.device, prepack: bool = False,
+                 block_quant: dict[str, BlockQuantWeight] | None = None) -> None:
+        """prepack: hold the projection weights prepacked for oneDNN; block_quant: the GGUF's
+        block-quantized weights, for the native small-batch matmul (see model/linear.py)."""
         self.arch = arch
         missing = [n for n in _required_names(arch) if n not in weights]
         if missing:
             raise ModelLoadError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
         w = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
+        block_quant = block_quant or {}
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = Linear(self.embed if arch.tie_word_embeddings else w["lm_head.weight"],
-                              prepack=prepack)
+        head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = _linear(w, [head], None, prepack, block_quant)
         self.final_norm = w["model.norm.weight"]
-        self.layers = [LlamaLayer(w, f"model.layers.{i}.", arch.attention_bias, prepack)
+        self.layers = [LlamaLayer(w, f"model.layers.{i}.", arch.attention_bias, prepack,
+                                  block_quant)
                        for i in range(arch.num_layers)]
         inv_freq = rope_inv_freq(arch).to(device)
         positions = torch.arange(arch.max_position_embeddings, device=device, dtype=torch.float32)

@@ -41,12 +41,32 @@ class ModelArch:
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
 
+@dataclass(frozen=True)
+class BlockQuantWeight:
+    """A weight matrix as a GGUF file stores it: int8 codes with one scale and one offset per
+    block of 32 along each row, w = codes * scale + offset. Q4_0, Q4_1 and Q8_0 all have this
+    form, so the native matmul (csrc/block_quant_linear.cpp) computes with the file's own
+    numbers, a quarter of the bytes of the fp32 weights."""
+
+    codes: torch.Tensor  # int8 [out, in]
+    scale: torch.Tensor  # float32 [out, in // 32]
+    offset: torch.Tensor  # float32 [out, in // 32]
+
+    @staticmethod
+    def cat(parts: list[BlockQuantWeight]) -> BlockQuantWeight:
+        """Stacked along the output rows, as the fused qkv and gate_up projections are."""
+        return BlockQuantWeight(*(torch.cat([getattr(p, f) for p in parts])
+                                  for f in ("codes", "scale", "offset")))
+
+
 @dataclass
 class LoadedModel:
     arch: ModelArch
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     name: str
+    # The GGUF's Q4_0/Q4_1/Q8_0 weights in their own format, by the same names as `weights`.
+    block_quant: dict[str, BlockQuantWeight] = field(default_factory=dict)
 
 
 class ModelLoadError(ValueError):
@@ -135,19 +155,25 @@ def _load_gguf(path: Path) -> LoadedModel:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         rope_scaling=rope_scaling,
     )
-    weights = {}
+    weights, block_quant = {}, {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue  # folded into arch.rope_scaling above
         array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         array = array.reshape(tuple(reversed([int(d) for d in tensor.shape])))
-        if arch_name == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
-            array = _unpermute_rope(array, arch.num_heads)
-        elif arch_name == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
-            array = _unpermute_rope(array, arch.num_kv_heads)
+        quant = _block_quant_arrays(tensor.data, tensor.tensor_type, array.shape)
+        heads = (arch.num_heads if tensor.name.endswith(("attn_q.weight", "attn_q.bias"))
+                 else arch.num_kv_heads if tensor.name.endswith(("attn_k.weight", "attn_k.bias"))
+                 else None)
+        if arch_name == "llama" and heads is not None:
+            array = _unpermute_rope(array, heads)
+            quant = quant and tuple(_unpermute_rope(a, heads) for a in quant)
         if not array.flags.writeable:  # F32 tensors come straight from the read-only mmap
             array = array.copy()
         weights[_hf_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(array))
+        if quant:
+            block_quant[_hf_name(tensor.name)] = BlockQuantWeight(
+                *(torch.from_numpy(np.ascontiguousarray(a)) for a in quant))
 
     backend = bpe_from_gguf_fields(reader.fields)
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -159,7 +185,34 @@ def _load_gguf(path: Path) -> LoadedModel:
         chat_template=meta.get("tokenizer.chat_template"),
     )
     # The file name, not general.name ("Smollm2 135M 8k ..."): it is what users pass and see.
-    return LoadedModel(arch, weights, tokenizer, path.stem)
+    return LoadedModel(arch, weights, tokenizer, path.stem, block_quant)
+
+
+def _block_quant_arrays(data: np.ndarray, kind: Any, shape: tuple[int, ...]
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(codes, scale, offset) of a 2-D Q4_0, Q4_1 or Q8_0 tensor, as gguf's dequantize reads its
+    blocks (fp16 scale [and min], then the codes; 4-bit codes low nibbles first); else None."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    if kind not in (q.Q4_0, q.Q4_1, q.Q8_0) or len(shape) != 2:
+        return None
+    rows, cols = shape
+    header = 4 if kind == q.Q4_1 else 2
+    blocks = np.asarray(data).reshape(rows, cols // 32, -1)
+    scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == q.Q8_0:
+        codes = blocks[..., header:].copy().view(np.int8)
+        offset = np.zeros_like(scale)
+    else:
+        packed = blocks[..., header:]
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8)
+        if kind == q.Q4_0:
+            codes -= 8
+            offset = np.zeros_like(scale)
+        else:
+            offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return codes.reshape(rows, cols), scale, offset
 
 
 _ROPE_FREQS = "rope_freqs.weight"

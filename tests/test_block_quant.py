@@ -1,0 +1,128 @@
+"""The native matmul on a GGUF's block-quantized weights (csrc/block_quant_linear.cpp): the
+loader must hand over the file's own codes, scales and offsets, and the kernel must compute
+what F.linear computes on the dequantized weights, at every batch size it is given."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from model_fixtures import TINY_SPECS, build_tiny_model, save_hf_folder, write_gguf
+
+from loom import LLM, SamplingParams
+from loom.model.kernels import block_quant_linear_ops
+from loom.model.linear import BLOCK_QUANT_MAX_ROWS, Linear
+from loom.model.loader import BlockQuantWeight, load_model
+
+ops = block_quant_linear_ops()
+needs_kernel = pytest.mark.skipif(ops is None or not ops.supported(),
+                                  reason="no C++ compiler or no AVX2/FMA")
+
+
+def random_block_quant(out_features: int, in_features: int, seed: int) -> BlockQuantWeight:
+    """Q4_1-like: codes 0..15, a positive scale and a negative offset per block of 32."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = (out_features, in_features // 32)
+    return BlockQuantWeight(
+        codes=torch.randint(0, 16, (out_features, in_features), generator=gen,
+                            dtype=torch.int8),
+        scale=torch.rand(blocks, generator=gen) * 0.02 + 0.001,
+        offset=-torch.rand(blocks, generator=gen) * 0.15)
+
+
+def dequantize(bq: BlockQuantWeight) -> torch.Tensor:
+    rows, cols = bq.codes.shape
+    blocks = bq.codes.float().view(rows, cols // 32, 32)
+    return (blocks * bq.scale[..., None] + bq.offset[..., None]).view(rows, cols)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 8, 11, 24, 40])
+@pytest.mark.parametrize(("out_features", "in_features"), [(6, 64), (7, 96)])
+def test_kernel_matches_f_linear_on_dequantized_weights(rows: int, out_features: int,
+                                                        in_features: int) -> None:
+    bq = random_block_quant(out_features, in_features, seed=rows)
+    gen = torch.Generator().manual_seed(100 + rows)
+    x = torch.randn(rows, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    for b in (None, bias):
+        out = ops.block_quant_linear(x, bq.codes, bq.scale, bq.offset, b)
+        torch.testing.assert_close(out, F.linear(x, dequantize(bq), b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_takes_strided_rows_and_refuses_bad_shapes() -> None:
+    bq = random_block_quant(8, 64, seed=1)
+    strided = torch.randn(64, 5).t()
+    torch.testing.assert_close(ops.block_quant_linear(strided, bq.codes, bq.scale, bq.offset,
+                                                      None),
+                               F.linear(strided, dequantize(bq)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.block_quant_linear(torch.randn(2, 48), bq.codes[:, :48].contiguous(),
+                               bq.scale, bq.offset, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.block_quant_linear(torch.randn(2, 64).double(), bq.codes, bq.scale, bq.offset,
+                               None)
+
+
+@needs_kernel
+def test_linear_sends_small_batches_to_the_kernel_and_large_ones_to_the_matmul() -> None:
+    """A block-quantized form that deliberately differs from the fp32 weight shows which path
+    each batch size took."""
+    bq = random_block_quant(16, 64, seed=2)
+    other = torch.randn(16, 64)
+    linear = Linear(other, None, prepack=False, block_quant=bq, block_quant_ops=ops)
+    for rows, weight in ((1, dequantize(bq)), (BLOCK_QUANT_MAX_ROWS, dequantize(bq)),
+                         (BLOCK_QUANT_MAX_ROWS + 1, other)):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(linear(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    # Without the compiled kernel the block-quantized form is ignored.
+    assert Linear(other, None, block_quant=bq, block_quant_ops=None).block_quant is None
+
+
+@pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
+def test_loader_keeps_the_files_own_blocks(tmp_path, quant: str) -> None:
+    """codes * scale + offset is exactly what gguf's dequantize gives, q/k rows un-permuted
+    the same way as the fp32 weights."""
+    model = build_tiny_model(TINY_SPECS["llama"])
+    loaded = load_model(str(write_gguf(model, tmp_path / "q.gguf", quant=quant)))
+    matrices = [n for n, w in loaded.weights.items() if w.dim() == 2]
+    assert sorted(loaded.block_quant) == sorted(matrices)
+    for name, bq in loaded.block_quant.items():
+        assert bq.codes.dtype == torch.int8 and bq.scale.dtype == torch.float32
+        np.testing.assert_array_equal(dequantize(bq).numpy(), loaded.weights[name].numpy())
+
+
+def test_f32_gguf_and_hf_folder_have_no_blocks(tmp_path) -> None:
+    model = build_tiny_model(TINY_SPECS["llama"])
+    assert load_model(str(write_gguf(model, tmp_path / "f.gguf"))).block_quant == {}
+    assert load_model(str(save_hf_folder(model, tmp_path / "hf"))).block_quant == {}
+
+
+@pytest.mark.integration
+@needs_kernel
+def test_engine_predicts_the_same_on_the_native_kernel(llm: LLM) -> None:
+    """The bundled Q4_1 model, decode steps (1 row) on the kernel against the same engine with
+    every matmul on oneDNN: same greedy tokens, logprobs within fp32 noise."""
+    assert llm.engine.runner.model.layers[0].qkv.block_quant is not None  # auto picks native
+    assert llm.engine.runner.model.lm_head.block_quant is not None  # Q8_0 embedding
+    onednn = LLM(kv_cache_memory="64MiB", max_model_len=1024, dtype="float32",
+                 linear_backend="onednn")
+    assert onednn.engine.runner.model.layers[0].qkv.block_quant is None
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+    for a, b in zip(llm.generate(prompts, params), onednn.generate(prompts, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert abs(x.logprob - y.logprob) < 1e-3
+
+
+@pytest.mark.integration
+def test_native_backend_refuses_weights_without_blocks(tmp_path) -> None:
+    folder = save_hf_folder(build_tiny_model(TINY_SPECS["llama"]), tmp_path / "hf")
+    with pytest.raises(ValueError, match="linear_backend 'native' needs a GGUF"):
+        LLM(model=str(folder), kv_cache_memory="16MiB", linear_backend="native")
+    with pytest.raises(ValueError, match="linear_backend 'native' needs a CPU device, float32"):
+        LLM(kv_cache_memory="64MiB", max_model_len=1024, dtype="bfloat16",
+            linear_backend="native")
