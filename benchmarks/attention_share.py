@@ -1,15 +1,19 @@
-"""How much of the mixed workload's model time is attention: the engine issue's 64 requests
-offline at the default settings, with wall-clock timers around the forward pass, the native
-decode-attention kernel and the prefill SDPA calls. What is left of the forward pass is the
-projection matmuls plus norms, RoPE and the MLP's elementwise ops (the torch profiler puts
-the matmuls at ~75% of the op time; it cannot see the native kernel, hence these timers).
-Run from the repository root:
+"""Where the mixed workload's model time goes: the engine issue's 64 requests offline at the
+default settings, with wall-clock timers around the forward pass, the projection matmuls
+(every `Linear` call, lm_head included, split by whether the native block-quantized kernel or
+oneDNN/torch ran it), the native decode-attention kernel and the prefill SDPA calls. What is
+left of the forward pass is norms, RoPE, the MLP's elementwise ops, KV writes and dispatch
+(the torch profiler cannot see the native kernels, hence these timers). --max-num-seqs C
+queues all 64 but runs at most C at once, like C closed-loop users. Run from the repository
+root:
 
     python benchmarks/attention_share.py
+    python benchmarks/attention_share.py --max-num-seqs 8
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -20,8 +24,12 @@ from workload import bundled_tokenizer, mixed_workload, run_offline  # noqa: E40
 
 import loom.model.attention as attention  # noqa: E402
 from loom import LLM  # noqa: E402
+from loom.model.linear import BLOCK_QUANT_MAX_ROWS, Linear  # noqa: E402
 
-seconds: dict[str, float] = {"forward": 0.0, "decode kernel": 0.0, "prefill SDPA": 0.0}
+seconds: dict[str, float] = {"forward": 0.0, "matmuls, native kernel": 0.0,
+                             "matmuls, oneDNN/torch": 0.0, "decode kernel": 0.0,
+                             "prefill SDPA": 0.0, "lm_head (outside forward)": 0.0}
+NOT_PARTS_OF_FORWARD = ("forward", "lm_head (outside forward)")
 
 
 def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -44,20 +52,39 @@ class TimedOps:
         return getattr(self._ops, name)
 
 
+def timed_linear(call: Callable[..., Any], lm_head: Linear) -> Callable[..., Any]:
+    def wrapper(self: Linear, x: Any) -> Any:
+        if self is lm_head:  # timed as compute_logits
+            return call(self, x)
+        native = self.block_quant is not None and x.shape[0] <= BLOCK_QUANT_MAX_ROWS
+        start = time.perf_counter()
+        result = call(self, x)
+        seconds["matmuls, native kernel" if native else "matmuls, oneDNN/torch"] += (
+            time.perf_counter() - start)
+        return result
+    return wrapper
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    args = parser.parse_args()
     items = mixed_workload(bundled_tokenizer())
-    engine = LLM(kv_cache_memory="1536MiB").engine
+    extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+    engine = LLM(kv_cache_memory="1536MiB", **extra).engine
     run_offline(engine, items[:2])  # warm-up
+    model = engine.runner.model
+    Linear.__call__ = timed_linear(Linear.__call__, model.lm_head)  # type: ignore[method-assign]
+    model.compute_logits = timed("lm_head (outside forward)", model.compute_logits)
     timed_ops = TimedOps(attention.paged_attention_ops())
     attention.paged_attention_ops = lambda: timed_ops
     attention.F.scaled_dot_product_attention = timed(
         "prefill SDPA", attention.F.scaled_dot_product_attention)
-    model = engine.runner.model
     model.forward = timed("forward", model.forward)
     wall = run_offline(engine, items)
-    rest = seconds["forward"] - seconds["decode kernel"] - seconds["prefill SDPA"]
+    rest = seconds["forward"] - sum(v for k, v in seconds.items() if k not in NOT_PARTS_OF_FORWARD)
     print(f"| part | seconds | share of wall |\n|---|--:|--:|\n| wall | {wall:.1f} | 100% |")
-    for name, value in [*seconds.items(), ("forward minus attention", rest)]:
+    for name, value in [*seconds.items(), ("rest of the forward pass", rest)]:
         print(f"| {name} | {value:.1f} | {value / wall:.0%} |")
 
 

@@ -5,7 +5,9 @@
 // the block's scores held in registers; V must have dim stride 1 so that p.V is a vector FMA
 // across dims, with the G heads' accumulators held in registers. Both need the shape known at
 // compile time, hence the dispatch over (G query heads per kv head, head dim); other shapes
-// use the torch path (`supported`). Work is split over (request, kv head) pairs.
+// use the torch path (`supported`). Work is split over (request, kv head) pairs. On AVX2 an
+// intrinsics version (below) reads each K block once for all G heads and prefetches the next
+// block; elsewhere a portable version relies on the compiler's vectorizer.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -14,6 +16,112 @@
 
 constexpr int64_t kBlockSize = 16;
 
+// Requests arrive sorted by context length and parallel_for hands each thread a contiguous
+// range, so the thread with the long half would do most of the work. Visiting them shortest,
+// longest, second shortest, ... gives every range a mix.
+static inline int64_t interleaved(int64_t k, int64_t n) {
+  return k % 2 == 0 ? k / 2 : n - 1 - k / 2;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Block tables scatter a request's context, so the hardware prefetcher stalls at every block:
+// fetch the next block's rows (of row_bytes each) while this one is computed.
+template <typename T>
+static inline void prefetch_block(const T* base, int64_t rows, int64_t row_stride,
+                                  int64_t row_bytes) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < row_bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(base + r * row_stride) + b, _MM_HINT_T0);
+}
+
+// AVX2: each K block is read once for all G heads (scores of 16 positions x G heads in
+// registers), and p.V runs over a block's positions for a slice of DC dims at a time, the G
+// heads' accumulators for that slice in registers, so the V block is read from L1 D / DC times
+// instead of the accumulators going through memory for every position.
+template <typename T, int G, int D>
+static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens,
+                   T* out, int64_t n, int64_t KVH, int64_t max_blocks, const int64_t* ks,
+                   const int64_t* vs, float scale) {
+  constexpr int64_t BS = kBlockSize;
+  constexpr int DC = G <= 4 ? 16 : 8;  // dims per p.V pass: 2 * G (or G) accumulators
+  static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 2 vectors");
+  const int64_t H = G * KVH;
+  at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t i = interleaved(idx / KVH, n), kh = idx % KVH, L = lens[i];
+      const int64_t num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
+      const int64_t* table = bt + i * max_blocks;
+      float qf[G][D];
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d)
+          qf[g][d] = static_cast<float>(q[(i * H + kh * G + g) * D + d]) * scale;
+      scores.resize(G * Lp);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const T* kb = kc + table[b] * ks[0] + kh * ks[2];
+        if (b + 1 < num_blocks)
+          prefetch_block(kc + table[b + 1] * ks[0] + kh * ks[2], D, ks[3], BS * sizeof(T));
+        __m256 s[G][2];
+        for (int g = 0; g < G; ++g) s[g][0] = s[g][1] = _mm256_setzero_ps();
+        for (int d = 0; d < D; ++d) {
+          const __m256 k0 = load8(kb + d * ks[3]), k1 = load8(kb + d * ks[3] + 8);
+          for (int g = 0; g < G; ++g) {
+            const __m256 qd = _mm256_set1_ps(qf[g][d]);
+            s[g][0] = _mm256_fmadd_ps(qd, k0, s[g][0]);
+            s[g][1] = _mm256_fmadd_ps(qd, k1, s[g][1]);
+          }
+        }
+        for (int g = 0; g < G; ++g) {
+          _mm256_storeu_ps(&scores[g * Lp + b * BS], s[g][0]);
+          _mm256_storeu_ps(&scores[g * Lp + b * BS + 8], s[g][1]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        float* sg = &scores[g * Lp];
+        const float m = *std::max_element(sg, sg + L);
+        float sum = 0.f;
+        for (int64_t p = 0; p < L; ++p) { sg[p] = std::exp(sg[p] - m); sum += sg[p]; }
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < L; ++p) sg[p] *= inv;
+      }
+      float acc[G][D] = {};
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const T* vb = vc + table[b] * vs[0] + kh * vs[2];
+        if (b + 1 < num_blocks)
+          prefetch_block(vc + table[b + 1] * vs[0] + kh * vs[2], BS, vs[1], D * sizeof(T));
+        const int64_t positions = std::min(BS, L - b * BS);
+        for (int dc = 0; dc < D; dc += DC) {
+          __m256 a[G][DC / 8];
+          for (int g = 0; g < G; ++g)
+            for (int j = 0; j < DC / 8; ++j) a[g][j] = _mm256_loadu_ps(&acc[g][dc + 8 * j]);
+          for (int64_t p = 0; p < positions; ++p) {
+            const T* v = vb + p * vs[1] + dc;
+            __m256 vv[DC / 8];
+            for (int j = 0; j < DC / 8; ++j) vv[j] = load8(v + 8 * j);
+            for (int g = 0; g < G; ++g) {
+              const __m256 w = _mm256_set1_ps(scores[g * Lp + b * BS + p]);
+              for (int j = 0; j < DC / 8; ++j) a[g][j] = _mm256_fmadd_ps(w, vv[j], a[g][j]);
+            }
+          }
+          for (int g = 0; g < G; ++g)
+            for (int j = 0; j < DC / 8; ++j) _mm256_storeu_ps(&acc[g][dc + 8 * j], a[g][j]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d)
+          out[(i * H + kh * G + g) * D + d] = static_cast<T>(acc[g][d]);
+    }
+  });
+}
+#else
 template <typename T, int G, int D>
 static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens,
                    T* out, int64_t n, int64_t KVH, int64_t max_blocks, const int64_t* ks,
@@ -23,7 +131,7 @@ static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, cons
   at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t i = idx / KVH, kh = idx % KVH, L = lens[i];
+      const int64_t i = interleaved(idx / KVH, n), kh = idx % KVH, L = lens[i];
       float qf[G][D];
       for (int g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d)
@@ -68,6 +176,8 @@ static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, cons
     }
   });
 }
+
+#endif
 
 // (G, D) instantiated; anything else goes through torch.
 #define LOOM_FOR_EACH_SHAPE(X) \
@@ -116,12 +226,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                          k_cache.stride(3)};
   const int64_t vs[4] = {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                          v_cache.stride(3)};
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode", [&] {
-    decode_shape<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                           v_cache.data_ptr<scalar_t>(), bt.data_ptr<int64_t>(),
-                           lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), n, H / KVH, D,
-                           KVH, bt.size(1), ks, vs, static_cast<float>(scale));
-  });
+  auto run = [&](auto type_tag) {  // float32 and bfloat16 only (checked by `supported`)
+    using T = decltype(type_tag);
+    decode_shape<T>(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                    bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), n,
+                    H / KVH, D, KVH, bt.size(1), ks, vs, static_cast<float>(scale));
+  };
+  if (q.scalar_type() == at::kFloat) run(float{});
+  else run(c10::BFloat16{});
   return out;
 }
 
