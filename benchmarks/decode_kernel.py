@@ -1,16 +1,26 @@
 """Decode attention alone, one layer: the native kernel against the torch path (gather each
 request's blocks, pad, SDPA per length group), on random caches with SmolLM2's shape (9 query
-heads, 3 kv heads, head_dim 64, block 16) and scattered blocks. Run from the repository root:
+heads, 3 kv heads, head_dim 64, block 16) and scattered blocks. With --against REV, the
+kernel's source at git revision REV is compiled too and timed on the same inputs, in the same
+run, for a before/after ratio. Run from the repository root:
 
     python benchmarks/decode_kernel.py
+    python benchmarks/decode_kernel.py --against 1207948
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import random
+import subprocess
+import tempfile
 import time
+from pathlib import Path
+from types import ModuleType
 
 import torch
+from torch.utils.cpp_extension import load
 
 from loom.model.attention import AttentionMetadata, new_kv_cache, paged_attention
 from loom.model.runner import ModelRunner
@@ -26,9 +36,26 @@ def per_layer_ms(fn, repeats: int = 20) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
+def kernel_at(rev: str) -> ModuleType:
+    """The decode-attention extension as it was at git revision `rev`."""
+    source = subprocess.run(["git", "show", f"{rev}:src/loom/model/csrc/paged_attention.cpp"],
+                            check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "paged_attention.cpp"
+    path.write_text(source)
+    return load(name=f"loom_paged_attention_{rev}", sources=[str(path)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                extra_ldflags=["-fopenmp"])
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--against", help="also time the kernel of this git revision")
+    args = parser.parse_args()
+    old = kernel_at(args.against) if args.against else None
+    extra = f" | {args.against} ms/layer | now / {args.against}" if old else ""
     print("| dtype | decodes | mean context | torch path ms/layer | native ms/layer | native "
-          "GFLOP/s | speed-up |\n|---|--:|--:|--:|--:|--:|--:|")
+          f"GFLOP/s | speed-up{extra} |\n|---|--:|--:|--:|--:|--:|--:|" + ("--:|--:|" if old
+                                                                         else ""))
     runner = ModelRunner.__new__(ModelRunner)  # only its metadata builders
     runner.block_size, runner.device = BLOCK, torch.device("cpu")
     for dtype in (torch.float32, torch.bfloat16):
@@ -58,9 +85,16 @@ def main() -> None:
             times = [per_layer_ms(lambda m=m, args=args: paged_attention(*args, m))
                      for m in (torch_path, native)]
             flops = 4 * sum(lens) * HEADS * HEAD_DIM
-            print(f"| {str(dtype).removeprefix('torch.')} | {n} | {sum(lens) // n} | "
-                  f"{times[0]:.3f} | {times[1]:.3f} | {flops / times[1] / 1e6:.0f} | "
-                  f"{times[0] / times[1]:.1f}x |", flush=True)
+            row = (f"| {str(dtype).removeprefix('torch.')} | {n} | {sum(lens) // n} | "
+                   f"{times[0]:.3f} | {times[1]:.3f} | {flops / times[1] / 1e6:.0f} | "
+                   f"{times[0] / times[1]:.1f}x |")
+            if old is not None:
+                pd = native.paged_decodes
+                old_ms = per_layer_ms(functools.partial(
+                    old.paged_decode_attention, q, k_cache, v_cache, pd.block_tables,
+                    pd.context_lens, HEAD_DIM ** -0.5))
+                row += f" {old_ms:.3f} | {old_ms / times[1]:.2f}x |"
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

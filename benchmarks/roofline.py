@@ -13,15 +13,17 @@ Measures, with the thread count loom uses (torch's default is every core this pr
   and ignore_eos go into the engine, it steps until every prompt is prefilled, then a few
   warm-up steps, then N decode-only steps are timed.
 
-Roofline per dtype and batch size B: one decode step must read every weight once plus the KV
-cache of every sequence (context tokens x layers x 2 x kv_heads x head_dim x dtype bytes), and
-do 2 x matmul params x B FLOPs plus attention (4 x q_size x context per token per layer).
-memory time = bytes / best read bandwidth; compute time = FLOPs / the best GFLOP/s measured at
-M = B over the model's shapes; bound = max of the two; roofline tok/s = B / bound. The table
-also gives the bound with the square-matmul peak as compute ceiling ("ideal"), and the time of
-just the step's matmuls on the model's own weights ("matmul ms"; the per-shape
-microbenchmarks reuse one weight, so every shape but lm_head runs from cache there, while
-this streams every weight from memory as a real step does). Run from the repository root:
+Roofline per dtype and batch size B: one decode step must read every weight once (in the form
+the engine reads at that B: the GGUF's int8 codes plus block scales and offsets where the
+native block-quantized kernel runs, i.e. B <= 24 with `--linear-backend native`, else the fp32
+weights) plus the KV cache of every sequence (context tokens x layers x 2 x kv_heads x head_dim
+x dtype bytes), and do 2 x matmul params x B FLOPs plus attention (4 x q_size x context per
+token per layer). memory time = bytes / best read bandwidth; compute time = FLOPs / the best
+GFLOP/s measured at M = B over the model's shapes; bound = max of the two; roofline tok/s = B /
+bound. The table also gives the bound with the square-matmul peak as compute ceiling ("ideal"),
+and the time of just the step's matmuls on the model's own weights ("matmul ms"; the per-shape
+microbenchmarks reuse one weight, so every shape but lm_head runs from cache there, while this
+streams every weight from memory as a real step does). Run from the repository root:
 
     python benchmarks/roofline.py            # about a minute on 2 idle cores
     python benchmarks/roofline.py --quick    # smoke run
@@ -43,7 +45,7 @@ import torch
 
 from loom import LLM, SamplingParams
 from loom.bench.sysinfo import hardware
-from loom.model.linear import Linear, onednn_prepack_supported
+from loom.model.linear import BLOCK_QUANT_MAX_ROWS, Linear, onednn_prepack_supported
 from loom.model.llama import LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -143,11 +145,21 @@ def model_figures(model: LlamaModel) -> dict[str, Any]:
         layer.qkv, layer.o, layer.gate_up, layer.down)]
     norms = [w for layer in model.layers for w in (layer.input_norm, layer.post_attn_norm)]
     norms.append(model.final_norm)
-    matmul_params = sum(lin.num_params for lin in linears) + model.lm_head.num_params
+    linears.append(model.lm_head)
+    matmul_params = sum(lin.num_params for lin in linears)
     itemsize = model.embed.element_size()
+    norm_bytes = sum(w.numel() for w in norms) * itemsize
+    # The native kernel's bytes: codes, scales and offsets where a Linear has them.
+    block_quant_bytes = sum(
+        sum(t.numel() * t.element_size() for t in (bq.codes, bq.scale, bq.offset))
+        if (bq := lin.block_quant) is not None else lin.num_params * itemsize
+        for lin in linears)
     return {
         "matmul_params": matmul_params,
-        "weight_bytes": (matmul_params + sum(w.numel() for w in norms)) * itemsize,
+        "weight_bytes": matmul_params * itemsize + norm_bytes,
+        "block_quant_weight_bytes": (block_quant_bytes + norm_bytes
+                                     if any(lin.block_quant is not None for lin in linears)
+                                     else None),
         "kv_bytes_per_token": 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize,
         "attn_flops_per_token_per_ctx": 4 * arch.num_layers * arch.num_heads * arch.head_dim,
         "num_layers": arch.num_layers,
@@ -220,7 +232,8 @@ def roofline_row(dtype_name: str, decode: dict[str, float], figures: dict[str, A
     b, ctx = decode["batch"], decode["mean_context"]
     per_shape = matmuls[dtype_name]["shapes"]
     kv_bytes = b * ctx * figures["kv_bytes_per_token"]
-    step_bytes = figures["weight_bytes"] + kv_bytes
+    native = figures["block_quant_weight_bytes"] is not None and b <= BLOCK_QUANT_MAX_ROWS
+    step_bytes = figures["block_quant_weight_bytes" if native else "weight_bytes"] + kv_bytes
     flops = 2 * figures["matmul_params"] * b + b * ctx * figures["attn_flops_per_token_per_ctx"]
     peak_at_m = max(per_shape[name][b]["gflops"] for name in shapes)
     square_peak = matmuls[dtype_name]["square_gflops"]
@@ -230,7 +243,7 @@ def roofline_row(dtype_name: str, decode: dict[str, float], figures: dict[str, A
     ideal_s = max(mem_s, flops / (max(square_peak, peak_at_m) * 1e9))
     measured_s = decode["step_ms"] / 1e3
     return {
-        "dtype": dtype_name, "batch": b, "mean_context": ctx,
+        "dtype": dtype_name + (" native" if native else ""), "batch": b, "mean_context": ctx,
         "step_ms": decode["step_ms"], "tok_s": decode["tok_s"],
         "mean_tok_s": decode["mean_tok_s"],
         "step_bytes": step_bytes, "kv_bytes": kv_bytes, "step_flops": flops,
@@ -260,8 +273,11 @@ def print_report(machine: dict[str, Any], rows: list[dict[str, Any]],
         print(f"- {dtype_name} square matmul {matmuls[dtype_name]['square_n']}^3: "
               f"{matmuls[dtype_name]['square_gflops']:.1f} GFLOP/s")
     for dtype_name, f in figures.items():
+        native = (f"; {f['block_quant_weight_bytes'] / 1e6:.1f} MB as the GGUF's blocks "
+                  f"(native kernel, B <= {BLOCK_QUANT_MAX_ROWS})"
+                  if f["block_quant_weight_bytes"] else "")
         print(f"- {dtype_name} model: {f['matmul_params'] / 1e6:.1f} M matmul params, "
-              f"{f['weight_bytes'] / 1e6:.1f} MB weights read per step, "
+              f"{f['weight_bytes'] / 1e6:.1f} MB weights read per step{native}, "
               f"{f['kv_bytes_per_token'] / 1e3:.1f} kB KV per context token")
     print("\n### Matmul GFLOP/s at the model's shapes (in -> out), by M\n")
     print("| dtype | shape | " + " | ".join(f"M={m}" for m in ms) + " |")

