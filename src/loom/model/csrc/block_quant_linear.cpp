@@ -46,8 +46,8 @@ static inline __m256 decode8(const int8_t* q, __m256 d, __m256 m) {
 // registers as it goes.
 template <int R>
 static inline void tile(const float* x, int64_t K, const int8_t* q0, const int8_t* q1,
-                               const float* s0, const float* s1, const float* o0,
-                               const float* o1, float* out, int64_t ldo, int64_t num_channels) {
+                        const float* s0, const float* s1, const float* o0, const float* o1,
+                        float* out, int64_t ldo, int64_t num_channels) {
   __m256 a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / kQuantBlock; ++b) {
@@ -67,7 +67,6 @@ static inline void tile(const float* x, int64_t K, const int8_t* q0, const int8_
     if (num_channels == 2) out[r * ldo + 1] = hsum(a1[r]);
   }
 }
-
 #endif
 
 torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,

@@ -23,6 +23,32 @@ static inline int64_t interleaved(int64_t k, int64_t n) {
   return k % 2 == 0 ? k / 2 : n - 1 - k / 2;
 }
 
+// The G query heads of kv head kh of request i, scaled, as fp32.
+template <typename T, int G, int D>
+static inline void load_query(const T* q, int64_t i, int64_t H, int64_t kh, float scale,
+                              float (&qf)[G][D]) {
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d)
+      qf[g][d] = static_cast<float>(q[(i * H + kh * G + g) * D + d]) * scale;
+}
+
+// Scores of L positions -> probabilities, in place.
+static inline void softmax(float* s, int64_t L) {
+  const float m = *std::max_element(s, s + L);
+  float sum = 0.f;
+  for (int64_t p = 0; p < L; ++p) { s[p] = std::exp(s[p] - m); sum += s[p]; }
+  const float inv = 1.f / sum;
+  for (int64_t p = 0; p < L; ++p) s[p] *= inv;
+}
+
+template <typename T, int G, int D>
+static inline void store_output(const float (&acc)[G][D], T* out, int64_t i, int64_t H,
+                                int64_t kh) {
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d)
+      out[(i * H + kh * G + g) * D + d] = static_cast<T>(acc[g][d]);
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -61,9 +87,7 @@ static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, cons
       const int64_t num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
       const int64_t* table = bt + i * max_blocks;
       float qf[G][D];
-      for (int g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d)
-          qf[g][d] = static_cast<float>(q[(i * H + kh * G + g) * D + d]) * scale;
+      load_query(q, i, H, kh, scale, qf);
       scores.resize(G * Lp);
       for (int64_t b = 0; b < num_blocks; ++b) {
         const T* kb = kc + table[b] * ks[0] + kh * ks[2];
@@ -84,14 +108,7 @@ static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, cons
           _mm256_storeu_ps(&scores[g * Lp + b * BS + 8], s[g][1]);
         }
       }
-      for (int g = 0; g < G; ++g) {
-        float* sg = &scores[g * Lp];
-        const float m = *std::max_element(sg, sg + L);
-        float sum = 0.f;
-        for (int64_t p = 0; p < L; ++p) { sg[p] = std::exp(sg[p] - m); sum += sg[p]; }
-        const float inv = 1.f / sum;
-        for (int64_t p = 0; p < L; ++p) sg[p] *= inv;
-      }
+      for (int g = 0; g < G; ++g) softmax(&scores[g * Lp], L);
       float acc[G][D] = {};
       for (int64_t b = 0; b < num_blocks; ++b) {
         const T* vb = vc + table[b] * vs[0] + kh * vs[2];
@@ -115,9 +132,7 @@ static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, cons
             for (int j = 0; j < DC / 8; ++j) _mm256_storeu_ps(&acc[g][dc + 8 * j], a[g][j]);
         }
       }
-      for (int g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d)
-          out[(i * H + kh * G + g) * D + d] = static_cast<T>(acc[g][d]);
+      store_output(acc, out, i, H, kh);
     }
   });
 }
@@ -133,9 +148,7 @@ static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, cons
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t i = interleaved(idx / KVH, n), kh = idx % KVH, L = lens[i];
       float qf[G][D];
-      for (int g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d)
-          qf[g][d] = static_cast<float>(q[(i * H + kh * G + g) * D + d]) * scale;
+      load_query(q, i, H, kh, scale, qf);
       scores.resize(G * (L + BS));
       for (int64_t b = 0; b * BS < L; ++b) {
         const T* kb = kc + bt[i * max_blocks + b] * ks[0] + kh * ks[2];
@@ -150,14 +163,7 @@ static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, cons
           std::copy_n(s, BS, &scores[g * (L + BS) + b * BS]);  // row padded: whole blocks
         }
       }
-      for (int g = 0; g < G; ++g) {
-        float* sg = &scores[g * (L + BS)];
-        const float m = *std::max_element(sg, sg + L);
-        float sum = 0.f;
-        for (int64_t p = 0; p < L; ++p) { sg[p] = std::exp(sg[p] - m); sum += sg[p]; }
-        const float inv = 1.f / sum;
-        for (int64_t p = 0; p < L; ++p) sg[p] *= inv;
-      }
+      for (int g = 0; g < G; ++g) softmax(&scores[g * (L + BS)], L);
       float acc[G][D] = {};
       for (int64_t p = 0; p < L; ++p) {
         const T* v = vc + bt[i * max_blocks + p / BS] * vs[0] + (p % BS) * vs[1] + kh * vs[2];
@@ -170,9 +176,7 @@ static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, cons
           for (int d = 0; d < D; ++d) acc[g][d] += w * vf[d];
         }
       }
-      for (int g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d)
-          out[(i * H + kh * G + g) * D + d] = static_cast<T>(acc[g][d]);
+      store_output(acc, out, i, H, kh);
     }
   });
 }
