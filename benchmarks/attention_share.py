@@ -24,7 +24,7 @@ from workload import bundled_tokenizer, mixed_workload, run_offline  # noqa: E40
 
 import loom.model.attention as attention  # noqa: E402
 from loom import LLM  # noqa: E402
-from loom.model.linear import BLOCK_QUANT_MAX_ROWS, Linear  # noqa: E402
+from loom.model.linear import Linear  # noqa: E402
 
 seconds: dict[str, float] = {"forward": 0.0, "matmuls, native kernel": 0.0,
                              "matmuls, oneDNN/torch": 0.0, "decode kernel": 0.0,
@@ -56,7 +56,7 @@ def timed_linear(call: Callable[..., Any], lm_head: Linear) -> Callable[..., Any
     def wrapper(self: Linear, x: Any) -> Any:
         if self is lm_head:  # timed as compute_logits
             return call(self, x)
-        native = self.block_quant is not None and x.shape[0] <= BLOCK_QUANT_MAX_ROWS
+        native = self.panels is not None
         start = time.perf_counter()
         result = call(self, x)
         seconds["matmuls, native kernel" if native else "matmuls, oneDNN/torch"] += (

@@ -8,9 +8,8 @@ One "chain" is every projection of one step in model order: per layer qkv, o, ga
 then lm_head (only for M <= 256: a prefill computes logits for a few rows, not all), each at M
 rows, so weights stream from memory as in a real step. Layouts alternate within each round;
 each figure is the best of --rounds. A second table shows the packed layout's batch hint. A
-third puts loom's native kernel on the GGUF's own Q4_1/Q8_0 blocks (`--linear-backend native`)
-next to the prepacked layout, at every row count, to place the engine's switch-over
-(BLOCK_QUANT_MAX_ROWS).
+third puts loom's native kernel on the GGUF's own Q4_1/Q8_0 blocks (`--linear-backend native`,
+auto on CPU float32) next to the prepacked layout, at every row count.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from collections.abc import Callable
 
 import torch
 
-import loom.model.linear
 from loom import LLM
 from loom.bench.sysinfo import hardware
 from loom.model.linear import Linear
@@ -86,13 +84,12 @@ def main() -> None:
 
 
 def native_table(rows: str, rounds: int) -> None:
-    native = LLM(dtype="float32", linear_backend="native").engine.runner.model
-    layers = [lin for layer in native.layers for lin in (layer.qkv, layer.o, layer.gate_up,
-                                                         layer.down)] + [native.lm_head]
-    packed = [Linear(lin.weight) for lin in layers]  # the same packed weights, kernel off
-    for lin in packed:
-        lin.prepacked = True
-    loom.model.linear.BLOCK_QUANT_MAX_ROWS = 1 << 30  # the kernel at every row count
+    def chain(backend: str) -> list[Linear]:
+        model = LLM(dtype="float32", linear_backend=backend).engine.runner.model
+        return [lin for layer in model.layers
+                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]
+
+    layers, packed = chain("native"), chain("onednn")
     print("\nNative kernel on the GGUF's blocks against the prepacked layout (ms per chain):\n")
     print("| M | prepacked ms | native ms | speed-up |\n|--:|--:|--:|--:|")
     for m in map(int, rows.split(",")):

@@ -3,10 +3,9 @@ fp32 weights: both compute with the GGUF's own numbers, so only the summation or
 and this measures how much that shows.
 
 Teacher-forced: dtype_accuracy.py's six passages, every position's next-token distribution,
-with every row of every projection sent through the native kernel (its row limit lifted for
-the measurement; the engine uses it up to 24 rows). Free-running: greedy completions of its
-ten prompts, up to 64 tokens, one prompt at a time (1-row decode steps, the kernel's main
-case), token for token. Run from the repository root:
+every projection on the native kernel as the engine runs it (prefill-sized batches).
+Free-running: greedy completions of its ten prompts, up to 64 tokens, one prompt at a time
+(then 1-row decode steps), token for token. Run from the repository root:
 
     python benchmarks/native_accuracy.py
 """
@@ -21,7 +20,6 @@ import torch
 sys.path.insert(0, "benchmarks")
 from dtype_accuracy import PASSAGES, PROMPTS, compare_logits, encode, passage_logits  # noqa: E402
 
-import loom.model.linear  # noqa: E402
 from loom import LLM, SamplingParams  # noqa: E402
 
 
@@ -29,8 +27,6 @@ def main() -> None:
     llms = {b: LLM(dtype="float32", linear_backend=b, kv_cache_memory="128MiB")
             for b in ("onednn", "native")}
     tokenizer = llms["onednn"].tokenizer
-    limit = loom.model.linear.BLOCK_QUANT_MAX_ROWS
-    loom.model.linear.BLOCK_QUANT_MAX_ROWS = 1 << 30
     positions = agree = 0
     kl_sum, kl_max, max_lp_diff, nll = 0.0, 0.0, 0.0, {"onednn": 0.0, "native": 0.0}
     for passage in PASSAGES.values():
@@ -44,8 +40,7 @@ def main() -> None:
         nll["native"] += r["nll_test"]
         diff = (logits["onednn"].log_softmax(-1) - logits["native"].log_softmax(-1)).abs()
         max_lp_diff = max(max_lp_diff, float(diff.max()))
-    loom.model.linear.BLOCK_QUANT_MAX_ROWS = limit
-    print(f"Teacher-forced, {positions} positions, every row through the native kernel:")
+    print(f"Teacher-forced, {positions} positions:")
     print(f"- top-1 agreement {100 * agree / positions:.2f}%, mean KL {kl_sum / positions:.2e}, "
           f"max KL {kl_max:.2e}, max |logprob difference| {max_lp_diff:.2e}")
     print(f"- perplexity onednn {math.exp(nll['onednn'] / positions):.4f}, "

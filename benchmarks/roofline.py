@@ -45,7 +45,7 @@ import torch
 
 from loom import LLM, SamplingParams
 from loom.bench.sysinfo import hardware
-from loom.model.linear import BLOCK_QUANT_MAX_ROWS, Linear, onednn_prepack_supported
+from loom.model.linear import Linear, onednn_prepack_supported
 from loom.model.llama import LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -151,14 +151,14 @@ def model_figures(model: LlamaModel) -> dict[str, Any]:
     norm_bytes = sum(w.numel() for w in norms) * itemsize
     # The native kernel's bytes: codes, scales and offsets where a Linear has them.
     block_quant_bytes = sum(
-        sum(t.numel() * t.element_size() for t in (bq.codes, bq.scale, bq.offset))
-        if (bq := lin.block_quant) is not None else lin.num_params * itemsize
+        sum(t.numel() * t.element_size() for t in lin.panels)
+        if lin.panels is not None else lin.num_params * itemsize
         for lin in linears)
     return {
         "matmul_params": matmul_params,
         "weight_bytes": matmul_params * itemsize + norm_bytes,
         "block_quant_weight_bytes": (block_quant_bytes + norm_bytes
-                                     if any(lin.block_quant is not None for lin in linears)
+                                     if any(lin.panels is not None for lin in linears)
                                      else None),
         "kv_bytes_per_token": 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize,
         "attn_flops_per_token_per_ctx": 4 * arch.num_layers * arch.num_heads * arch.head_dim,
@@ -232,7 +232,7 @@ def roofline_row(dtype_name: str, decode: dict[str, float], figures: dict[str, A
     b, ctx = decode["batch"], decode["mean_context"]
     per_shape = matmuls[dtype_name]["shapes"]
     kv_bytes = b * ctx * figures["kv_bytes_per_token"]
-    native = figures["block_quant_weight_bytes"] is not None and b <= BLOCK_QUANT_MAX_ROWS
+    native = figures["block_quant_weight_bytes"] is not None
     step_bytes = figures["block_quant_weight_bytes" if native else "weight_bytes"] + kv_bytes
     flops = 2 * figures["matmul_params"] * b + b * ctx * figures["attn_flops_per_token_per_ctx"]
     peak_at_m = max(per_shape[name][b]["gflops"] for name in shapes)
@@ -274,7 +274,7 @@ def print_report(machine: dict[str, Any], rows: list[dict[str, Any]],
               f"{matmuls[dtype_name]['square_gflops']:.1f} GFLOP/s")
     for dtype_name, f in figures.items():
         native = (f"; {f['block_quant_weight_bytes'] / 1e6:.1f} MB as the GGUF's blocks "
-                  f"(native kernel, B <= {BLOCK_QUANT_MAX_ROWS})"
+                  "(native kernel)"
                   if f["block_quant_weight_bytes"] else "")
         print(f"- {dtype_name} model: {f['matmul_params'] / 1e6:.1f} M matmul params, "
               f"{f['weight_bytes'] / 1e6:.1f} MB weights read per step{native}, "

@@ -12,7 +12,7 @@ from model_fixtures import TINY_SPECS, build_tiny_model, save_hf_folder, write_g
 
 from loom import LLM, SamplingParams
 from loom.model.kernels import block_quant_linear_ops
-from loom.model.linear import BLOCK_QUANT_MAX_ROWS, Linear
+from loom.model.linear import Linear, to_panels
 from loom.model.loader import BlockQuantWeight, load_model
 
 ops = block_quant_linear_ops()
@@ -38,47 +38,61 @@ def dequantize(bq: BlockQuantWeight) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 8, 11, 24, 40])
-@pytest.mark.parametrize(("out_features", "in_features"), [(6, 64), (7, 96)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 24, 40])
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 64), (48, 96)])
 def test_kernel_matches_f_linear_on_dequantized_weights(rows: int, out_features: int,
                                                         in_features: int) -> None:
+    """Up to 6 rows the kernel decodes in registers, past that into an fp32 panel under a
+    6-row tile with a remainder: every path, with and without bias."""
     bq = random_block_quant(out_features, in_features, seed=rows)
     gen = torch.Generator().manual_seed(100 + rows)
     x = torch.randn(rows, in_features, generator=gen)
     bias = torch.randn(out_features, generator=gen)
     for b in (None, bias):
-        out = ops.block_quant_linear(x, bq.codes, bq.scale, bq.offset, b)
+        out = ops.block_quant_linear(x, *to_panels(bq), b)
         torch.testing.assert_close(out, F.linear(x, dequantize(bq), b), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
 def test_kernel_takes_strided_rows_and_refuses_bad_shapes() -> None:
-    bq = random_block_quant(8, 64, seed=1)
-    strided = torch.randn(64, 5).t()
-    torch.testing.assert_close(ops.block_quant_linear(strided, bq.codes, bq.scale, bq.offset,
-                                                      None),
-                               F.linear(strided, dequantize(bq)), rtol=1e-5, atol=1e-5)
+    bq = random_block_quant(16, 64, seed=1)
+    panels = to_panels(bq)
+    for rows in (5, 9):
+        strided = torch.randn(64, rows).t()
+        torch.testing.assert_close(ops.block_quant_linear(strided, *panels, None),
+                                   F.linear(strided, dequantize(bq)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="panels"):
+        ops.block_quant_linear(torch.randn(2, 64), bq.codes, *panels[1:], None)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.block_quant_linear(torch.randn(2, 48), bq.codes[:, :48].contiguous(),
-                               bq.scale, bq.offset, None)
+        ops.block_quant_linear(torch.randn(2, 48), panels[0][:, :48].contiguous(),
+                               *panels[1:], None)
     with pytest.raises(RuntimeError, match="float32"):
-        ops.block_quant_linear(torch.randn(2, 64).double(), bq.codes, bq.scale, bq.offset,
-                               None)
+        ops.block_quant_linear(torch.randn(2, 64).double(), *panels, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.block_quant_linear(torch.randn(2, 64), *panels, torch.randn(8))
 
 
 @needs_kernel
-def test_linear_sends_small_batches_to_the_kernel_and_large_ones_to_the_matmul() -> None:
+def test_linear_uses_the_kernel_at_every_batch_size() -> None:
     """A block-quantized form that deliberately differs from the fp32 weight shows which path
-    each batch size took."""
-    bq = random_block_quant(16, 64, seed=2)
-    other = torch.randn(16, 64)
+    each call took; the fp32 weight is not kept. Channels that do not fill whole panels, or
+    no compiled kernel, leave the layer on the fp32 weight."""
+    bq = random_block_quant(32, 64, seed=2)
+    other = torch.randn(32, 64)
     linear = Linear(other, None, prepack=False, block_quant=bq, block_quant_ops=ops)
-    for rows, weight in ((1, dequantize(bq)), (BLOCK_QUANT_MAX_ROWS, dequantize(bq)),
-                         (BLOCK_QUANT_MAX_ROWS + 1, other)):
+    assert linear.weight is None
+    for rows in (1, 6, 7, 300):
         x = torch.randn(rows, 64)
-        torch.testing.assert_close(linear(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
-    # Without the compiled kernel the block-quantized form is ignored.
-    assert Linear(other, None, block_quant=bq, block_quant_ops=None).block_quant is None
+        torch.testing.assert_close(linear(x), F.linear(x, dequantize(bq)), rtol=1e-5,
+                                   atol=1e-5)
+    x3 = torch.randn(2, 3, 64)
+    torch.testing.assert_close(linear(x3), F.linear(x3, dequantize(bq)), rtol=1e-5, atol=1e-5)
+    assert Linear(other, None, block_quant=bq, block_quant_ops=None).panels is None
+    odd = random_block_quant(24, 64, seed=3)
+    fallback = Linear(other[:24], None, block_quant=odd, block_quant_ops=ops)
+    assert fallback.panels is None
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(fallback(x), F.linear(x, other[:24]))
 
 
 @pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
@@ -103,13 +117,13 @@ def test_f32_gguf_and_hf_folder_have_no_blocks(tmp_path) -> None:
 @pytest.mark.integration
 @needs_kernel
 def test_engine_predicts_the_same_on_the_native_kernel(llm: LLM) -> None:
-    """The bundled Q4_1 model, decode steps (1 row) on the kernel against the same engine with
-    every matmul on oneDNN: same greedy tokens, logprobs within fp32 noise."""
-    assert llm.engine.runner.model.layers[0].qkv.block_quant is not None  # auto picks native
-    assert llm.engine.runner.model.lm_head.block_quant is not None  # Q8_0 embedding
+    """The bundled Q4_1 model, prefills and decode steps on the kernel against the same engine
+    with every matmul on oneDNN: same greedy tokens, logprobs within fp32 noise."""
+    assert llm.engine.runner.model.layers[0].qkv.panels is not None  # auto picks native
+    assert llm.engine.runner.model.lm_head.panels is not None  # Q8_0 embedding
     onednn = LLM(kv_cache_memory="64MiB", max_model_len=1024, dtype="float32",
                  linear_backend="onednn")
-    assert onednn.engine.runner.model.layers[0].qkv.block_quant is None
+    assert onednn.engine.runner.model.layers[0].qkv.panels is None
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
     for a, b in zip(llm.generate(prompts, params), onednn.generate(prompts, params)):

@@ -41,16 +41,16 @@ def test_prepacked_linear_takes_strided_and_batched_inputs() -> None:
 
 @pytest.mark.integration
 @needs_onednn
-def test_engine_predicts_the_same_with_prepacked_weights(llm: LLM) -> None:
+def test_engine_predicts_the_same_with_prepacked_weights() -> None:
     """Teacher-forced over a passage: the same top-1 token and logprobs within fp32 noise."""
-    assert llm.engine.runner.model.layers[0].qkv.prepacked  # fp32 on CPU: auto packs
-    plain = LLM(kv_cache_memory="64MiB", max_model_len=1024, dtype="float32",
-                linear_backend="torch")
+    packed, plain = (LLM(kv_cache_memory="64MiB", max_model_len=1024, dtype="float32",
+                         linear_backend=backend) for backend in ("onednn", "torch"))
+    assert packed.engine.runner.model.layers[0].qkv.prepacked
     assert not plain.engine.runner.model.layers[0].qkv.prepacked
     passage = ("Every autumn the town holds a fair by the old stone bridge, where traders "
                "sell apples, wool and honey, and children race paper boats under the arches.")
     params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=1, logprobs=1)
-    packed_out, plain_out = (m.generate(passage, params)[0] for m in (llm, plain))
+    packed_out, plain_out = (m.generate(passage, params)[0] for m in (packed, plain))
     assert packed_out.outputs[0].token_ids == plain_out.outputs[0].token_ids
     for a, b in zip(packed_out.prompt_logprobs[1:], plain_out.prompt_logprobs[1:]):
         assert a.top[0][0] == b.top[0][0]

@@ -58,7 +58,7 @@ class ModelConfig:
     linear_backend: Literal["auto", "native", "onednn", "torch"] = field(
         default="auto", metadata=flag_help(
         "projection matmuls: native = loom's C++ kernel on a GGUF's own Q4_0/Q4_1/Q8_0 "
-        "weights for batches up to 24 rows, onednn above (CPU float32, AVX2); onednn = "
+        "weights (CPU float32, AVX2); onednn = "
         "weights prepacked once for oneDNN (CPU float32); torch = F.linear on plain "
         "weights; auto = the first of these that applies"))
 

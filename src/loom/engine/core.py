@@ -18,7 +18,7 @@ from loom.core.static import StaticScheduler
 from loom.engine.detokenizer import IncrementalDetokenizer
 from loom.engine.metrics import EngineMetrics
 from loom.model.kernels import block_quant_linear_ops, paged_attention_ops
-from loom.model.linear import BLOCK_QUANT_MAX_ROWS, onednn_prepack_supported
+from loom.model.linear import onednn_prepack_supported
 from loom.model.llama import LlamaModel
 from loom.model.loader import BlockQuantWeight, ModelArch, load_model
 from loom.model.runner import ModelRunner
@@ -85,9 +85,8 @@ class EngineCore:
                     self.model_name, self.device, str(self.dtype).removeprefix("torch."),
                     " (auto)" if mc.dtype == "auto" else "",
                     "native kernel" if self.runner.native_decode else "torch",
-                    (f"native on GGUF blocks up to {BLOCK_QUANT_MAX_ROWS} rows, else "
-                     if block_quant else "")
-                    + ("oneDNN prepacked" if prepack else "torch"), torch.get_num_threads())
+                    "native on the GGUF's blocks" if block_quant
+                    else "oneDNN prepacked" if prepack else "torch", torch.get_num_threads())
         self.metrics = EngineMetrics(self.model_name)
         self.states: dict[str, _RequestState] = {}
         # Async scheduling: one worker thread runs the model; at most one step is in flight.

@@ -7,9 +7,11 @@ load time, as vLLM's CPU backend and inductor's freezing pass do. On this model'
 projections, a 30-layer chain of them ran 1.5-2.2x faster prepacked at 1-64 rows and as fast
 or slightly faster at 512-2,048 (`benchmarks/linear_layout.py`).
 
-When the weight came from a GGUF in a block-quantized format, small batches go to loom's
-native kernel instead, which reads the file's int8 codes (a quarter of the fp32 bytes) and
-computes in fp32: about 2x the prepacked layout at 1-8 rows, even near 28 rows, behind above.
+When the weight came from a GGUF in a block-quantized format, every batch goes to loom's
+native kernel instead (csrc/block_quant_linear.cpp), which computes in fp32 from the file's
+int8 codes, re-laid out in panels of 16 output channels. It reads a quarter of the fp32 bytes
+and keeps a register tile busy: about 2x the prepacked layout at 1-8 rows, 1.2-1.4x at 24-64,
+and level with it at prefill sizes. The fp32 weight is then not kept at all.
 """
 
 from __future__ import annotations
@@ -26,9 +28,8 @@ from loom.model.loader import BlockQuantWeight
 # to F.linear on prefill-sized batches (benchmarks/linear_layout.py).
 _PACK_BATCH_HINT = 512
 
-# The native block-quantized kernel takes batches up to this many rows; oneDNN took over between
-# 24 and 32 (benchmarks/linear_layout.py).
-BLOCK_QUANT_MAX_ROWS = 24
+# Output channels per panel of the native kernel's weight layout.
+PANEL_CHANNELS = 16
 
 
 def onednn_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -37,25 +38,39 @@ def onednn_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+def to_panels(bq: BlockQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The native kernel's layout of a [N, K] block-quantized weight: codes [N/16, K, 16] and
+    scale/offset [N/16, K/32, 16], so that one k of a panel is 16 adjacent bytes."""
+    n = bq.codes.shape[0] // PANEL_CHANNELS
+    return tuple(t.view(n, PANEL_CHANNELS, t.shape[1]).transpose(1, 2).contiguous()
+                 for t in (bq.codes, bq.scale, bq.offset))
+
+
 class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  prepack: bool = False, block_quant: BlockQuantWeight | None = None,
                  block_quant_ops: ModuleType | None = None) -> None:
         """block_quant (with the compiled block_quant_ops): the same weight in the GGUF's
-        format, for batches of up to BLOCK_QUANT_MAX_ROWS rows."""
+        format; when given, and the output channels come in whole panels, every matmul uses
+        it and `weight` is dropped."""
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.bias = bias
+        self.panels = None
+        if (block_quant is not None and block_quant_ops is not None
+                and self.out_features % PANEL_CHANNELS == 0):
+            self.panels = to_panels(block_quant)
+            self._block_quant_ops = block_quant_ops
+            self.weight, self.prepacked = None, False
+            return
         self.prepacked = prepack
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
                        if prepack else weight)
-        self.block_quant = block_quant if block_quant_ops is not None else None
-        self._block_quant_ops = block_quant_ops
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        bq = self.block_quant
-        if bq is not None and x.dim() == 2 and x.shape[0] <= BLOCK_QUANT_MAX_ROWS:
-            return self._block_quant_ops.block_quant_linear(x, bq.codes, bq.scale, bq.offset,
-                                                            self.bias)
+        if self.panels is not None:
+            out = self._block_quant_ops.block_quant_linear(
+                x.reshape(-1, self.in_features), *self.panels, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -1,19 +1,23 @@
-// loom: y = x W^T (+ b) for a few rows of fp32 x, with W held as the GGUF holds it: int8 codes
-// q with one scale d and one offset m per block of 32 along a row, w = q * d + m (Q4_0, Q4_1
-// and Q8_0 all have this form). At decode-sized batches an fp32 matmul is bound by streaming
-// fp32 weights; reading 1-byte codes instead moves a quarter of the bytes, and the codes are
-// the file's own numbers, so the result is the fp32 product with the file's weights, not an
-// approximation of it (only the summation order differs).
+// loom: y = x W^T (+ b) for fp32 x, with W held as the GGUF holds it: int8 codes q with one
+// scale d and one offset m per block of 32 along a row, w = q * d + m (Q4_0, Q4_1 and Q8_0 all
+// have this form). The codes are the file's own numbers, so the result is the fp32 product with
+// the file's weights, not an approximation of it (only the summation order differs), and a
+// decode step streams 1-byte codes instead of 4-byte floats.
 //
-// Work is split over pairs of output channels. For each group of up to 4 input rows, the pair's
-// codes are decoded into registers as the dot products go: a register tile of 4 rows x 2
-// channels x 8 lanes, 8 accumulators, 8 FMAs per 8 codes of each channel. Decoding again for
-// every 4 rows was faster than decoding once into a row buffer at 6-16 rows. Past about 24 rows
-// the FMAs dominate and oneDNN's fp32 kernels win (benchmarks/linear_layout.py), so the engine
-// only sends small batches here. Needs AVX2 + FMA (`supported`).
+// The weight is laid out once, at load time, in panels of 16 output channels: codes
+// [N/16, K, 16] and scale/offset [N/16, K/32, 16], so that row k of a panel is 16 consecutive
+// codes that decode into two AVX2 registers. Threads split the panels. Per panel:
+// - up to 6 rows: each row k of codes is decoded into registers and used at once by a tile of
+//   R rows x 16 channels;
+// - more rows: the panel is decoded once to fp32 (K x 16 floats, at most ~100 KB, so it stays
+//   in L2) and a 6 x 16 register tile runs over it, per k two panel loads, six broadcasts and
+//   twelve FMAs, the classic AVX2 sgemm micro-kernel. The decode is amortised over every row.
+// On the bundled model this matched or beat oneDNN's prepacked fp32 matmul from 1 to 2,048 rows
+// (benchmarks/linear_layout.py). Needs AVX2 + FMA (`supported`).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
+#include <cstdlib>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LOOM_HAVE_AVX2 1
@@ -29,42 +33,88 @@ bool supported() {
 #endif
 }
 
+constexpr int64_t kPanel = 16;
+constexpr int kTileRows = 6;  // rows per register tile; also the most decoded in registers
+
 #ifdef LOOM_HAVE_AVX2
-static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
+static void decode_panel(const int8_t* q, const float* s, const float* o, int64_t K, float* w) {
+  for (int64_t b = 0; b < K / kQuantBlock; ++b) {
+    const __m256 d0 = _mm256_loadu_ps(s + b * kPanel), d1 = _mm256_loadu_ps(s + b * kPanel + 8);
+    const __m256 m0 = _mm256_loadu_ps(o + b * kPanel), m1 = _mm256_loadu_ps(o + b * kPanel + 8);
+    for (int64_t k = b * kQuantBlock; k < (b + 1) * kQuantBlock; ++k) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kPanel));
+      _mm256_store_ps(w + k * kPanel,
+                      _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), d0, m0));
+      _mm256_store_ps(w + k * kPanel + 8,
+                      _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                          _mm_srli_si128(c, 8))), d1, m1));
+    }
+  }
 }
 
-static inline __m256 decode8(const int8_t* q, __m256 d, __m256 m) {
-  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), d, m);
-}
-
-// out[r, 0..1] = x[r] . w0, x[r] . w1 for R <= 4 rows, decoding channels c and c + 1 into
-// registers as it goes.
+// y[r, 0..15] = x[r] . panel (+ bias) for R <= 6 rows, from the decoded fp32 panel w.
 template <int R>
-static inline void tile(const float* x, int64_t K, const int8_t* q0, const int8_t* q1,
-                        const float* s0, const float* s1, const float* o0, const float* o1,
-                        float* out, int64_t ldo, int64_t num_channels) {
+static inline void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N,
+                              const float* bias) {
   __m256 a0[R], a1[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_load_ps(w + k * kPanel), w1 = _mm256_load_ps(w + k * kPanel + 8);
+  #pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
+      a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    if (bias != nullptr) {
+      a0[r] = _mm256_add_ps(a0[r], _mm256_loadu_ps(bias));
+      a1[r] = _mm256_add_ps(a1[r], _mm256_loadu_ps(bias + 8));
+    }
+    _mm256_storeu_ps(y + r * N, a0[r]);
+    _mm256_storeu_ps(y + r * N + 8, a1[r]);
+  }
+}
+
+// The same product for a batch of at most 6 rows, without the fp32 panel: each row k of codes
+// is decoded into registers and used at once. With so few rows per decoded weight, writing the
+// panel out and reading it back costs more than it saves.
+template <int R>
+static inline void decoding_tile(const float* x, int64_t K, const int8_t* q, const float* s,
+                                 const float* o, float* y, int64_t N, const float* bias) {
+  __m256 a0[R], a1[R];
+#pragma GCC unroll 6
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / kQuantBlock; ++b) {
-    const __m256 d0 = _mm256_set1_ps(s0[b]), m0 = _mm256_set1_ps(o0[b]);
-    const __m256 d1 = _mm256_set1_ps(s1[b]), m1 = _mm256_set1_ps(o1[b]);
-    for (int64_t k = b * kQuantBlock; k < (b + 1) * kQuantBlock; k += 8) {
-      const __m256 v0 = decode8(q0 + k, d0, m0), v1 = decode8(q1 + k, d1, m1);
+    const float *d = s + b * kPanel, *m = o + b * kPanel;
+    for (int64_t k = b * kQuantBlock; k < (b + 1) * kQuantBlock; ++k) {
+      // scale and offset are re-read from L1 at each k, as memory operands of the FMAs: held
+      // in registers they would leave too few for six rows of accumulators
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kPanel));
+      const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)),
+                                        _mm256_loadu_ps(d), _mm256_loadu_ps(m));
+      const __m256 w1 = _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))),
+          _mm256_loadu_ps(d + 8), _mm256_loadu_ps(m + 8));
+#pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_loadu_ps(x + r * K + k);
-        a0[r] = _mm256_fmadd_ps(v0, xv, a0[r]);
-        a1[r] = _mm256_fmadd_ps(v1, xv, a1[r]);
+        const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
+        a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);
+        a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);
       }
     }
   }
+#pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
-    out[r * ldo] = hsum(a0[r]);
-    if (num_channels == 2) out[r * ldo + 1] = hsum(a1[r]);
+    if (bias != nullptr) {
+      a0[r] = _mm256_add_ps(a0[r], _mm256_loadu_ps(bias));
+      a1[r] = _mm256_add_ps(a1[r], _mm256_loadu_ps(bias + 8));
+    }
+    _mm256_storeu_ps(y + r * N, a0[r]);
+    _mm256_storeu_ps(y + r * N + 8, a1[r]);
   }
 }
 #endif
@@ -73,15 +123,17 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor
                                  torch::Tensor offset, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(supported(), "block_quant_linear needs a CPU with AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(),
-              "q must be contiguous int8 [N, K]");
-  const int64_t M = x.size(0), N = q.size(0), K = q.size(1);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kPanel && q.scalar_type() == at::kChar &&
+                  q.is_contiguous(), "q must be contiguous int8 panels [N / 16, K, 16]");
+  const int64_t M = x.size(0), P = q.size(0), K = q.size(1), N = P * kPanel;
   TORCH_CHECK(x.size(1) == K && K % kQuantBlock == 0, "x [rows, K] with K a multiple of 32");
-  TORCH_CHECK(scale.sizes() == offset.sizes() && scale.size(0) == N &&
-                  scale.size(1) == K / kQuantBlock && scale.scalar_type() == at::kFloat &&
-                  offset.scalar_type() == at::kFloat && scale.is_contiguous() &&
-                  offset.is_contiguous(),
-              "scale and offset must be contiguous float32 [N, K / 32]");
+  TORCH_CHECK(scale.sizes() == offset.sizes() && scale.dim() == 3 && scale.size(0) == P &&
+                  scale.size(1) == K / kQuantBlock && scale.size(2) == kPanel &&
+                  scale.scalar_type() == at::kFloat && offset.scalar_type() == at::kFloat &&
+                  scale.is_contiguous() && offset.is_contiguous(),
+              "scale and offset must be contiguous float32 [N / 16, K / 32, 16]");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == N && bias->scalar_type() == at::kFloat),
+              "bias must be float32 [N]");
   x = x.contiguous();
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
@@ -90,15 +142,26 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   const float* op = offset.data_ptr<float>();
+  const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
   float* yp = out.data_ptr<float>();
-  const int64_t nb = K / kQuantBlock, num_pairs = (N + 1) / 2;
-  at::parallel_for(0, num_pairs, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t c = 2 * pair, nc = std::min<int64_t>(2, N - c), c1 = c + nc - 1;
-      for (int64_t r = 0; r < M; r += 4) {
-#define LOOM_TILE(R) tile<R>(xp + r * K, K, qp + c * K, qp + c1 * K, sp + c * nb, sp + c1 * nb, \
-                             op + c * nb, op + c1 * nb, yp + r * N + c, N, nc)
-        switch (std::min<int64_t>(4, M - r)) {
+  const int64_t nb = K / kQuantBlock;
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    float* w = M > kTileRows ? static_cast<float*>(std::aligned_alloc(64, K * kPanel * 4))
+                             : nullptr;
+    for (int64_t p = begin; p < end; ++p) {
+      const int8_t* pq = qp + p * K * kPanel;
+      const float *ps = sp + p * nb * kPanel, *po = op + p * nb * kPanel;
+      const float* pb = bp == nullptr ? nullptr : bp + p * kPanel;
+      if (w != nullptr) decode_panel(pq, ps, po, K, w);
+      for (int64_t r = 0; r < M; r += kTileRows) {
+        const float* xr = xp + r * K;
+        float* yr = yp + r * N + p * kPanel;
+#define LOOM_TILE(R) \
+  w != nullptr ? panel_tile<R>(xr, K, w, yr, N, pb) : decoding_tile<R>(xr, K, pq, ps, po, yr, N, pb)
+        switch (std::min<int64_t>(kTileRows, M - r)) {
+          case 6: LOOM_TILE(6); break;
+          case 5: LOOM_TILE(5); break;
           case 4: LOOM_TILE(4); break;
           case 3: LOOM_TILE(3); break;
           case 2: LOOM_TILE(2); break;
@@ -107,9 +170,9 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor
 #undef LOOM_TILE
       }
     }
+    std::free(w);
   });
 #endif
-  if (bias.has_value()) out.add_(*bias);
   return out;
 }
 
