@@ -7,15 +7,18 @@ Two places where torch has no good CPU primitive:
 - small-batch matmuls with a GGUF's block-quantized weights: torch's int8/int4 weight-only
   matmuls have no AVX2 path (20-100x slower than fp32 here), and its dynamic int8 matmul
   quantizes activations per tensor, which cost this model half its top-1 agreement.
-  `csrc/block_quant_linear.cpp` computes with the file's own codes, in fp32.
+  `csrc/block_quant_linear.cpp` computes with the file's own codes, in fp32, at every batch
+  size.
 If one cannot be built (no compiler), the engine falls back to the torch path and says so once.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -38,12 +41,27 @@ def block_quant_linear_ops() -> ModuleType | None:
                   "block-quantized matmul kernel", "oneDNN matmul")
 
 
+def _build_directory(name: str) -> Path:
+    """Where an extension is built: under TORCH_EXTENSIONS_DIR (default
+    ~/.cache/torch_extensions), one folder per Python environment. The build files name the
+    environment's torch headers, so two virtualenvs sharing a folder rebuilt each other's
+    kernels (a minute or more) on every start."""
+    import torch
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    env = hashlib.sha256(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:12]
+    path = Path(root) / f"loom-{env}" / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _build(name: str, source: str, what: str, fallback: str) -> ModuleType | None:
-    """Compile (once; cached under TORCH_EXTENSIONS_DIR) and import an extension."""
+    """Compile (once; cached, see _build_directory) and import an extension."""
     from torch.utils.cpp_extension import load
 
     try:
         return load(name=name, sources=[str(_CSRC / source)],
+                    build_directory=str(_build_directory(name)),
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"], verbose=bool(os.environ.get("LOOM_VERBOSE_BUILD")))
     except Exception as e:  # noqa: BLE001 - compiler missing or failing: fall back, loudly
