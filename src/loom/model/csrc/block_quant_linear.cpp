@@ -6,7 +6,8 @@
 //
 // The weight is laid out once, at load time, in panels of 16 output channels: codes
 // [N/16, K, 16] and scale/offset [N/16, K/32, 16], so that row k of a panel is 16 consecutive
-// codes that decode into two AVX2 registers. Threads split the panels. Per panel:
+// codes that decode into two AVX2 registers. Threads take panels one at a time
+// (parallel_dynamic.h). Per panel:
 // - up to 6 rows: each row k of codes is decoded into registers and used at once by a tile of
 //   R rows x 16 channels;
 // - more rows: the panel is decoded once to fp32 (K x 16 floats, at most ~100 KB, so it stays
@@ -18,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstdlib>
+
+#include "parallel_dynamic.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LOOM_HAVE_AVX2 1
@@ -146,10 +149,10 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
   float* yp = out.data_ptr<float>();
   const int64_t nb = K / kQuantBlock;
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+  parallel_dynamic(P, [&](std::atomic<int64_t>& next) {
     float* w = M > kTileRows ? static_cast<float*>(std::aligned_alloc(64, K * kPanel * 4))
                              : nullptr;
-    for (int64_t p = begin; p < end; ++p) {
+    for (int64_t p; (p = next++) < P;) {
       const int8_t* pq = qp + p * K * kPanel;
       const float *ps = sp + p * nb * kPanel, *po = op + p * nb * kPanel;
       const float* pb = bp == nullptr ? nullptr : bp + p * kPanel;

@@ -14,14 +14,14 @@
 #include <cmath>
 #include <vector>
 
+#include "parallel_dynamic.h"
+
 constexpr int64_t kBlockSize = 16;
 
-// Requests arrive sorted by context length and parallel_for hands each thread a contiguous
-// range, so the thread with the long half would do most of the work. Visiting them shortest,
-// longest, second shortest, ... gives every range a mix.
-static inline int64_t interleaved(int64_t k, int64_t n) {
-  return k % 2 == 0 ? k / 2 : n - 1 - k / 2;
-}
+// Requests arrive sorted by context length, shortest first. Threads take (request, kv head)
+// items one at a time (parallel_dynamic.h), longest request first, so the short ones at the
+// end even out the threads' finishing times.
+static inline int64_t longest_first(int64_t k, int64_t n) { return n - 1 - k; }
 
 // The G query heads of kv head kh of request i, scaled, as fp32.
 template <typename T, int G, int D>
@@ -80,10 +80,10 @@ static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, cons
   constexpr int DC = G <= 4 ? 16 : 8;  // dims per p.V pass: 2 * G (or G) accumulators
   static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 2 vectors");
   const int64_t H = G * KVH;
-  at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
+  parallel_dynamic(n * KVH, [&](std::atomic<int64_t>& next) {
     std::vector<float> scores;
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t i = interleaved(idx / KVH, n), kh = idx % KVH, L = lens[i];
+    for (int64_t idx; (idx = next++) < n * KVH;) {
+      const int64_t i = longest_first(idx / KVH, n), kh = idx % KVH, L = lens[i];
       const int64_t num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
       const int64_t* table = bt + i * max_blocks;
       float qf[G][D];
@@ -143,10 +143,10 @@ static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, cons
                    const int64_t* vs, float scale) {
   constexpr int64_t BS = kBlockSize;
   const int64_t H = G * KVH;
-  at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
+  parallel_dynamic(n * KVH, [&](std::atomic<int64_t>& next) {
     std::vector<float> scores;
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t i = interleaved(idx / KVH, n), kh = idx % KVH, L = lens[i];
+    for (int64_t idx; (idx = next++) < n * KVH;) {
+      const int64_t i = longest_first(idx / KVH, n), kh = idx % KVH, L = lens[i];
       float qf[G][D];
       load_query(q, i, H, kh, scale, qf);
       scores.resize(G * (L + BS));
