@@ -49,8 +49,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,8,32,64,256,512,1024,2048")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--native-rows", default="1,2,4,8,16,24,32,64")
+    parser.add_argument("--native-rows", default="1,2,4,8,16,24,32,64,128,512,2048")
+    parser.add_argument("--native-only", action="store_true", help="only the third table")
     args = parser.parse_args()
+    if args.native_only:
+        with torch.inference_mode():
+            native_table(args.native_rows, args.rounds)
+        return
     model = LLM(dtype="float32", linear_backend="torch").engine.runner.model
     weights = [lin.weight for layer in model.layers
                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]

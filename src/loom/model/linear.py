@@ -55,7 +55,7 @@ class Linear:
         it and `weight` is dropped."""
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.bias = bias
-        self.panels = None
+        self.panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if (block_quant is not None and block_quant_ops is not None
                 and self.out_features % PANEL_CHANNELS == 0):
             self.panels = to_panels(block_quant)
