@@ -10,8 +10,8 @@ or slightly faster at 512-2,048 (`benchmarks/linear_layout.py`).
 When the weight came from a GGUF in a block-quantized format, every batch goes to loom's
 native kernel instead (csrc/block_quant_linear.cpp), which computes in fp32 from the file's
 int8 codes, re-laid out in panels of 16 output channels. It reads a quarter of the fp32 bytes
-and keeps a register tile busy: about 2x the prepacked layout at 1-8 rows, 1.2-1.4x at 24-64,
-and level with it at prefill sizes. The fp32 weight is then not kept at all.
+and keeps a register tile busy: 1.5-2.1x the prepacked layout at 1-16 rows, 1.2-1.4x at
+24-128, and within 6% of it at prefill sizes. The fp32 weight is then not kept at all.
 """
 
 from __future__ import annotations

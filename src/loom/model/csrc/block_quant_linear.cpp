@@ -13,8 +13,8 @@
 // - more rows: the panel is decoded once to fp32 (K x 16 floats, at most ~100 KB, so it stays
 //   in L2) and a 6 x 16 register tile runs over it, per k two panel loads, six broadcasts and
 //   twelve FMAs, the classic AVX2 sgemm micro-kernel. The decode is amortised over every row.
-// On the bundled model this matched or beat oneDNN's prepacked fp32 matmul from 1 to 2,048 rows
-// (benchmarks/linear_layout.py). Needs AVX2 + FMA (`supported`).
+// On the bundled model this beat oneDNN's prepacked fp32 matmul from 1 to 512 rows and came
+// within 6% of it at 2,048 (benchmarks/linear_layout.py --native-only). Needs AVX2 + FMA.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>

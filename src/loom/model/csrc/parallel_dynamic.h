@@ -5,7 +5,8 @@
 // for a time slice holds up the whole call while the others wait at its end. Here the threads
 // instead take indices one at a time from a shared counter, so the ones still running take over
 // the work of one that is not. On the 2-core host a background process using ~9% of one core
-// slowed the offline engine by 10-22% with fixed ranges (BENCHMARKS.md, "Contention").
+// slowed the offline engine by 10-22% with fixed ranges (BENCHMARKS.md, "What serving
+// costs on 2 cores").
 #pragma once
 #include <ATen/Parallel.h>
 #include <algorithm>
