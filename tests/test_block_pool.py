@@ -82,10 +82,10 @@ def _request(request_id: str, tokens: list[int]) -> Request:
 
 
 def _compute(kv: KVCacheManager, request: Request, num_tokens: int) -> None:
-    """Allocate and 'run' num_tokens: blocks are published only once computed."""
+    """Allocate and 'run' num_tokens, then publish the blocks they filled."""
     assert kv.allocate_slots(request, num_tokens)
     request.num_computed_tokens += num_tokens
-    kv.cache_computed_blocks(request)
+    kv.cache_blocks(request, request.num_computed_tokens)
 
 
 def test_prefix_is_shared_only_for_full_identical_blocks() -> None:
@@ -93,9 +93,9 @@ def test_prefix_is_shared_only_for_full_identical_blocks() -> None:
     first = _request("a", list(range(10)))
     assert kv.find_cached_prefix(first) == []
     assert kv.allocate_slots(first, 10)
-    assert kv.find_cached_prefix(_request("x", list(range(10)))) == []  # not computed yet
+    assert kv.find_cached_prefix(_request("x", list(range(10)))) == []  # not published yet
     first.num_computed_tokens = 10
-    kv.cache_computed_blocks(first)
+    kv.cache_blocks(first, first.num_computed_tokens)
     # 10 tokens = 2 full blocks + 2 tokens; the full ones are published
     same_prefix = _request("b", list(range(8)) + [99, 98, 97])
     hit = kv.find_cached_prefix(same_prefix)
@@ -116,3 +116,16 @@ def test_failed_allocation_changes_nothing() -> None:
     request = _request("a", list(range(12)))
     assert not kv.allocate_slots(request, 12)
     assert kv.pool.num_free_blocks == 2 and kv.get_block_table("a") == []
+
+
+def test_withdrawn_blocks_are_no_longer_found_but_computed_ones_stay() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    first = _request("a", list(range(13)))
+    assert kv.allocate_slots(first, 13)
+    kv.cache_blocks(first, 13)  # published while scheduled; only 4 tokens are computed
+    first.num_computed_tokens = 4
+    assert len(kv.find_cached_prefix(_request("b", list(range(13))))) == 3
+    assert kv.withdraw_uncomputed_blocks(first) == kv.get_block_table("a")[1:3]
+    assert kv.find_cached_prefix(_request("c", list(range(13)))) == kv.get_block_table("a")[:1]
+    kv.free(first)
+    assert kv.pool.num_free_blocks == 8

@@ -93,6 +93,19 @@ def test_prefix_cache_hits_keep_outputs_identical(any_llm: LLM) -> None:
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in uncached]
 
 
+def test_requests_sent_together_share_a_prefix_computed_in_their_first_step(
+        any_llm: LLM) -> None:
+    shared = "Document 7: the clockmaker's ledger lists every repair of the winter. " * 6
+    prompts = [shared + q for q in ("Who paid?", "What broke?", "When?")]
+    before = any_llm.get_metrics()["loom:prefix_cache_hits_total"]
+    outs = any_llm.generate(prompts, greedy(8))  # one step: nothing was cached before it
+    assert any_llm.get_metrics()["loom:prefix_cache_hits_total"] - before >= 2 * 64
+    assert [o.num_cached_tokens > 0 for o in outs] == [False, True, True]
+    uncached = LLM(enable_prefix_caching=False, max_model_len=2048,
+                   kv_cache_memory="128MiB", dtype="float32").generate(prompts, greedy(8))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in uncached]
+
+
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(any_llm: LLM) -> None:
     seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=7)
     alone = any_llm.generate("Once upon a time", seeded)[0].outputs[0].token_ids
@@ -209,4 +222,29 @@ def test_a_request_whose_step_throws_fails_alone(any_llm: LLM, reference, monkey
     assert finished["poisoned"].outputs[0].finish_reason == "error"
     assert "sampling blew up" in finished["poisoned"].error
     assert finished["healthy"].outputs[0].token_ids == reference[0]
+    assert engine.kv_cache.pool.usage == 0.0
+
+
+def test_a_request_that_shared_a_failed_requests_prefix_is_recomputed(
+        any_llm: LLM, monkeypatch) -> None:
+    engine = any_llm.engine
+    real_execute = engine.runner.execute
+    shared = "Appendix B of the maintenance manual, copied for every question. " * 6
+
+    def execute(batch):
+        if any(item.request_id == "owner" for item in batch.scheduled):
+            raise RuntimeError("forward pass blew up")
+        return real_execute(batch)
+
+    expected = any_llm.generate(shared + "And the second?", greedy(8))[0].outputs[0].token_ids
+    any_llm.engine.kv_cache.pool.reset_prefix_cache()
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    engine.add_request("owner", shared + "First question?", greedy(8))
+    engine.add_request("sharer", shared + "And the second?", greedy(8))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["owner"].outputs[0].finish_reason == "error"
+    # The sharer found the owner's blocks in the failed step, which never wrote them.
+    assert finished["sharer"].outputs[0].token_ids == expected
     assert engine.kv_cache.pool.usage == 0.0

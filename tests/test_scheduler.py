@@ -205,6 +205,47 @@ def test_decodes_are_scheduled_before_new_prefills_and_long_prompts_are_chunked(
     assert not batch.scheduled[1].sample  # 14 of 20 prompt tokens done: nothing to sample yet
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_prefix_computed_in_this_step_serves_requests_admitted_after_it(
+        async_scheduling: bool) -> None:
+    scheduler = make(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), 64, 4)
+    model = SlotModel(4)
+    prefix = list(range(100, 112))  # three full blocks
+    first = add(scheduler, "first", prefix + [1, 2], 3)
+    second = add(scheduler, "second", prefix + [3], 3)
+    driver = AsyncDriver(scheduler, model) if async_scheduling else None
+    batch = driver.step() if driver else run_step(scheduler, model)
+    assert [(s.request_id, len(s.token_ids)) for s in batch.scheduled] == [("first", 14),
+                                                                           ("second", 1)]
+    assert second.num_cached_tokens == 12
+    assert batch.scheduled[1].block_ids[:3] == batch.scheduled[0].block_ids[:3]
+    while scheduler.has_unfinished_requests() or (driver and driver.in_flight):
+        driver.step() if driver else run_step(scheduler, model)
+    assert first.output_token_ids == expected_output(prefix + [1, 2], 3)
+    assert second.output_token_ids == expected_output(prefix + [3], 3)
+
+
+def test_a_failed_request_withdraws_the_prefix_it_was_computing() -> None:
+    scheduler = make(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), 64, 4)
+    model = SlotModel(4)
+    prefix = list(range(100, 112))
+    first = add(scheduler, "first", prefix + [1, 2], 3)
+    second = add(scheduler, "second", prefix + [3], 3)
+    batch = scheduler.schedule()
+    assert second.num_cached_tokens == 12
+    # The step throws and first fails alone: its blocks were never written, so second, which
+    # found them, must recompute rather than read them (the model asserts on a stale slot).
+    scheduler.fail_request("first")
+    assert first.status == RequestStatus.FINISHED_ERROR
+    assert second.status == RequestStatus.PREEMPTED
+    assert scheduler.kv_cache.find_cached_prefix(second) == []
+    scheduler.update(batch, ModelRunnerOutput())
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler, model)
+    assert second.output_token_ids == expected_output(prefix + [3], 3)
+    assert scheduler.kv_cache.pool.num_free_blocks == 64
+
+
 def test_without_chunked_prefill_a_prompt_runs_whole_or_waits() -> None:
     config = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4,
                              enable_chunked_prefill=False)

@@ -38,7 +38,7 @@ class BlockPool:
         block_ids = []
         for _ in range(n):
             block_id, _ = self.free_block_ids.popitem(last=False)
-            self._evict(block_id)
+            self.evict(block_id)
             self.ref_cnt[block_id] = 1
             block_ids.append(block_id)
         return block_ids
@@ -70,9 +70,10 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         for block_id in range(self.num_blocks):
-            self._evict(block_id)
+            self.evict(block_id)
 
-    def _evict(self, block_id: int) -> None:
+    def evict(self, block_id: int) -> None:
+        """Stop serving the block from the prefix cache (reused, or its contents are void)."""
         block_hash = self.block_hash[block_id]
         if block_hash is not None:
             self.block_hash[block_id] = None

@@ -66,18 +66,34 @@ class KVCacheManager:
         table.extend(self.pool.allocate(max(num_new_blocks, 0)))
         return True
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Publish the request's full blocks whose KV has been computed. Only after the step
-        ran: a block published at allocation could be freed uncomputed by a preemption in the
-        same step and then served, garbage, to the next request with that prefix."""
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's full blocks among its first `num_tokens` tokens.
+
+        The caller vouches that their KV is computed, or will be by a step that runs before
+        any request that finds them: the scheduler publishes a step's blocks once nothing in
+        that schedule() call can drop the step's work for this request. A request admitted
+        later in the same step may then share them, since every layer writes the whole step's
+        K/V before any request's attention reads it."""
         if not self.enable_prefix_caching:
             return
         table = self.block_tables[request.request_id]
-        hashes = self._full_block_hashes(request, request.num_computed_tokens // self.block_size)
+        hashes = self._full_block_hashes(request, num_tokens // self.block_size)
         start = self.num_published_blocks.get(request.request_id, 0)
         for i in range(start, len(hashes)):
             self.pool.cache(table[i], hashes[i])
-        self.num_published_blocks[request.request_id] = len(hashes)
+        self.num_published_blocks[request.request_id] = max(start, len(hashes))
+
+    def withdraw_uncomputed_blocks(self, request: Request) -> list[int]:
+        """Un-publish the blocks past the request's computed tokens, because the step that was
+        to compute them failed; returns them (other requests may already have found them)."""
+        table = self.block_tables.get(request.request_id, [])
+        published = self.num_published_blocks.get(request.request_id, 0)
+        first = request.num_computed_tokens // self.block_size
+        withdrawn = table[first:published]
+        for block_id in withdrawn:
+            self.pool.evict(block_id)
+        self.num_published_blocks[request.request_id] = min(published, first)
+        return withdrawn
 
     def free(self, request: Request) -> None:
         """Return a request's blocks; tail blocks first so the shared head stays cached longest."""

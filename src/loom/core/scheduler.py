@@ -122,6 +122,19 @@ class Scheduler:
         if request is not None:
             self._finish(request, status)
 
+    def fail_request(self, request_id: str) -> None:
+        """End a request whose step failed. Its blocks that step was computing are withdrawn
+        from the prefix cache, and running requests that already found them go back to the
+        queue to be recomputed."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        withdrawn = set(self.kv_cache.withdraw_uncomputed_blocks(request))
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        for other in list(self.running):
+            if withdrawn.intersection(self.kv_cache.get_block_table(other.request_id)):
+                self._requeue(other)
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
@@ -165,6 +178,9 @@ class Scheduler:
                 scheduled[request.request_id] = self._scheduled(request, num_new)
                 budget -= num_new
 
+        for request in self.running:  # no preemption can drop their work from here on
+            if request.request_id in scheduled:
+                self._publish_scheduled_blocks(request)
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
 
@@ -202,8 +218,15 @@ class Scheduler:
             request.num_cached_tokens = num_cached
             self.running.append(request)
             scheduled[request.request_id] = self._scheduled(request, num_new)
+            self._publish_scheduled_blocks(request)
             budget -= num_new
         return budget
+
+    def _publish_scheduled_blocks(self, request: Request) -> None:
+        """Offer the blocks this step fills to the prefix cache now, not after the step ran:
+        a request admitted later in this same step (the next RAG question on a shared
+        document) then skips recomputing them. Blocks holding a token not yet sampled wait."""
+        self.kv_cache.cache_blocks(request, min(request.num_scheduled_tokens, request.num_tokens))
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start, end = request.num_scheduled_tokens, request.num_scheduled_tokens + num_new
@@ -224,21 +247,25 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
-        self.kv_cache.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_inflight_tokens = 0  # a step still running for it is ignored on return
-        request.num_output_placeholders = 0
+        self._requeue(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._enqueue(request)
         logger.warning(
             "Request %s is preempted by PreemptionMode.RECOMPUTE mode because there is not "
             "enough KV cache space. This can affect the end-to-end performance. Increase "
             "kv_cache_memory or num_kv_blocks, or decrease max_num_seqs or "
             "max_num_batched_tokens. total_num_preemptions=%d",
             request.request_id, self.num_preemptions)
+
+    def _requeue(self, request: Request) -> None:
+        """Free a running request's blocks and queue it to be recomputed from scratch."""
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_inflight_tokens = 0  # a step still running for it is ignored on return
+        request.num_output_placeholders = 0
+        self._enqueue(request)
 
     def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput
                ) -> list[RequestUpdate]:
@@ -250,7 +277,7 @@ class Scheduler:
                 continue  # ended or preempted while the step ran
             request.num_computed_tokens += len(item.token_ids)
             request.num_inflight_tokens -= len(item.token_ids)
-            self.kv_cache.cache_computed_blocks(request)
+            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
             if not item.sample:
                 continue
             request.num_output_placeholders -= 1

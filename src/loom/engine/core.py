@@ -256,14 +256,15 @@ class EngineCore:
         self._last_forward_end = None
         merged = ModelRunnerOutput()
         for item in batch.scheduled:
-            if item.padding:
-                continue  # its request has already finished; nothing to fail
+            request = self.scheduler.requests.get(item.request_id)
+            if item.padding or request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished, or sent back to the queue by a failure before it
             try:
                 single = self.runner.execute(SchedulerOutput(scheduled=[item]))
             except Exception as e:  # noqa: BLE001 - any failure ends this request only
                 logger.exception("request %s failed", item.request_id)
                 self.states[item.request_id].error = f"{type(e).__name__}: {e}"
-                self.scheduler.finish_request(item.request_id, RequestStatus.FINISHED_ERROR)
+                self.scheduler.fail_request(item.request_id)
                 continue
             merged.sampled_token_ids.update(single.sampled_token_ids)
             merged.logprobs.update(single.logprobs)
