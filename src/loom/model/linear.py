@@ -47,24 +47,33 @@ def to_panels(bq: BlockQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 class Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
                  prepack: bool = False, block_quant: BlockQuantWeight | None = None,
                  block_quant_ops: ModuleType | None = None) -> None:
         """block_quant (with the compiled block_quant_ops): the same weight in the GGUF's
-        format; when given, and the output channels come in whole panels, every matmul uses
-        it and `weight` is dropped."""
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        format; when `uses_panels` says so, every matmul uses it and `weight` is not kept
+        (it may then be None)."""
         self.bias = bias
         self.panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        if (block_quant is not None and block_quant_ops is not None
-                and self.out_features % PANEL_CHANNELS == 0):
+        if self.uses_panels(block_quant, block_quant_ops):
+            self.out_features, self.in_features = block_quant.codes.shape
             self.panels = to_panels(block_quant)
             self._block_quant_ops = block_quant_ops
             self.weight, self.prepacked = None, False
             return
+        if weight is None:
+            raise ValueError("a Linear needs its fp32 weight unless it runs on panels")
+        self.out_features, self.in_features = weight.shape
         self.prepacked = prepack
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
                        if prepack else weight)
+
+    @staticmethod
+    def uses_panels(block_quant: BlockQuantWeight | None,
+                    block_quant_ops: ModuleType | None) -> bool:
+        """Whether the native kernel takes this weight: compiled, and whole panels."""
+        return (block_quant is not None and block_quant_ops is not None
+                and block_quant.codes.shape[0] % PANEL_CHANNELS == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:

@@ -43,12 +43,16 @@ class LlamaLayer:
 def _linear(w: dict[str, torch.Tensor], names: list[str], bias: torch.Tensor | None,
             prepack: bool, block_quant: dict[str, BlockQuantWeight]) -> Linear:
     """One projection from the named weights, stacked along the output rows; with the GGUF's
-    block-quantized form too when every part has one."""
+    block-quantized form too when every part has one. The fp32 parts are stacked only when
+    the layer will use them."""
+    quant, ops = None, None
+    if all(n in block_quant for n in names):
+        quant = BlockQuantWeight.cat([block_quant[n] for n in names])
+        ops = block_quant_linear_ops()
+    if Linear.uses_panels(quant, ops):
+        return Linear(None, bias, prepack, quant, ops)
     weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
-    if not all(n in block_quant for n in names):
-        return Linear(weight, bias, prepack)
-    quant = BlockQuantWeight.cat([block_quant[n] for n in names])
-    return Linear(weight, bias, prepack, quant, block_quant_linear_ops())
+    return Linear(weight, bias, prepack, quant, ops)
 
 
 class LlamaModel:
