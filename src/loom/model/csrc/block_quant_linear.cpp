@@ -40,26 +40,33 @@ constexpr int64_t kPanel = 16;
 constexpr int kTileRows = 6;  // rows per register tile; also the most decoded in registers
 
 #ifdef LOOM_HAVE_AVX2
+// Always inlined (and, in the tiles, with the row loops unrolled) so that everything stays in
+// registers: without the unrolling GCC kept the tile's accumulators on the stack, ten stores
+// per k, at half the speed.
+#define LOOM_INLINE inline __attribute__((always_inline))
+
+// One k of a panel: 16 int8 codes -> 16 floats code * scale + offset, in two vectors. d and m
+// point at the 16 scales and offsets of the codes' block.
+static LOOM_INLINE void decode16(const int8_t* q, const float* d, const float* m, __m256& w0,
+                                 __m256& w1) {
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), _mm256_loadu_ps(d),
+                       _mm256_loadu_ps(m));
+  w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))),
+                       _mm256_loadu_ps(d + 8), _mm256_loadu_ps(m + 8));
+}
+
 static void decode_panel(const int8_t* q, const float* s, const float* o, int64_t K, float* w) {
-  for (int64_t b = 0; b < K / kQuantBlock; ++b) {
-    const __m256 d0 = _mm256_loadu_ps(s + b * kPanel), d1 = _mm256_loadu_ps(s + b * kPanel + 8);
-    const __m256 m0 = _mm256_loadu_ps(o + b * kPanel), m1 = _mm256_loadu_ps(o + b * kPanel + 8);
-    for (int64_t k = b * kQuantBlock; k < (b + 1) * kQuantBlock; ++k) {
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kPanel));
-      _mm256_store_ps(w + k * kPanel,
-                      _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), d0, m0));
-      _mm256_store_ps(w + k * kPanel + 8,
-                      _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                          _mm_srli_si128(c, 8))), d1, m1));
-    }
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t b = k / kQuantBlock;
+    __m256 w0, w1;
+    decode16(q + k * kPanel, s + b * kPanel, o + b * kPanel, w0, w1);
+    _mm256_store_ps(w + k * kPanel, w0);
+    _mm256_store_ps(w + k * kPanel + 8, w1);
   }
 }
 
 // The register tile shared by both paths: 16 channels (two vectors) x R rows of accumulators.
-// Always inlined with the row loops unrolled, so that the arrays live in registers: without
-// the unrolling GCC kept them on the stack, ten stores per k, at half the speed.
-#define LOOM_INLINE inline __attribute__((always_inline))
-
 template <int R>
 static LOOM_INLINE void tile_fma(const float* x, int64_t K, int64_t k, __m256 w0, __m256 w1,
                                  __m256 (&a0)[R], __m256 (&a1)[R]) {
@@ -107,19 +114,13 @@ static inline void decoding_tile(const float* x, int64_t K, const int8_t* q, con
   __m256 a0[R], a1[R];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / kQuantBlock; ++b) {
-    const float *d = s + b * kPanel, *m = o + b * kPanel;
-    for (int64_t k = b * kQuantBlock; k < (b + 1) * kQuantBlock; ++k) {
-      // scale and offset are re-read from L1 at each k, as memory operands of the FMAs: held
-      // in registers they would leave too few for six rows of accumulators
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kPanel));
-      const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)),
-                                        _mm256_loadu_ps(d), _mm256_loadu_ps(m));
-      const __m256 w1 = _mm256_fmadd_ps(
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))),
-          _mm256_loadu_ps(d + 8), _mm256_loadu_ps(m + 8));
-      tile_fma<R>(x, K, k, w0, w1, a0, a1);
-    }
+  for (int64_t k = 0; k < K; ++k) {
+    // scale and offset are re-read from L1 at each k, as memory operands of the FMAs: held in
+    // registers they would leave too few for six rows of accumulators
+    const int64_t b = k / kQuantBlock;
+    __m256 w0, w1;
+    decode16(q + k * kPanel, s + b * kPanel, o + b * kPanel, w0, w1);
+    tile_fma<R>(x, K, k, w0, w1, a0, a1);
   }
   tile_store<R>(a0, a1, y, N, bias);
 }
