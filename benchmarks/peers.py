@@ -50,7 +50,6 @@ import json
 import os
 import platform
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -61,7 +60,7 @@ from typing import Any
 
 import httpx
 
-from loom.bench.server import free_port
+from loom.bench.server import LocalServer
 from loom.engine.core import cpu_has_native_bf16
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,7 +76,7 @@ def bundled_gguf() -> Path:
 
 @dataclass
 class ServerSpec:
-    """How to start one server; `argv(port, concurrency)` is its command line."""
+    """How to start one server; `template(concurrency)` is its command line."""
 
     name: str
     kind: str  # llama.cpp | vllm | loom
@@ -86,11 +85,12 @@ class ServerSpec:
     note: str = ""
     missing: str | None = None  # why it cannot run here
 
-    def argv(self, port: int, concurrency: int) -> list[str]:
+    def template(self, concurrency: int) -> str:
+        """The command line for LocalServer, with `{port}` for the port it picks."""
+        args = self.base
         if self.kind == "llama.cpp":
-            return [*self.base, "--parallel", str(concurrency), "-c", str(concurrency * 2048),
-                    "--port", str(port)]
-        return [*self.base, "--port", str(port)]
+            args = [*args, "--parallel", str(concurrency), "-c", str(concurrency * 2048)]
+        return shlex.join(args).replace("{", "{{").replace("}", "}}") + " --port {port}"
 
 
 def build_specs(args: argparse.Namespace) -> dict[str, ServerSpec]:
@@ -173,71 +173,14 @@ def _find_tcmalloc() -> str | None:
     return None
 
 
-class Server:
-    """A server process in its own session, so stopping it stops its children too."""
-
-    def __init__(self, spec: ServerSpec, concurrency: int, log_path: Path) -> None:
-        self.spec = spec
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = spec.argv(self.port, concurrency)
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self.startup_s: float | None = None
-
-    def start(self, timeout_s: float) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.spec.env}
-        start = time.monotonic()
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env,
-                                         start_new_session=True)
-        while True:
-            if self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-1500:]
-                raise RuntimeError(f"exited with {self.proc.returncode} before it was ready "
-                                   f"(log {self.log_path}):\n{tail}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    models = httpx.get(self.url + "/v1/models", timeout=10)
-                    if models.status_code == 200:
-                        break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - start > timeout_s:
-                self.stop()
-                raise RuntimeError(f"not ready after {timeout_s:g} s (log {self.log_path})")
-            time.sleep(0.5)
-        self.startup_s = time.monotonic() - start
-
-    def warm_up(self) -> None:
-        """Two short completions, so one-off costs (first-call allocations, lazy init) are
-        not charged to the first measured request. The prompt shares nothing with the trace."""
-        model = httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        for _ in range(2):
-            r = httpx.post(self.url + "/v1/completions", timeout=300, json={
-                "model": model, "prompt": WARMUP_PROMPT, "max_tokens": 8, "temperature": 0})
-            r.raise_for_status()
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # children that outlived the leader (vLLM's engine core) share its process group
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def warm_up(url: str) -> None:
+    """Two short completions, so one-off costs (first-call allocations, lazy init) are not
+    charged to the first measured request. The prompt shares nothing with the trace."""
+    model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    for _ in range(2):
+        r = httpx.post(url + "/v1/completions", timeout=300, json={
+            "model": model, "prompt": WARMUP_PROMPT, "max_tokens": 8, "temperature": 0})
+        r.raise_for_status()
 
 
 def bench_cmd(args: argparse.Namespace, url: str, pid: int, concurrency: int, out: Path,
@@ -257,32 +200,33 @@ def run_one(args: argparse.Namespace, spec: ServerSpec, concurrency: int, rnd: i
     tag = f"{spec.name}-c{concurrency}-r{rnd}"
     row: dict[str, Any] = {"server": spec.name, "concurrency": concurrency, "round": rnd,
                            "file": f"{tag}.json", "error": None}
-    server = Server(spec, concurrency, out_dir / "logs" / f"{tag}.server.log")
-    row["command"] = shlex.join(server.argv)
+    server = LocalServer(spec.template(concurrency), "",
+                         out_dir / "logs" / f"{tag}.server.log", args.startup_timeout, spec.env)
+    row["command"] = shlex.join(server.command)
     try:
         _say(f"  starting {spec.name} (--parallel {concurrency})" if spec.kind == "llama.cpp"
              else f"  starting {spec.name}")
-        server.start(args.startup_timeout)
-        row["startup_s"] = server.startup_s
-        _say(f"  ready in {server.startup_s:.1f} s; warming up")
-        server.warm_up()
-        cmd = bench_cmd(args, server.url, server.proc.pid, concurrency,  # type: ignore[union-attr]
-                        out_dir / row["file"], f"{spec.name} x{concurrency}")
-        _say(f"  loom bench run x{concurrency} ...")
-        start = time.monotonic()
-        with open(out_dir / "logs" / f"{tag}.bench.log", "wb") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL).returncode
-        row["bench_s"] = time.monotonic() - start
-        if rc != 0 or not (out_dir / row["file"]).exists():
-            raise RuntimeError(f"loom bench run exited with {rc} "
-                               f"(log {out_dir / 'logs' / (tag + '.bench.log')})")
-        row.update(figures(json.loads((out_dir / row["file"]).read_text())))
-        _say(f"  done in {row['bench_s']:.0f} s: {row['output_throughput']:.1f} out tok/s, "
-             f"p50 TTFT {row['median_ttft_ms'] or 0:.0f} ms, "
-             f"ok {row['completed']}/{row['num_prompts']}, failed {row['failed']}"
-             + (f", {row['short_outputs']} outputs shorter than max_tokens"
-                if row["short_outputs"] else ""))
+        with server:
+            row["startup_s"] = server.startup_s
+            _say(f"  ready in {server.startup_s:.1f} s; warming up")
+            warm_up(server.url)
+            cmd = bench_cmd(args, server.url, server.pid, concurrency,
+                            out_dir / row["file"], f"{spec.name} x{concurrency}")
+            _say(f"  loom bench run x{concurrency} ...")
+            start = time.monotonic()
+            with open(out_dir / "logs" / f"{tag}.bench.log", "wb") as log:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL).returncode
+            row["bench_s"] = time.monotonic() - start
+            if rc != 0 or not (out_dir / row["file"]).exists():
+                raise RuntimeError(f"loom bench run exited with {rc} "
+                                   f"(log {out_dir / 'logs' / (tag + '.bench.log')})")
+            row.update(figures(json.loads((out_dir / row["file"]).read_text())))
+            _say(f"  done in {row['bench_s']:.0f} s: {row['output_throughput']:.1f} out tok/s, "
+                 f"p50 TTFT {row['median_ttft_ms'] or 0:.0f} ms, "
+                 f"ok {row['completed']}/{row['num_prompts']}, failed {row['failed']}"
+                 + (f", {row['short_outputs']} outputs shorter than max_tokens"
+                    if row["short_outputs"] else ""))
     except Exception as e:  # one broken run must not end the whole comparison
         row["error"] = f"{type(e).__name__}: {e}"
         _say(f"  FAILED: {row['error']}")
@@ -498,8 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in active:
         spec = specs[s]
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.env.items())
-        _say(f"  {s}: {env + ' ' if env else ''}{shlex.join(spec.argv(0, args.concurrency[0]))}"
-             .replace("--port 0", "--port PORT"))
+        command = spec.template(args.concurrency[0]).format(port="PORT")
+        _say(f"  {s}: {env + ' ' if env else ''}{command}")
         if spec.note:
             _say(f"    ({spec.note})")
     if args.dry_run:

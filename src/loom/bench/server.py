@@ -3,7 +3,9 @@ it afterwards. bench imports no engine code: `loom serve` is started like any ot
 
 from __future__ import annotations
 
+import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -26,17 +28,22 @@ class LocalServer:
     """`with LocalServer(template, flags, log) as server:` -> server.url, server.pid.
 
     template is a command line with `{port}`, e.g. LOOM_SERVE or
-    'llama-server -m model.gguf --port {port}'; flags are appended to it.
+    'llama-server -m model.gguf --port {port}'; flags are appended to it, env is added to
+    this process's environment. The server runs in its own session, so stopping it also stops
+    any children it started (vLLM's engine core). `startup_s` is how long it took to answer.
     """
 
     def __init__(self, template: str, flags: str, log_path: Path,
-                 health_timeout_s: float = 600.0) -> None:
+                 health_timeout_s: float = 600.0, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.command = shlex.split(template.format(port=self.port)) + shlex.split(flags)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.health_timeout_s = health_timeout_s
+        self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+        self._group_stopped = False
 
     @property
     def pid(self) -> int:
@@ -47,8 +54,10 @@ class LocalServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + self.health_timeout_s
+                                         stdin=subprocess.DEVNULL, env=self.env,
+                                         start_new_session=True)
+        start = time.monotonic()
+        deadline = start + self.health_timeout_s
         while True:
             if self.proc.poll() is not None:
                 tail = self.log_path.read_text(errors="replace")[-2000:]
@@ -56,6 +65,7 @@ class LocalServer:
                                    f"healthy: {shlex.join(self.command)}\n{tail}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.startup_s = time.monotonic() - start
                     return self
             except httpx.HTTPError:
                 pass
@@ -66,14 +76,23 @@ class LocalServer:
             time.sleep(0.25)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None or self._group_stopped:
             return
-        self.proc.terminate()
+        if self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.proc.wait()
+        self._signal(signal.SIGKILL)  # children that outlived the leader share its group
+        self._group_stopped = True  # once: the group id may be reused after this
+
+    def _signal(self, sig: signal.Signals) -> None:
         try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            os.killpg(self.proc.pid, sig)  # type: ignore[union-attr]
+        except ProcessLookupError:
+            pass
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  tb: TracebackType | None) -> None:
