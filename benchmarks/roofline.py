@@ -15,9 +15,9 @@ Measures, with the thread count loom uses (torch's default is every core this pr
 
 Roofline per dtype and batch size B: one decode step must read every weight once (in the form
 the engine reads at that B: the GGUF's int8 codes plus block scales and offsets where the
-native block-quantized kernel runs, i.e. B <= 24 with `--linear-backend native`, else the fp32
-weights) plus the KV cache of every sequence (context tokens x layers x 2 x kv_heads x head_dim
-x dtype bytes), and do 2 x matmul params x B FLOPs plus attention (4 x q_size x context per
+native block-quantized kernel runs, i.e. at every B with `--linear-backend native`, else the
+fp32 weights) plus the KV cache of every sequence (context tokens x layers x 2 x kv_heads x
+head_dim x dtype bytes), and do 2 x matmul params x B FLOPs plus attention (4 x q_size x context per
 token per layer). memory time = bytes / best read bandwidth; compute time = FLOPs / the best
 GFLOP/s measured at M = B over the model's shapes; bound = max of the two; roofline tok/s = B /
 bound. The table also gives the bound with the square-matmul peak as compute ceiling ("ideal"),
