@@ -61,3 +61,19 @@ def test_shapes_outside_the_kernel_are_reported_unsupported() -> None:
     assert not ops.supported(9, 3, 64, 8, torch.float32)  # block size
     assert not ops.supported(9, 3, 64, 16, torch.float16)
     assert not ops.supported(36, 3, 64, 16, torch.float32)  # 12 heads per kv head
+
+
+def test_each_environment_and_checkout_builds_in_its_own_folder(tmp_path, monkeypatch):
+    """Two virtualenvs, or two checkouts run from one (an A/B from a git worktree), must not
+    share a build folder: each would rebuild the other's kernel on every start."""
+    from loom.model import kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    here = kernels._build_directory("k")
+    assert here == kernels._build_directory("k") and here.is_dir()
+    assert here.parent.parent == tmp_path
+    monkeypatch.setattr(kernels, "_CSRC", tmp_path / "other-checkout" / "csrc")
+    other_checkout = kernels._build_directory("k")
+    monkeypatch.setattr(kernels.sys, "prefix", str(tmp_path / "other-venv"))
+    other_venv = kernels._build_directory("k")
+    assert len({here, other_checkout, other_venv}) == 3

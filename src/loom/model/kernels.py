@@ -43,13 +43,15 @@ def block_quant_linear_ops() -> ModuleType | None:
 
 def _build_directory(name: str) -> Path:
     """Where an extension is built: under TORCH_EXTENSIONS_DIR (default
-    ~/.cache/torch_extensions), one folder per Python environment. The build files name the
-    environment's torch headers, so two virtualenvs sharing a folder rebuilt each other's
-    kernels (a minute or more) on every start."""
+    ~/.cache/torch_extensions), one folder per Python environment and source checkout. The
+    build files name the environment's torch headers and the source's path, so two virtualenvs,
+    or two checkouts run from one virtualenv (an A/B from a git worktree), sharing a folder
+    rebuilt each other's kernels (a minute or more) on every start."""
     import torch
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    env = hashlib.sha256(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:12]
+    env = hashlib.sha256(f"{sys.prefix}|{torch.__version__}|{_CSRC.resolve()}".encode()
+                         ).hexdigest()[:12]
     path = Path(root) / f"loom-{env}" / name
     path.mkdir(parents=True, exist_ok=True)
     return path
