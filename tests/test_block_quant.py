@@ -4,6 +4,8 @@ what F.linear computes on the dequantized weights, at every batch size it is giv
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,8 @@ from model_fixtures import TINY_SPECS, build_tiny_model, save_hf_folder, write_g
 from loom import LLM, SamplingParams
 from loom.model.kernels import block_quant_linear_ops
 from loom.model.linear import Linear, to_panels
-from loom.model.loader import BlockQuantWeight, load_model
+from loom.model.llama import LlamaModel
+from loom.model.loader import BlockQuantWeight, _hf_name, _unpermute_rope, load_model
 
 ops = block_quant_linear_ops()
 needs_kernel = pytest.mark.skipif(ops is None or not ops.supported(),
@@ -31,12 +34,6 @@ def random_block_quant(out_features: int, in_features: int, seed: int) -> BlockQ
         offset=-torch.rand(blocks, generator=gen) * 0.15)
 
 
-def dequantize(bq: BlockQuantWeight) -> torch.Tensor:
-    rows, cols = bq.codes.shape
-    blocks = bq.codes.float().view(rows, cols // 32, 32)
-    return (blocks * bq.scale[..., None] + bq.offset[..., None]).view(rows, cols)
-
-
 @needs_kernel
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 24, 40])
 @pytest.mark.parametrize(("out_features", "in_features"), [(16, 64), (48, 96)])
@@ -50,7 +47,7 @@ def test_kernel_matches_f_linear_on_dequantized_weights(rows: int, out_features:
     bias = torch.randn(out_features, generator=gen)
     for b in (None, bias):
         out = ops.block_quant_linear(x, *to_panels(bq), b)
-        torch.testing.assert_close(out, F.linear(x, dequantize(bq), b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, F.linear(x, bq.dequantize(), b), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
@@ -60,7 +57,7 @@ def test_kernel_takes_strided_rows_and_refuses_bad_shapes() -> None:
     for rows in (5, 9):
         strided = torch.randn(64, rows).t()
         torch.testing.assert_close(ops.block_quant_linear(strided, *panels, None),
-                                   F.linear(strided, dequantize(bq)), rtol=1e-5, atol=1e-5)
+                                   F.linear(strided, bq.dequantize()), rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="panels"):
         ops.block_quant_linear(torch.randn(2, 64), bq.codes, *panels[1:], None)
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -83,10 +80,10 @@ def test_linear_uses_the_kernel_at_every_batch_size() -> None:
     assert linear.weight is None
     for rows in (1, 6, 7, 300):
         x = torch.randn(rows, 64)
-        torch.testing.assert_close(linear(x), F.linear(x, dequantize(bq)), rtol=1e-5,
+        torch.testing.assert_close(linear(x), F.linear(x, bq.dequantize()), rtol=1e-5,
                                    atol=1e-5)
     x3 = torch.randn(2, 3, 64)
-    torch.testing.assert_close(linear(x3), F.linear(x3, dequantize(bq)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x3), F.linear(x3, bq.dequantize()), rtol=1e-5, atol=1e-5)
     assert Linear(other, None, block_quant=bq, block_quant_ops=None).panels is None
     odd = random_block_quant(24, 64, seed=3)
     fallback = Linear(other[:24], None, block_quant=odd, block_quant_ops=ops)
@@ -97,21 +94,71 @@ def test_linear_uses_the_kernel_at_every_batch_size() -> None:
 
 @pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
 def test_loader_keeps_the_files_own_blocks(tmp_path, quant: str) -> None:
-    """codes * scale + offset is exactly what gguf's dequantize gives, q/k rows un-permuted
-    the same way as the fp32 weights."""
+    """codes * scale + offset is bit for bit what gguf's own reader and dequantize give, q/k
+    rows un-permuted; the loader's fp32 weights are those values."""
+    import gguf
+    from gguf.quants import dequantize
+
     model = build_tiny_model(TINY_SPECS["llama"])
-    loaded = load_model(str(write_gguf(model, tmp_path / "q.gguf", quant=quant)))
+    path = write_gguf(model, tmp_path / "q.gguf", quant=quant)
+    loaded = load_model(str(path))
+    arch = loaded.arch
     matrices = [n for n, w in loaded.weights.items() if w.dim() == 2]
     assert sorted(loaded.block_quant) == sorted(matrices)
-    for name, bq in loaded.block_quant.items():
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        name = _hf_name(tensor.name)
+        if name not in loaded.block_quant:
+            continue
+        expected = dequantize(tensor.data, tensor.tensor_type)
+        heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}.get(
+            tensor.name.split(".")[2] if tensor.name.startswith("blk.") else "")
+        if heads:
+            expected = _unpermute_rope(expected, heads)
+        bq = loaded.block_quant[name]
         assert bq.codes.dtype == torch.int8 and bq.scale.dtype == torch.float32
-        np.testing.assert_array_equal(dequantize(bq).numpy(), loaded.weights[name].numpy())
+        np.testing.assert_array_equal(bq.dequantize().numpy(), expected)
+        np.testing.assert_array_equal(loaded.weights[name].numpy(), expected)
 
 
 def test_f32_gguf_and_hf_folder_have_no_blocks(tmp_path) -> None:
     model = build_tiny_model(TINY_SPECS["llama"])
     assert load_model(str(write_gguf(model, tmp_path / "f.gguf"))).block_quant == {}
     assert load_model(str(save_hf_folder(model, tmp_path / "hf"))).block_quant == {}
+
+
+class Recording(Mapping[str, torch.Tensor]):
+    """The loader's weights, noting which ones the model asks for."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self.weights, self.asked = weights, set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.asked.add(name)
+        return self.weights[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.weights
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+@needs_kernel
+@pytest.mark.integration
+def test_weights_the_kernel_takes_are_never_made_in_fp32() -> None:
+    """On the bundled Q4_1 model the native matmul takes every projection and the tied
+    lm_head, so only the embedding and the norms are dequantized; on the oneDNN path all are."""
+    loaded = load_model(None)
+    native, onednn = Recording(loaded.weights), Recording(loaded.weights)
+    model = LlamaModel(loaded.arch, native, torch.float32, torch.device("cpu"),
+                       block_quant=loaded.block_quant)
+    assert native.asked == {n for n in loaded.weights if "norm" in n or "embed" in n}
+    assert all(layer.qkv.weight is None for layer in model.layers)
+    LlamaModel(loaded.arch, onednn, torch.float32, torch.device("cpu"), prepack=True)
+    assert onednn.asked == set(loaded.weights)
 
 
 @pytest.mark.integration

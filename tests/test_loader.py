@@ -23,7 +23,7 @@ from model_fixtures import (
 )
 
 from loom.model.llama import LlamaModel, rope_inv_freq
-from loom.model.loader import ModelLoadError, load_model
+from loom.model.loader import LazyWeights, ModelLoadError, load_model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -71,6 +71,15 @@ def edit_config(folder, **changes):
 @pytest.mark.unit
 def test_model_load_error_is_a_value_error():
     assert issubclass(ModelLoadError, ValueError)
+
+
+@pytest.mark.unit
+def test_lazy_weights_make_each_tensor_once_when_first_asked():
+    made = []
+    weights = LazyWeights({"a": lambda: made.append("a") or torch.ones(2)})
+    assert "a" in weights and "b" not in weights and list(weights) == ["a"] and len(weights) == 1
+    assert weights.get("b") is None and made == []
+    assert weights["a"] is weights["a"] and made == ["a"]
 
 
 @pytest.mark.unit

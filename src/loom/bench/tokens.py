@@ -43,11 +43,10 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
 
 def _gguf_tokenizer(path: Path) -> Tokenizer:
     """The tokenizer in a GGUF file's metadata, without reading its tensors."""
-    import gguf
+    from loom.model.gguf_file import read_gguf
+    from loom.model.tokenizer import bpe_from_gguf_metadata
 
-    from loom.model.tokenizer import bpe_from_gguf_fields
-
-    return bpe_from_gguf_fields(gguf.GGUFReader(str(path)).fields)
+    return bpe_from_gguf_metadata(read_gguf(path).metadata)
 
 
 class PromptSynth:

@@ -8,6 +8,7 @@ through the paged KV cache. Q/K/V and gate/up projections are fused to cut per-s
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -15,11 +16,11 @@ import torch.nn.functional as F
 from loom.model.attention import AttentionMetadata, paged_attention, write_kv
 from loom.model.kernels import block_quant_linear_ops
 from loom.model.linear import Linear
-from loom.model.loader import BlockQuantWeight, ModelArch, ModelLoadError
+from loom.model.loader import BlockQuantWeight, LazyWeights, ModelArch, ModelLoadError
 
 
 class LlamaLayer:
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, bias: bool,
+    def __init__(self, w: Mapping[str, torch.Tensor], prefix: str, bias: bool,
                  prepack: bool, block_quant: dict[str, BlockQuantWeight]) -> None:
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         qkv_bias = torch.cat([w[attn + f"{x}_proj.bias"] for x in "qkv"]) if bias else None
@@ -40,7 +41,7 @@ class LlamaLayer:
         self.post_attn_norm = w[prefix + "post_attention_layernorm.weight"]
 
 
-def _linear(w: dict[str, torch.Tensor], names: list[str], bias: torch.Tensor | None,
+def _linear(w: Mapping[str, torch.Tensor], names: list[str], bias: torch.Tensor | None,
             prepack: bool, block_quant: dict[str, BlockQuantWeight]) -> Linear:
     """One projection from the named weights, stacked along the output rows; with the GGUF's
     block-quantized form too when every part has one. The fp32 parts are stacked only when
@@ -56,7 +57,7 @@ def _linear(w: dict[str, torch.Tensor], names: list[str], bias: torch.Tensor | N
 
 
 class LlamaModel:
-    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+    def __init__(self, arch: ModelArch, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, prepack: bool = False,
                  block_quant: dict[str, BlockQuantWeight] | None = None) -> None:
         """prepack: hold the projection weights prepacked for oneDNN; block_quant: the GGUF's
@@ -65,7 +66,9 @@ class LlamaModel:
         missing = [n for n in _required_names(arch) if n not in weights]
         if missing:
             raise ModelLoadError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
-        w = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
+        # Converted when a layer asks: weights the native matmul takes are never made in fp32.
+        w = LazyWeights({name: lambda name=name: weights[name].to(device=device, dtype=dtype)
+                         for name in weights})
         block_quant = block_quant or {}
         self.embed = w["model.embed_tokens.weight"]
         head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"

@@ -1,5 +1,9 @@
-"""Load a model: a GGUF file (dequantized) or a Hugging Face folder -> architecture, weights
-(named as in transformers' Llama) and tokenizer. Nothing is ever downloaded."""
+"""Load a model: a GGUF file or a Hugging Face folder -> architecture, weights (named as in
+transformers' Llama) and tokenizer. Nothing is ever downloaded.
+
+A GGUF's weights are dequantized only when the model asks for them: with the native matmul,
+only the embedding and the norms are ever needed in fp32 (0.1 of the 0.54 GB of fp32 weights
+of the bundled model)."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import importlib.util
 import json
 import logging
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from loom.model.tokenizer import Tokenizer, bpe_from_gguf_fields
+from loom.model.gguf_file import GGUFTensor, read_gguf
+from loom.model.tokenizer import Tokenizer, bpe_from_gguf_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +64,41 @@ class BlockQuantWeight:
         return BlockQuantWeight(*(torch.cat([getattr(p, f) for p in parts])
                                   for f in ("codes", "scale", "offset")))
 
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight: bit for bit what gguf's dequantize gives for these blocks, at a
+        fraction of its time and memory."""
+        rows, cols = self.codes.shape
+        blocks = self.codes.float().view(rows, cols // 32, 32)
+        return blocks.mul_(self.scale[..., None]).add_(self.offset[..., None]).view(rows, cols)
+
+
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """Named tensors, each made on first access and then kept (so two users of one name, like
+    a tied embedding and lm_head, share it). Names and `in` cost nothing."""
+
+    def __init__(self, makers: Mapping[str, Callable[[], torch.Tensor]]) -> None:
+        self._makers = dict(makers)
+        self._made: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._made:
+            self._made[name] = self._makers[name]()
+        return self._made[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._makers  # Mapping's default would make the tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
 
 @dataclass
 class LoadedModel:
     arch: ModelArch
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]
     tokenizer: Tokenizer
     name: str
     # The GGUF's Q4_0/Q4_1/Q8_0 weights in their own format, by the same names as `weights`.
@@ -123,13 +159,8 @@ def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _load_gguf(path: Path) -> LoadedModel:
-    import gguf
-    from gguf.quants import dequantize
-
-    reader = gguf.GGUFReader(str(path))
-    meta = {k: f.contents() for k, f in reader.fields.items()
-            if not k.startswith("tokenizer.ggml.") or k.rsplit(".", 1)[-1] not in
-            ("tokens", "merges", "token_type", "scores")}
+    gguf_file = read_gguf(path)
+    meta = gguf_file.metadata
     arch_name = meta["general.architecture"]
     if arch_name not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch_name!r} in {path.name}; "
@@ -137,8 +168,7 @@ def _load_gguf(path: Path) -> LoadedModel:
     p = f"{arch_name}."
     num_heads = meta[p + "attention.head_count"]
     hidden = meta[p + "embedding_length"]
-    tensor_names = {t.name for t in reader.tensors}
-    rope_scaling = _gguf_rope_scaling(reader, meta, p)
+    tensors = {t.name: t for t in gguf_file.tensors}
     arch = ModelArch(
         architecture=arch_name,
         hidden_size=hidden,
@@ -147,45 +177,63 @@ def _load_gguf(path: Path) -> LoadedModel:
         num_heads=num_heads,
         num_kv_heads=meta.get(p + "attention.head_count_kv", num_heads),
         head_dim=meta.get(p + "attention.key_length", hidden // num_heads),
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        vocab_size=len(meta["tokenizer.ggml.tokens"]),
         rms_norm_eps=meta[p + "attention.layer_norm_rms_epsilon"],
         rope_theta=meta.get(p + "rope.freq_base", 10000.0),
         max_position_embeddings=meta.get(p + "context_length", 2048),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        rope_scaling=_gguf_rope_scaling(tensors.get(_ROPE_FREQS), meta, p),
     )
-    weights, block_quant = {}, {}
-    for tensor in reader.tensors:
+    makers, block_quant = {}, {}
+    for tensor in gguf_file.tensors:
         if tensor.name == _ROPE_FREQS:
             continue  # folded into arch.rope_scaling above
-        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        array = array.reshape(tuple(reversed([int(d) for d in tensor.shape])))
-        quant = _block_quant_arrays(tensor.data, tensor.tensor_type, array.shape)
-        heads = (arch.num_heads if tensor.name.endswith(("attn_q.weight", "attn_q.bias"))
-                 else arch.num_kv_heads if tensor.name.endswith(("attn_k.weight", "attn_k.bias"))
-                 else None)
-        if arch_name == "llama" and heads is not None:
-            array = _unpermute_rope(array, heads)
-            quant = quant and tuple(_unpermute_rope(a, heads) for a in quant)
-        if not array.flags.writeable:  # F32 tensors come straight from the read-only mmap
-            array = array.copy()
-        weights[_hf_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(array))
-        if quant:
-            block_quant[_hf_name(tensor.name)] = BlockQuantWeight(
-                *(torch.from_numpy(np.ascontiguousarray(a)) for a in quant))
+        name, heads = _hf_name(tensor.name), _permuted_heads(tensor.name, arch)
+        quant = _block_quant_arrays(tensor.data, tensor.kind, tensor.shape)
+        if quant is None:
+            makers[name] = lambda t=tensor, heads=heads: _dequantized(t, heads)
+            continue
+        if heads is not None:
+            quant = tuple(_unpermute_rope(a, heads) for a in quant)
+        block_quant[name] = bq = BlockQuantWeight(
+            *(torch.from_numpy(np.ascontiguousarray(a)) for a in quant))
+        makers[name] = bq.dequantize
 
-    backend = bpe_from_gguf_fields(reader.fields)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     tokenizer = Tokenizer(
-        backend=backend,
+        backend=bpe_from_gguf_metadata(meta),
         eos_token_ids=[eos] if eos is not None else [],
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         chat_template=meta.get("tokenizer.chat_template"),
     )
     # The file name, not general.name ("Smollm2 135M 8k ..."): it is what users pass and see.
-    return LoadedModel(arch, weights, tokenizer, path.stem, block_quant)
+    return LoadedModel(arch, LazyWeights(makers), tokenizer, path.stem, block_quant)
+
+
+def _dequantized(tensor: GGUFTensor, heads: int | None) -> torch.Tensor:
+    """A GGUF tensor in fp32, Q/K rows un-permuted (heads given) to transformers' layout."""
+    from gguf.quants import dequantize
+
+    array = dequantize(tensor.data, tensor.kind).astype(np.float32, copy=False)
+    array = array.reshape(tensor.shape)
+    if heads is not None:
+        array = _unpermute_rope(array, heads)
+    if not array.flags.writeable:  # F32 tensors are views of the read-only file map
+        array = array.copy()
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _permuted_heads(name: str, arch: ModelArch) -> int | None:
+    """The head count of a Q or K tensor whose rows llama.cpp permuted (Llama only)."""
+    if arch.architecture != "llama":
+        return None
+    if name.endswith(("attn_q.weight", "attn_q.bias")):
+        return arch.num_heads
+    if name.endswith(("attn_k.weight", "attn_k.bias")):
+        return arch.num_kv_heads
+    return None
 
 
 def _block_quant_arrays(data: np.ndarray, kind: Any, shape: tuple[int, ...]
@@ -218,15 +266,15 @@ def _block_quant_arrays(data: np.ndarray, kind: Any, shape: tuple[int, ...]
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def _gguf_rope_scaling(reader: Any, meta: dict[str, Any], p: str) -> dict[str, Any] | None:
+def _gguf_rope_scaling(rope_freqs: GGUFTensor | None, meta: dict[str, Any], p: str
+                       ) -> dict[str, Any] | None:
     """RoPE scaling as llama.cpp stores it. Llama-3 style scaling has no metadata: the converter
     writes a `rope_freqs` tensor of per-frequency divisors instead; linear scaling is metadata."""
     from gguf.quants import dequantize
 
-    for tensor in reader.tensors:
-        if tensor.name == _ROPE_FREQS:
-            factors = dequantize(tensor.data, tensor.tensor_type).astype(np.float64).reshape(-1)
-            return {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+    if rope_freqs is not None:
+        factors = dequantize(rope_freqs.data, rope_freqs.kind).astype(np.float64).reshape(-1)
+        return {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
     kind = meta.get(p + "rope.scaling.type")
     if kind in (None, "none"):
         return None

@@ -39,18 +39,17 @@ def gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; load a Hugging Face folder instead")
 
 
-def bpe_from_gguf_fields(fields: Mapping[str, Any]) -> HFTokenizer:
-    """The tokenizer stored in a GGUF file's metadata (`gguf.GGUFReader.fields`). Only
+def bpe_from_gguf_metadata(meta: Mapping[str, Any]) -> HFTokenizer:
+    """The tokenizer stored in a GGUF file's metadata (`gguf_file.read_gguf`). Only
     byte-level BPE is supported; the model type is checked first because a SentencePiece
     vocabulary has no merges to read."""
-    kind = fields["tokenizer.ggml.model"].contents() if "tokenizer.ggml.model" in fields else None
+    kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer {kind!r} is not supported (only byte-level BPE); "
                          "use the model's Hugging Face folder or tokenizer.json instead")
-    pre = fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in fields else "default"
-    return bpe_from_gguf(fields["tokenizer.ggml.tokens"].contents(),
-                         fields["tokenizer.ggml.merges"].contents(),
-                         fields["tokenizer.ggml.token_type"].contents(), pre)
+    return bpe_from_gguf(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"],
+                         meta["tokenizer.ggml.token_type"],
+                         meta.get("tokenizer.ggml.pre", "default"))
 
 
 def bpe_from_gguf(tokens: list[str], merges: list[str], token_types: list[int],

@@ -1,0 +1,62 @@
+"""Time `loom serve` from launch to a healthy /health, and its memory when it gets there, for
+one or more source trees side by side (A B A B ...). Run from the repository root, e.g.:
+
+    python benchmarks/startup.py --rounds 3
+    python benchmarks/startup.py --src old=/tmp/wt-base/src --src new=src --rounds 3
+
+Each run is a fresh server process (`python -m loom.entrypoints.cli serve`) with that tree
+first on PYTHONPATH. One untimed start per tree first builds its C++ kernels. Memory is the
+server's VmHWM (peak resident) and VmRSS from /proc once it answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from loom.bench.server import LocalServer
+
+
+def memory_mib(pid: int) -> dict[str, float]:
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS"):
+            fields[key] = int(value.split()[0]) / 1024
+    return fields
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--src", action="append", default=None, metavar="LABEL=DIR",
+                        help="a source tree to put first on PYTHONPATH (repeatable); "
+                             "default: this checkout's src")
+    parser.add_argument("--server-flags", default="", help="flags for every `loom serve`")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    trees = dict(s.split("=", 1) for s in (args.src or ["loom=src"]))
+    template = f"{sys.executable} -m loom.entrypoints.cli serve --port {{port}}"
+    results: dict[str, list[tuple[float, float, float]]] = {label: [] for label in trees}
+    with tempfile.TemporaryDirectory() as logs:
+        for r in range(-1, args.rounds):
+            for label, src in trees.items():
+                env = {"PYTHONPATH": str(Path(src).resolve())}
+                with LocalServer(template, args.server_flags, Path(logs) / f"{label}-{r}.log",
+                                 env=env) as server:
+                    mem = memory_mib(server.pid)
+                if r < 0:
+                    continue  # the warm-up start
+                results[label].append((server.startup_s, mem["VmHWM"], mem["VmRSS"]))
+                print(f"round {r + 1} {label}: healthy after {server.startup_s:.2f} s, "
+                      f"peak {mem['VmHWM']:.0f} MiB, resident {mem['VmRSS']:.0f} MiB", flush=True)
+    print("\n| tree | start-up s (median) | peak MiB | resident MiB |\n|---|--:|--:|--:|")
+    for label, runs in results.items():
+        start, peak, rss = (statistics.median(x) for x in zip(*runs))
+        print(f"| {label} | {start:.2f} | {peak:.0f} | {rss:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""loom's GGUF reader against gguf's own GGUFReader (the reference), on every kind of metadata
+value and tensor type the loader meets, and its errors on files it cannot read."""
+
+from __future__ import annotations
+
+import struct
+
+import gguf
+import numpy as np
+import pytest
+from model_fixtures import TINY_SPECS, build_tiny_model, write_gguf
+
+from loom.model.gguf_file import GGUFFormatError, read_gguf
+from loom.model.loader import default_model_path
+
+
+def reference(path) -> tuple[dict, list[tuple[str, tuple[int, ...], object, np.ndarray]]]:
+    reader = gguf.GGUFReader(str(path))
+    metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    tensors = [(t.name, tuple(reversed(t.shape.tolist())), t.tensor_type,
+                np.asarray(t.data).view(np.uint8).reshape(-1)) for t in reader.tensors]
+    return metadata, tensors
+
+
+def assert_same_as_reference(path) -> None:
+    metadata, tensors = reference(path)
+    ours = read_gguf(path)
+    if "test.nested" in metadata:  # gguf's contents() flattens arrays of arrays
+        assert ours.metadata.pop("test.nested") == [[1, 2], [3]]
+        assert metadata.pop("test.nested") == [1, 2, 3]
+    assert ours.metadata == metadata
+    assert [(t.name, t.shape, t.kind) for t in ours.tensors] == [t[:3] for t in tensors]
+    for t, (_, _, _, data) in zip(ours.tensors, tensors):
+        np.testing.assert_array_equal(t.data.reshape(-1), data)
+        assert t.data.dtype == np.uint8 and t.data.shape[:-1] == t.shape[:-1]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return build_tiny_model(TINY_SPECS["llama"])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("quant", [None, "Q4_0", "Q4_1", "Q8_0", "F16"])
+def test_reads_what_gguf_reads(tmp_path, tiny_llama, quant, monkeypatch) -> None:
+    """Every metadata value type (arrays of strings, numbers and arrays included), at a
+    non-default alignment, with F32, F16 and block-quantized tensors."""
+    real = gguf.GGUFWriter.add_chat_template
+
+    def with_every_value_type(self, template):
+        real(self, template)
+        self.add_custom_alignment(64)
+        for i, add in enumerate((self.add_uint8, self.add_int8, self.add_uint16, self.add_int16,
+                                 self.add_uint32, self.add_int32, self.add_uint64,
+                                 self.add_int64)):
+            add(f"test.int.{i}", 7 - i)
+        self.add_float32("test.f32", 0.25)
+        self.add_float64("test.f64", -1e300)
+        self.add_bool("test.bool", True)
+        self.add_string("test.unicode", "ünï – 字")
+        self.add_array("test.floats", [0.5, 1.5])
+        self.add_array("test.nested", [[1, 2], [3]])
+        self.add_array("test.empty", [])
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_chat_template", with_every_value_type)
+    assert_same_as_reference(write_gguf(tiny_llama, tmp_path / "t.gguf", quant=quant))
+
+
+@pytest.mark.integration
+def test_reads_the_bundled_model_as_gguf_does() -> None:
+    assert_same_as_reference(default_model_path())
+
+
+@pytest.mark.unit
+def test_errors_name_the_problem(tmp_path, tiny_llama) -> None:
+    good = write_gguf(tiny_llama, tmp_path / "good.gguf", quant="Q4_1").read_bytes()
+    cases = {
+        "magic.gguf": (b"GGML" + good[4:], "not a GGUF file"),
+        "version.gguf": (good[:4] + struct.pack("<I", 1) + good[8:], "version 1 is not supported"),
+        "big-endian.gguf": (good[:4] + struct.pack(">I", 3) + good[8:], "big-endian"),
+        "header.gguf": (good[:200], "header is truncated"),
+        "data.gguf": (good[:-100], r"truncated: tensor '.*' ends past the file"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(GGUFFormatError, match=message):
+            read_gguf(path)
