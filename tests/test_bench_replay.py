@@ -142,6 +142,14 @@ def test_sweep_stops_at_the_limit(busy_url: str) -> None:
     assert "error rate" in result["runs"][1]["limits_crossed"][0]
 
 
+def test_bench_compare_is_also_spelled_as_a_flag(capsys) -> None:
+    """DESIGN.md spells it `loom bench --compare`."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--log-level", "WARNING", "bench", "--compare", "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: loom bench compare" in capsys.readouterr().out
+
+
 def test_compare_starts_each_server_and_writes_the_report(tmp_path) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"prompt": "hi", "max_tokens": 4, "class": c}) + "\n"

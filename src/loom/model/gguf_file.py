@@ -2,8 +2,8 @@
 
 gguf's own `GGUFReader` builds a numpy view for every part of every metadata value; on the
 bundled model's 49,152-token vocabulary and its merges that took 4.2 s of a 5.7 s model load.
-Here a string array is one Python loop over the mapped bytes (0.18 s for the whole header). Layout: the GGUF v2/v3 specification
-(little-endian; llama.cpp's docs/gguf.md).
+Here a string array is one Python loop over the mapped bytes (0.18 s for the whole header).
+Layout: the GGUF v2/v3 specification (little-endian; llama.cpp's docs/gguf.md).
 """
 
 from __future__ import annotations
