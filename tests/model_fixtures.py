@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from loom.core.batch import ScheduledRequest
+from loom.model.kernels import fused_ops
 from loom.model.llama import LlamaModel
 from loom.model.loader import LoadedModel, default_model_path
 from loom.model.runner import ModelRunner
@@ -272,10 +273,13 @@ def write_gguf(model: Any, path: Path, pre: str = "smollm", arch: str | None = N
 
 # -- running loom's model on hand-built steps -------------------------------------------------
 
-def make_runner(loaded: LoadedModel, num_blocks: int = 64, block_size: int = 4) -> ModelRunner:
+def make_runner(loaded: LoadedModel, num_blocks: int = 64, block_size: int = 4,
+                fused: bool = True) -> ModelRunner:
     """The torch attention path: the tiny models' shapes are outside the native kernel's
-    (which test_attention checks against this path)."""
-    model = LlamaModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"))
+    (which test_attention checks against this path). fused: the add + RMSNorm and SiLU * up
+    kernels, as the engine runs float32 on CPU (test_fused_ops checks them against torch)."""
+    model = LlamaModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"),
+                       fused_ops=fused_ops() if fused else None)
     return ModelRunner(model, num_blocks, block_size, torch.float32, torch.device("cpu"),
                        native_decode=False)
 

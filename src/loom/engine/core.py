@@ -17,7 +17,7 @@ from loom.core.scheduler import RequestUpdate, Scheduler
 from loom.core.static import StaticScheduler
 from loom.engine.detokenizer import IncrementalDetokenizer
 from loom.engine.metrics import EngineMetrics
-from loom.model.kernels import block_quant_linear_ops, paged_attention_ops
+from loom.model.kernels import block_quant_linear_ops, fused_ops, paged_attention_ops
 from loom.model.linear import onednn_prepack_supported
 from loom.model.llama import LlamaModel
 from loom.model.loader import BlockQuantWeight, ModelArch, load_model
@@ -71,8 +71,11 @@ class EngineCore:
                 f"({sc.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
         prepack = self._use_onednn_linear(mc.linear_backend)
         block_quant = self._use_block_quant_linear(mc.linear_backend, loaded.block_quant)
+        fused = (fused_ops() if self.device.type == "cpu" and self.dtype == torch.float32
+                 else None)
         model = LlamaModel(arch, loaded.weights, self.dtype, self.device, prepack=prepack,
-                           block_quant=loaded.block_quant if block_quant else None)
+                           block_quant=loaded.block_quant if block_quant else None,
+                           fused_ops=fused)
         del loaded
         num_blocks = self._num_kv_blocks(arch)
         block_size = config.cache.block_size
@@ -81,12 +84,14 @@ class EngineCore:
         self.scheduler: Scheduler = scheduler_cls(sc, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device,
                                   native_decode=self._use_native_decode(mc.attention_backend, arch))
-        logger.info("model %s on %s: dtype %s%s, decode attention %s, matmuls %s, %d threads",
+        logger.info("model %s on %s: dtype %s%s, decode attention %s, matmuls %s, add + norm "
+                    "and SiLU * up %s, %d threads",
                     self.model_name, self.device, str(self.dtype).removeprefix("torch."),
                     " (auto)" if mc.dtype == "auto" else "",
                     "native kernel" if self.runner.native_decode else "torch",
                     "native on the GGUF's blocks" if block_quant
-                    else "oneDNN prepacked" if prepack else "torch", torch.get_num_threads())
+                    else "oneDNN prepacked" if prepack else "torch",
+                    "fused kernels" if fused is not None else "torch", torch.get_num_threads())
         self.metrics = EngineMetrics(self.model_name)
         self.states: dict[str, _RequestState] = {}
         # Async scheduling: one worker thread runs the model; at most one step is in flight.

@@ -9,6 +9,8 @@ Two places where torch has no good CPU primitive:
   quantizes activations per tensor, which cost this model half its top-1 agreement.
   `csrc/block_quant_linear.cpp` computes with the file's own codes, in fp32, at every batch
   size.
+- the elementwise glue between matmuls (residual add + RMSNorm, SiLU * up): torch runs an
+  RMSNorm as about eight ops. `csrc/fused_ops.cpp` makes each one pass.
 If one cannot be built (no compiler), the engine falls back to the torch path and says so once.
 """
 
@@ -39,6 +41,12 @@ def block_quant_linear_ops() -> ModuleType | None:
     """The compiled block-quantized matmul extension, or None if it fails to build."""
     return _build("loom_block_quant_linear", "block_quant_linear.cpp",
                   "block-quantized matmul kernel", "oneDNN matmul")
+
+
+@functools.cache
+def fused_ops() -> ModuleType | None:
+    """The compiled add + RMSNorm and SiLU * up extension, or None if it fails to build."""
+    return _build("loom_fused_ops", "fused_ops.cpp", "fused norm kernel", "torch elementwise")
 
 
 def _build_directory(name: str) -> Path:

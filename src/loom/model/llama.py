@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -59,10 +60,13 @@ def _linear(w: Mapping[str, torch.Tensor], names: list[str], bias: torch.Tensor 
 class LlamaModel:
     def __init__(self, arch: ModelArch, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, prepack: bool = False,
-                 block_quant: dict[str, BlockQuantWeight] | None = None) -> None:
+                 block_quant: dict[str, BlockQuantWeight] | None = None,
+                 fused_ops: ModuleType | None = None) -> None:
         """prepack: hold the projection weights prepacked for oneDNN; block_quant: the GGUF's
-        block-quantized weights, for the native small-batch matmul (see model/linear.py)."""
+        block-quantized weights, for the native small-batch matmul (see model/linear.py);
+        fused_ops: the compiled add + RMSNorm and SiLU * up (CPU float32), else torch's ops."""
         self.arch = arch
+        self.fused_ops = fused_ops
         missing = [n for n in _required_names(arch) if n not in weights]
         if missing:
             raise ModelLoadError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
@@ -91,12 +95,11 @@ class LlamaModel:
                 meta: AttentionMetadata) -> torch.Tensor:
         """[num_tokens] ids -> [num_tokens, hidden] final hidden states (normed)."""
         arch = self.arch
-        eps = arch.rms_norm_eps
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         num_qk_heads = arch.num_heads + arch.num_kv_heads
-        hidden = F.embedding(input_ids, self.embed)
+        hidden, delta = F.embedding(input_ids, self.embed), None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = F.rms_norm(hidden, (arch.hidden_size,), layer.input_norm, eps)
+            hidden, x = self._add_norm(hidden, delta, layer.input_norm)
             qkv = layer.qkv(x)
             qk = _rope(qkv[:, :self.q_size + self.kv_size].view(-1, num_qk_heads, arch.head_dim),
                        cos, sin)  # q and k heads rotated together: 3 ops per layer
@@ -104,11 +107,25 @@ class LlamaModel:
             v = qkv[:, self.q_size + self.kv_size:].reshape(-1, arch.num_kv_heads, arch.head_dim)
             write_kv(k_cache, v_cache, k, v, meta.slots)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta)
-            hidden = hidden + layer.o(attn)
-            x = F.rms_norm(hidden, (arch.hidden_size,), layer.post_attn_norm, eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
-        return F.rms_norm(hidden, (arch.hidden_size,), self.final_norm, eps)
+            hidden, x = self._add_norm(hidden, layer.o(attn), layer.post_attn_norm)
+            delta = layer.down(self._silu_mul(layer.gate_up(x)))
+        return self._add_norm(hidden, delta, self.final_norm)[1]
+
+    def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + delta, RMSNorm of that); the fused kernel adds into hidden in place."""
+        eps = self.arch.rms_norm_eps
+        if self.fused_ops is not None:
+            return hidden, self.fused_ops.add_rms_norm(hidden, delta, weight, eps)
+        if delta is not None:
+            hidden = hidden + delta
+        return hidden, F.rms_norm(hidden, (self.arch.hidden_size,), weight, eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops is not None:
+            return self.fused_ops.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

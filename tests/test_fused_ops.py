@@ -1,0 +1,83 @@
+"""The fused add + RMSNorm and SiLU * up kernels (csrc/fused_ops.cpp) against torch's ops, and
+the model on them against the model on torch's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from model_fixtures import (
+    TINY_SPECS,
+    Chunk,
+    build_tiny_model,
+    make_runner,
+    step_logits,
+    write_gguf,
+)
+
+from loom.model.kernels import fused_ops
+from loom.model.loader import load_model
+
+ops = fused_ops()
+pytestmark = [pytest.mark.unit,
+              pytest.mark.skipif(ops is None, reason="no C++ compiler for the fused kernels")]
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 33, 300])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_torch(rows: int, with_delta: bool) -> None:
+    """Rows split over threads from 29 rows of 576 on (the grain): both sides of it."""
+    gen = torch.Generator().manual_seed(rows)
+    hidden, delta = (torch.randn(rows, 576, generator=gen) * 3 for _ in range(2))
+    weight = torch.rand(576, generator=gen) + 0.5
+    expected_hidden = hidden + delta if with_delta else hidden.clone()
+    expected = F.rms_norm(expected_hidden, (576,), weight, 1e-5)
+    out = ops.add_rms_norm(hidden, delta if with_delta else None, weight, 1e-5)
+    torch.testing.assert_close(hidden, expected_hidden, rtol=0, atol=0)  # added in place
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 4, 11, 64])
+def test_silu_mul_matches_torch(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 1536, generator=gen) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_silu_mul_is_accurate_over_the_whole_float_range() -> None:
+    """Past |x| = 88 e^-x over- or underflows a float; -ffast-math assumes it never does."""
+    x = torch.cat([torch.linspace(-200, 200, 400_001), torch.tensor([-1e30, 1e30, 0.0])])
+    out = ops.silu_mul(torch.cat([x, torch.ones_like(x)]).view(1, -1))  # gate, then up
+    exact = F.silu(x.double())
+    assert torch.isfinite(out).all()
+    assert ((out.double() - exact).abs() <= 1e-6 * exact.abs() + 1e-30).all()
+
+
+def test_bad_inputs_are_refused() -> None:
+    weight = torch.ones(8)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.add_rms_norm(torch.ones(2, 8, dtype=torch.float64), None, weight, 1e-5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.add_rms_norm(torch.ones(8, 2).t(), None, weight, 1e-5)
+    with pytest.raises(RuntimeError, match="shape"):
+        ops.add_rms_norm(torch.ones(2, 8), torch.ones(3, 8), weight, 1e-5)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.add_rms_norm(torch.ones(2, 8), None, torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="even"):
+        ops.silu_mul(torch.ones(2, 7))
+
+
+@pytest.mark.integration
+def test_model_logits_match_with_and_without_the_fused_kernels(tmp_path) -> None:
+    """A prefill of two requests, then a decode step of both, on the tiny Llama."""
+    loaded = load_model(str(write_gguf(build_tiny_model(TINY_SPECS["llama"]),
+                                       tmp_path / "t.gguf")))
+    runners = [make_runner(loaded, fused=fused) for fused in (False, True)]
+    prefill = [Chunk("a", [5, 9, 2, 7, 1, 3], 0, [3, 1]), Chunk("b", [4, 4, 8], 0, [0])]
+    decode = [Chunk("a", [6], 6, [3, 1, 2]), Chunk("b", [2], 3, [0])]
+    for step in (prefill, decode):
+        unfused, fused = (step_logits(runner, step) for runner in runners)
+        for request_id in unfused:
+            torch.testing.assert_close(fused[request_id], unfused[request_id], rtol=1e-4,
+                                       atol=1e-4)
