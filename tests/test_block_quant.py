@@ -16,7 +16,13 @@ from loom import LLM, SamplingParams
 from loom.model.kernels import block_quant_linear_ops
 from loom.model.linear import Linear, to_panels
 from loom.model.llama import LlamaModel
-from loom.model.loader import BlockQuantWeight, _hf_name, _unpermute_rope, load_model
+from loom.model.loader import (
+    BlockQuantWeight,
+    _hf_name,
+    _permuted_heads,
+    _unpermute_rope,
+    load_model,
+)
 
 ops = block_quant_linear_ops()
 needs_kernel = pytest.mark.skipif(ops is None or not ops.supported(),
@@ -102,7 +108,6 @@ def test_loader_keeps_the_files_own_blocks(tmp_path, quant: str) -> None:
     model = build_tiny_model(TINY_SPECS["llama"])
     path = write_gguf(model, tmp_path / "q.gguf", quant=quant)
     loaded = load_model(str(path))
-    arch = loaded.arch
     matrices = [n for n, w in loaded.weights.items() if w.dim() == 2]
     assert sorted(loaded.block_quant) == sorted(matrices)
     for tensor in gguf.GGUFReader(str(path)).tensors:
@@ -110,9 +115,8 @@ def test_loader_keeps_the_files_own_blocks(tmp_path, quant: str) -> None:
         if name not in loaded.block_quant:
             continue
         expected = dequantize(tensor.data, tensor.tensor_type)
-        heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}.get(
-            tensor.name.split(".")[2] if tensor.name.startswith("blk.") else "")
-        if heads:
+        heads = _permuted_heads(tensor.name, loaded.arch)
+        if heads is not None:
             expected = _unpermute_rope(expected, heads)
         bq = loaded.block_quant[name]
         assert bq.codes.dtype == torch.int8 and bq.scale.dtype == torch.float32

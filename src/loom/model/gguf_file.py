@@ -102,11 +102,7 @@ class _Cursor:
         return out
 
     def scalar(self, fmt: str) -> Any:
-        size = struct.calcsize("<" + fmt)
-        if self.offset + size > len(self.buf):
-            raise GGUFFormatError("GGUF header is truncated")
-        (value,) = struct.unpack_from("<" + fmt, self.buf, self.offset)
-        self.offset += size
+        (value,) = struct.unpack("<" + fmt, self.take(struct.calcsize("<" + fmt)))
         return value
 
     def string(self) -> str:

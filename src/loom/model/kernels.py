@@ -1,6 +1,6 @@
 """Native kernels, compiled on first use with the machine's C++ compiler.
 
-Two places where torch has no good CPU primitive:
+Three places where torch has no good CPU primitive:
 - decode attention over the paged KV cache: gathering each request's blocks into a padded
   tensor for SDPA copies the whole context, twice, per layer and step.
   `csrc/paged_attention.cpp` reads K/V straight from the blocks instead.
