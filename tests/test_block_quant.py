@@ -17,12 +17,12 @@ from loom.model.kernels import block_quant_linear_ops
 from loom.model.linear import Linear, to_panels
 from loom.model.llama import LlamaModel
 from loom.model.loader import (
-    BlockQuantWeight,
     _hf_name,
     _permuted_heads,
     _unpermute_rope,
     load_model,
 )
+from loom.model.weights import BlockQuantWeight
 
 ops = block_quant_linear_ops()
 needs_kernel = pytest.mark.skipif(ops is None or not ops.supported(),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loom import LLM, SamplingParams
-from loom.model.loader import ModelLoadError
+from loom.model.arch import ModelLoadError
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from model_fixtures import TINY_SPECS, build_tiny_model, write_gguf
 
+from loom.model.arch import default_model_path
 from loom.model.gguf_file import GGUFFormatError, read_gguf
-from loom.model.loader import default_model_path
 
 
 def reference(path) -> tuple[dict, list[tuple[str, tuple[int, ...], object, np.ndarray]]]:

@@ -22,8 +22,10 @@ from model_fixtures import (
     write_gguf,
 )
 
+from loom.model.arch import ModelLoadError
 from loom.model.llama import LlamaModel, rope_inv_freq
-from loom.model.loader import LazyWeights, ModelLoadError, load_model
+from loom.model.loader import load_model
+from loom.model.weights import LazyWeights
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -328,7 +330,7 @@ def test_sliding_window_caps_the_context_length(tmp_path):
 @pytest.mark.unit
 def test_unused_sliding_window_does_not_cap(tmp_path):
     """Qwen2 configs carry sliding_window with use_sliding_window false: no cap."""
-    from loom.model.loader import _hf_context_length
+    from loom.model.arch import _hf_context_length
 
     qwen = {"max_position_embeddings": 32768, "sliding_window": 4096, "num_hidden_layers": 24,
             "use_sliding_window": False, "max_window_layers": 21}

@@ -21,7 +21,7 @@ _WORD = re.compile(r" [a-z]{3,12}")
 def tokenizer_path(path: str | Path | None) -> Path:
     """The tokenizer to use; None means that of the model `loom serve` serves by default."""
     if path is None:
-        from loom.model.loader import default_model_path  # engine import only for the default
+        from loom.model.arch import default_model_path
 
         return default_model_path()
     return Path(path)

@@ -186,7 +186,7 @@ class AsyncEngine:
                 else:  # only aborts arrived: no step will run to show their freed blocks
                     self.core.update_gauges()
                 with self._cond:
-                    self._num_waiting = self.core.scheduler.num_waiting
+                    self._num_waiting = self.core.num_waiting
         except Exception as e:  # noqa: BLE001 - any crash must fail the callers, not hang them
             logger.exception("The engine loop died; /health now reports 503")
             error = EngineDeadError(f"the engine loop died: {type(e).__name__}: {e}")
@@ -215,7 +215,7 @@ class AsyncEngine:
                 self._streams[request.request_id] = stream
                 if self.queue_timeout is not None:
                     self._deadlines[request.request_id] = deadline
-            self._num_waiting = self.core.scheduler.num_waiting
+            self._num_waiting = self.core.num_waiting
         for request_id in aborts:
             self._deadlines.pop(request_id, None)
             output = self.core.abort_request(request_id)
@@ -226,8 +226,7 @@ class AsyncEngine:
         """Reject requests that waited past `queue_timeout` without ever being scheduled."""
         now = time.monotonic()
         for request_id, deadline in list(self._deadlines.items()):
-            state = self.core.states.get(request_id)
-            if state is None or state.metrics.first_scheduled_time is not None:
+            if not self.core.is_unscheduled(request_id):
                 del self._deadlines[request_id]
             elif now >= deadline:
                 del self._deadlines[request_id]

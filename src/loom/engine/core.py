@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from loom import host
 from loom.config import EngineConfig, parse_size
 from loom.core.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from loom.core.kv_cache import KVCacheManager
@@ -17,11 +17,14 @@ from loom.core.scheduler import RequestUpdate, Scheduler
 from loom.core.static import StaticScheduler
 from loom.engine.detokenizer import IncrementalDetokenizer
 from loom.engine.metrics import EngineMetrics
+from loom.model.arch import ModelArch
 from loom.model.kernels import block_quant_linear_ops, fused_ops, paged_attention_ops
 from loom.model.linear import onednn_prepack_supported
 from loom.model.llama import LlamaModel
-from loom.model.loader import BlockQuantWeight, ModelArch, load_model
+from loom.model.loader import load_model
+from loom.model.memory import KVCacheSpec
 from loom.model.runner import ModelRunner
+from loom.model.weights import BlockQuantWeight
 from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loom.request import Request, RequestStatus
 from loom.sampling import SamplingParams
@@ -55,10 +58,10 @@ class EngineCore:
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if mc.device == "auto" else mc.device)
         self.dtype = _DTYPES[mc.dtype] if mc.dtype != "auto" else (
-            torch.bfloat16 if self.device.type == "cuda" or cpu_has_native_bf16()
+            torch.bfloat16 if self.device.type == "cuda" or host.has_native_bf16()
             else torch.float32)
         if self.device.type == "cpu":
-            torch.set_num_threads(mc.num_threads or len(os.sched_getaffinity(0)))
+            torch.set_num_threads(mc.num_threads or host.usable_cpus())
         loaded = load_model(mc.model)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -145,8 +148,8 @@ class EngineCore:
 
     def _num_kv_blocks(self, arch: ModelArch) -> int:
         cc = self.config.cache
-        bytes_per_block = (2 * arch.num_layers * cc.block_size * arch.num_kv_heads
-                           * arch.head_dim * self.dtype.itemsize)
+        bytes_per_block = KVCacheSpec.for_model(arch, self.dtype.itemsize).bytes_per_block(
+            cc.block_size)
         if cc.num_kv_blocks is not None:
             num_blocks, source = cc.num_kv_blocks, "num_kv_blocks"
         else:
@@ -157,7 +160,7 @@ class EngineCore:
                 budget = int(free * _GPU_KV_SHARE)
                 source = f"{_GPU_KV_SHARE:.0%} of free GPU memory"
             else:
-                budget = min(int(_available_ram() * _CPU_KV_SHARE), _CPU_KV_CAP)
+                budget = min(int(host.available_ram_bytes() * _CPU_KV_SHARE), _CPU_KV_CAP)
                 source = f"{_CPU_KV_SHARE:.0%} of available RAM, at most 4 GiB"
             num_blocks = budget // bytes_per_block
             if num_blocks < 1:
@@ -170,6 +173,29 @@ class EngineCore:
             num_blocks, cc.block_size, num_tokens, num_blocks * bytes_per_block / 2**30, source,
             self.max_model_len, num_tokens / self.max_model_len)
         return num_blocks
+
+    # -- what the async engine and the server read (the loop thread owns the rest) ----------
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache.pool.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.block_size
+
+    def is_unscheduled(self, request_id: str) -> bool:
+        """True while the request is queued and no step has run any of it yet."""
+        state = self.states.get(request_id)
+        return state is not None and state.metrics.first_scheduled_time is None
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -380,22 +406,3 @@ def _max_model_len(requested: int | None, arch: ModelArch) -> int:
         raise ValueError(f"max_model_len {requested} exceeds the model's context length "
                          f"{arch.max_position_embeddings}")
     return requested
-
-
-def cpu_has_native_bf16() -> bool:
-    """bf16 dot-product instructions (x86 avx512_bf16 / AMX, Arm bf16): there bf16 matmuls run
-    several times faster than fp32 (BENCHMARKS.md); without them bf16 is emulated and slow."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            words = set(f.read().split())
-    except OSError:
-        return False
-    return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
-def _available_ram() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -21,7 +21,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from loom.model.loader import BlockQuantWeight
+from loom.model.weights import BlockQuantWeight
 
 # oneDNN picks its packed layout for a typical batch; one layout serves every batch size. A
 # hint of 512 rows was as fast as 1 or 32 from 8 to 512 rows, and unlike 32 it does not lose

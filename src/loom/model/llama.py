@@ -14,10 +14,11 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from loom.model.arch import ModelArch, ModelLoadError
 from loom.model.attention import AttentionMetadata, paged_attention, write_kv
 from loom.model.kernels import block_quant_linear_ops
 from loom.model.linear import Linear
-from loom.model.loader import BlockQuantWeight, LazyWeights, ModelArch, ModelLoadError
+from loom.model.weights import BlockQuantWeight, LazyWeights
 
 
 class LlamaLayer:

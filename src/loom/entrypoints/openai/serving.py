@@ -94,8 +94,7 @@ class OpenAIServing:
         self.engine = engine
         self.tokenizer = engine.core.tokenizer
         self.max_model_len = engine.core.max_model_len
-        kv_cache = engine.core.kv_cache
-        self.kv_capacity = kv_cache.pool.num_blocks * kv_cache.block_size  # tokens
+        self.kv_capacity = engine.core.num_kv_blocks * engine.core.block_size  # tokens
         self.model_name = model_name
         self.stream_interval = stream_interval
 
