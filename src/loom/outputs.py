@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loom.core.batch import TokenLogprob
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass
+class TokenLogprob:
+    """A chosen token's log-probability and the top alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: TopLogprobs
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loom.outputs import TokenLogprob
 from loom.sampling import SamplingParams
 
 # Stands for a token that an in-flight step is sampling; the engine fills it in when that step
@@ -61,16 +62,6 @@ class SchedulerOutput:
                 item.token_ids[-1] = token_id
             kept.append(item)
         self.scheduled = kept
-
-
-TopLogprobs = list[tuple[int, float]]
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: TopLogprobs
 
 
 @dataclass

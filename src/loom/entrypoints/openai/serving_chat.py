@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 import jinja2
 from fastapi import Request, Response
 
-from loom.core.batch import TokenLogprob
 from loom.engine.async_engine import EngineRequest
 from loom.entrypoints.openai.errors import APIError
 from loom.entrypoints.openai.protocol import (
@@ -34,7 +33,7 @@ from loom.entrypoints.openai.serving import (
     sse,
     usage,
 )
-from loom.outputs import RequestOutput
+from loom.outputs import RequestOutput, TokenLogprob
 
 
 class ChatServing(OpenAIServing):
