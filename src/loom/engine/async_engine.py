@@ -178,11 +178,13 @@ class AsyncEngine:
     def _run(self) -> None:
         error = EngineDeadError("the engine was shut down")
         try:
-            while self._wait_for_work():
+            in_flight = None  # the step running on the model (async scheduling), as a value
+            while self._wait_for_work(in_flight is not None):
                 self._drain_inbox()
                 self._expire_queued()
-                if self.core.has_unfinished_requests():
-                    self._deliver(self.core.step())
+                if self.core.has_unfinished_requests() or in_flight is not None:
+                    outputs, in_flight = self.core.step(in_flight)
+                    self._deliver(outputs)
                 else:  # only aborts arrived: no step will run to show their freed blocks
                     self.core.update_gauges()
                 with self._cond:
@@ -193,10 +195,10 @@ class AsyncEngine:
         finally:
             self._fail_all(error)
 
-    def _wait_for_work(self) -> bool:
+    def _wait_for_work(self, step_in_flight: bool) -> bool:
         """Sleep until there is something to do; False when it is time to stop."""
         with self._cond:
-            while not (self._stopping or self._adds or self._aborts
+            while not (self._stopping or self._adds or self._aborts or step_in_flight
                        or self.core.has_unfinished_requests()):
                 self._cond.wait()
             return not self._stopping
