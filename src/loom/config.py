@@ -1,8 +1,10 @@
 """Engine configuration: frozen dataclasses, validated once, from which CLI flags are generated.
 
 Every option is spelled exactly once, as a dataclass field. `add_cli_args` turns the fields
-into argparse flags (`max_num_seqs` -> `--max-num-seqs`, booleans as `--x/--no-x`), and
-`from_cli_args` / `from_kwargs` turn flags or keyword arguments back into the dataclass.
+into argparse flags (`max_num_seqs` -> `--max-num-seqs`, booleans as `--x/--no-x`), grouped
+in `--help` by what a user tunes (a class's `CLI_GROUP`, or a field's own `group`), each
+stating its default; `from_cli_args` / `from_kwargs` turn flags or keyword arguments back into
+the dataclass.
 """
 
 from __future__ import annotations
@@ -31,13 +33,26 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-def flag_help(text: str) -> dict[str, Any]:
-    """Field metadata that `add_cli_args` turns into the flag's help text."""
-    return {"help": text}
+def flag_help(text: str, group: str | None = None, flag: str | None = None) -> dict[str, Any]:
+    """Field metadata that `add_cli_args` turns into the flag's help text.
+
+    A field whose default is None must say in `text` what None means ("default: ...",
+    "none = ..."), since "(default: None)" tells a user nothing. `group` files the flag under
+    another `--help` heading than its class's; `flag` names it when the field's name is not
+    what a user types (`duration_s` -> `--duration`).
+    """
+    meta: dict[str, Any] = {"help": text}
+    if group:
+        meta["group"] = group
+    if flag:
+        meta["flag"] = flag
+    return meta
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    CLI_GROUP = "Model"
+
     model: str | None = field(default=None, metadata=flag_help(
         "GGUF file or Hugging Face folder; default: the bundled SmolLM2-135M-Instruct"))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
@@ -71,9 +86,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
+    CLI_GROUP = "KV cache"
+
     block_size: int = field(default=16, metadata=flag_help("tokens per KV cache block"))
     num_kv_blocks: int | None = field(default=None, metadata=flag_help(
-        "number of KV blocks (overrides --kv-cache-memory)"))
+        "number of KV blocks; overrides --kv-cache-memory; default: sized from it"))
     kv_cache_memory: str | None = field(default=None, metadata=flag_help(
         "KV cache size, e.g. 2GiB; default: 25%% of available RAM (at most 4 GiB) on CPU, "
         "85%% of free GPU memory"))
@@ -91,6 +108,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    CLI_GROUP = "Scheduling"
+
     max_num_batched_tokens: int = field(default=2048, metadata=flag_help(
         "token budget of one scheduler step (decodes + prefill chunks)"))
     max_num_seqs: int = field(default=128, metadata=flag_help("sequences in one step at most"))
@@ -160,21 +179,51 @@ def _flag_type(hint: Any) -> tuple[Any, list[Any] | None]:
     return hint, None
 
 
+def flag_name(f: dataclasses.Field) -> str:
+    """The flag of a field: `--max-num-seqs` for `max_num_seqs`, unless its metadata names one."""
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def help_group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    """The parser's `--help` section called `title`, made on first use, so that flags of
+    several dataclasses (or one field filed elsewhere) share one heading."""
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
+
+
+def default_text(value: Any) -> str:
+    """A default as `--help` states it: on/off for switches, the value otherwise."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value).replace("%", "%%")
+
+
 def add_cli_args(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per dataclass field, named after it, with the field's default and help."""
-    group = parser.add_argument_group(cls.__name__)
+    """One flag per dataclass field, named after it, with the field's help and its default.
+
+    Flags default to argparse.SUPPRESS, so `from_cli_args` sees only those a user gave and
+    the dataclass keeps the one copy of each default."""
+    title = getattr(cls, "CLI_GROUP", cls.__name__.removesuffix("Config"))
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        flag = "--" + f.name.replace("_", "-")
+        group = help_group(parser, f.metadata.get("group", title))
         help_text = f.metadata.get("help", "")
+        if f.default is not None and f.default is not dataclasses.MISSING:
+            help_text += f" (default: {default_text(f.default)})"
+        hint = hints[f.name]
         if hint is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction,
+            group.add_argument(flag_name(f), dest=f.name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)
             continue
         arg_type, choices = _flag_type(hint)
-        group.add_argument(flag, type=arg_type, choices=choices, default=argparse.SUPPRESS,
-                           help=f"{help_text} (default: {f.default})")
+        extra: dict[str, Any] = {}
+        if typing.get_origin(arg_type) is list:  # a repeatable flag: --stop a --stop b
+            (arg_type,) = typing.get_args(arg_type)
+            extra["action"] = "append"
+        group.add_argument(flag_name(f), dest=f.name, type=arg_type, choices=choices,
+                           default=argparse.SUPPRESS, help=help_text, **extra)
 
 
 def from_cli_args(cls: type[T], args: argparse.Namespace) -> T:

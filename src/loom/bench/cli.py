@@ -11,11 +11,13 @@ import asyncio
 import json
 import logging
 import math
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loom.bench.replay import Load, Target
+from loom.bench.results import run_label
 
 if TYPE_CHECKING:
     from loom.bench.results import Slo
@@ -49,12 +51,17 @@ def _range(text: str) -> tuple[float, float]:
 
 
 class _ShowDefaults(argparse.HelpFormatter):
-    """Help that states an option's default where it has a real one."""
+    """Help that states each option's default: a switch's as off, 0 as 0; an option without
+    one (None) says in its own help what it does when not given."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
-            return action.help
-        return action.help + " (default: %(default)s)"
+        help_text = action.help or ""
+        if action.default is None or "default" in help_text \
+                or action.default == argparse.SUPPRESS or not action.option_strings:
+            return help_text
+        if action.default is False:
+            return help_text + " (default: off)"
+        return help_text + " (default: %(default)s)"
 
 
 # -- shared option groups (argparse parents) -------------------------------------------------
@@ -78,9 +85,11 @@ def _replay_parent() -> argparse.ArgumentParser:
     p.add_argument("--burstiness", type=float, default=Load.burstiness,
                    help="gamma shape of inter-arrival gaps: 1 = Poisson, < 1 burstier")
     p.add_argument("--max-concurrency", type=int, default=None,
-                   help="requests in flight at most; alone (rate inf): closed loop of N users")
+                   help="requests in flight at most; alone (rate inf): closed loop of N "
+                        "users; default: no cap")
     p.add_argument("--duration", type=float, default=None,
-                   help="seconds to keep sending (cycling the trace); in-flight ones finish")
+                   help="seconds to keep sending (cycling the trace); in-flight ones "
+                        "finish; default: send the trace (or -n requests) once")
     p.add_argument("--scrape-interval", type=float, default=Target.scrape_interval_s,
                    help="seconds between /metrics samples for the timeline")
     p.add_argument("--request-timeout", type=float, default=Target.request_timeout_s,
@@ -93,7 +102,8 @@ def _target_parent() -> argparse.ArgumentParser:
     p.add_argument("--base-url", required=True,
                    help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
     p.add_argument("--server-pid", type=int, default=None,
-                   help="pid of a local server, to record its peak memory and command line")
+                   help="pid of a local server, to record its peak memory and command "
+                        "line; default: none recorded")
     p.add_argument("--model", default=None, help="model name to request (default: the first "
                                                  "of the server's /v1/models)")
     return p
@@ -103,14 +113,18 @@ def _slo_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--slo", default=None,
                    help="latency objective in seconds, e.g. ttft_p95=1.0,e2e_p95=10: goodput "
-                        "counts requests within every limit")
+                        "counts requests within every limit; default: none (no goodput)")
     return p
 
 
 def _report_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, parents=[_slo_parent()])
     p.add_argument("--gpu-cost-per-hour", type=float, default=None,
-                   help="price of the machine per hour: adds cost per accepted answer")
+                   help="price of the machine per hour: adds cost per accepted answer; "
+                        "default: no cost column")
+    p.add_argument("--wide", action="store_true",
+                   help="print every scorecard column (default: the key ones, which fit an "
+                        "80-column terminal)")
     return p
 
 
@@ -140,15 +154,14 @@ def _sweep_parent() -> argparse.ArgumentParser:
 
 # -- sub-commands ----------------------------------------------------------------------------
 
-def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
-    """Register `bench` and `diagnose` on the top-level `loom` parser."""
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `loom bench` and its sub-commands on the top-level `loom` parser."""
     common, replay, target = _common_parent(), _replay_parent(), _target_parent()
     report, sweep = _report_parent(), _sweep_parent()
-    bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server",
-                           description="Replay realistic traffic against loom or any "
-                                       "OpenAI-compatible server; sweep the offered load; "
-                                       "compare configurations.")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench = sub.add_parser("bench", description="Replay realistic traffic against loom or any "
+                                                "OpenAI-compatible server; sweep the offered "
+                                                "load; compare configurations.")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
     shown = {"formatter_class": _ShowDefaults}
 
     p = bench_sub.add_parser("trace", **shown, parents=[common], help="generate or import a trace")
@@ -156,17 +169,26 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_trace)
 
     p = bench_sub.add_parser("run", **shown, parents=[target, replay, common, report],
-                             help="replay a trace once at one offered load")
+                             help="replay a trace once at one offered load",
+                             description="Replay a trace once. Give --rate (open loop), "
+                                         "--max-concurrency (closed loop of N users), or both "
+                                         "(open loop, at most N in flight): one is required.")
     p.add_argument("--rate", type=_rate, default=None,
-                   help="offered req/s, 'inf' (all at once) or 'trace' (arrival_s as recorded)")
-    p.add_argument("--label", default=None, help="name of the run in tables and plots")
-    p.add_argument("--out", default=None, help="write the result JSON here")
+                   help="offered req/s, 'inf' (all at once) or 'trace' (arrival_s as recorded); "
+                        "default: inf with --max-concurrency (this or --max-concurrency is "
+                        "required)")
+    p.add_argument("--label", default=None, help="name of the run in tables and plots; "
+                                                 "default: its offered load")
+    p.add_argument("--out", default=None, help="write the result JSON here; default: only "
+                                               "print the scorecard")
     p.set_defaults(func=_run)
 
     p = bench_sub.add_parser("sweep", **shown, parents=[target, replay, common, sweep, report],
                              help="replay a trace at rising offered load")
-    p.add_argument("--label", default=None, help="name of the configuration swept")
-    p.add_argument("--out", default=None, help="write the sweep JSON here")
+    p.add_argument("--label", default=None, help="name of the configuration swept; default: "
+                                                 "sweep")
+    p.add_argument("--out", default=None, help="write the sweep JSON here; default: only "
+                                               "print the scorecard")
     p.set_defaults(func=_sweep)
 
     p = bench_sub.add_parser("compare", **shown, parents=[replay, common, sweep, report],
@@ -187,12 +209,19 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser("scorecard", **shown, parents=[report],
                              help="scorecard (and plots) of result files")
     p.add_argument("results", nargs="+", help="run/sweep JSONs or compare directories")
-    p.add_argument("--markdown", default=None, help="also write the scorecard as Markdown")
-    p.add_argument("--plots", default=None, help="also write the plots into this directory")
+    p.add_argument("--markdown", default=None, help="also write the scorecard as Markdown "
+                                                    "to this file; default: print it only")
+    p.add_argument("--plots", default=None, help="also write the plots into this directory; "
+                                                 "default: no plots")
     p.set_defaults(func=_scorecard)
 
-    p = sub.add_parser("diagnose", parents=[_slo_parent()], **shown,
-                       help="explain a disappointing bench result")
+
+def add_diagnose_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `loom diagnose` on the top-level `loom` parser."""
+    p = sub.add_parser("diagnose", parents=[_slo_parent()], formatter_class=_ShowDefaults,
+                       description="Explain a disappointing loom bench result: findings, the "
+                                   "numbers behind them and one setting to try; when no rule "
+                                   "fires, what bounds each run.")
     p.add_argument("result", help="run or sweep JSON, or a compare directory")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.set_defaults(func=_diagnose)
@@ -206,7 +235,8 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
     source.add_argument("--mix", default=_MIX, help=f"class weights (default {_MIX}); "
                                                     "classes: chat, long, rag")
     source.add_argument("--from-sharegpt", default=None, metavar="FILE",
-                        help="import ShareGPT-style conversations (JSON list or JSONL)")
+                        help="import ShareGPT-style conversations (JSON list or JSONL); "
+                             "default: generate requests from --mix")
     p.add_argument("--arrival-rate", type=float, default=ArrivalSpec.rate,
                    help="recorded arrivals: mean requests/s, bursts included")
     p.add_argument("--burst-prob", type=float, default=ArrivalSpec.burst_prob,
@@ -287,15 +317,35 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.rate is None and args.max_concurrency is None:
         raise ValueError("give --rate (open loop) or --max-concurrency (closed loop)")
-    target = Target(args.base_url, args.model, args.server_pid, args.scrape_interval,
-                    args.request_timeout)
+    target = _target(args)
     slo = _slo(args)
     result = asyncio.run(replay(_load_trace(args), _load(args, args.rate or math.inf), target,
                                 slo, args.label))
     if args.out:
         save_json(result, args.out)
-    print_scorecard([result], slo, args.gpu_cost_per_hour)
-    return 0
+    print_scorecard([result], slo, args.gpu_cost_per_hour, wide=args.wide)
+    return _status([result])
+
+
+def _target(args: argparse.Namespace) -> Target:
+    """The server to test, once it is known to listen (see check_reachable)."""
+    from loom.bench.replay import check_reachable
+
+    target = Target(args.base_url, args.model, args.server_pid, args.scrape_interval,
+                    args.request_timeout)
+    check_reachable(target)
+    return target
+
+
+def _status(runs: list[dict[str, Any]]) -> int:
+    """Exit status 1 when a run completed no request: a script must not read that as a
+    result."""
+    failed = [run for run in runs if run["completed"] == 0]
+    for run in failed:
+        errors = "; ".join(run.get("errors", [])[:3]) or "no errors recorded"
+        print(f"loom bench: no request completed in {run_label(run)}: {errors}",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _sweep_points(args: argparse.Namespace) -> dict[str, Any]:
@@ -317,14 +367,13 @@ def _sweep(args: argparse.Namespace) -> int:
     from loom.bench.scorecard import print_scorecard
     from loom.bench.sweep import sweep
 
-    target = Target(args.base_url, args.model, args.server_pid, args.scrape_interval,
-                    args.request_timeout)
+    target = _target(args)
     slo = _slo(args)
     result = asyncio.run(sweep(_load_trace(args), _load(args), target, _limits(args),
                                slo=slo, label=args.label, **_sweep_points(args)))
     if args.out:
         save_json(result, args.out)
-    print_scorecard(result["runs"], slo, args.gpu_cost_per_hour)
+    print_scorecard(result["runs"], slo, args.gpu_cost_per_hour, wide=args.wide)
     print(f"knee (highest offered rate within the limits): {result['knee_rate']}")
     return 0
 
@@ -346,25 +395,25 @@ def _compare(args: argparse.Namespace) -> int:
                      scrape_interval_s=args.scrape_interval,
                      health_timeout_s=args.health_timeout, **_sweep_points(args))
     print_scorecard([r for s in result["sweeps"] for r in s["runs"]], slo,
-                    args.gpu_cost_per_hour)
+                    args.gpu_cost_per_hour, wide=args.wide)
     print(f"results, scorecard.md and plots in {out_dir}")
     return 0
 
 
 def _scorecard(args: argparse.Namespace) -> int:
     from loom.bench.compare import write_report
-    from loom.bench.results import groups, load_result
+    from loom.bench.results import groups
     from loom.bench.scorecard import markdown, print_scorecard
 
     slo = _slo(args)
     grouped: list[tuple[str, list]] = []
     for path in args.results:
-        for name, runs, _ in groups(load_result(path)):
+        for name, runs, _ in groups(_load_result(path)):
             if any(name == seen for seen, _ in grouped):  # same label in two files
                 name = f"{name} ({Path(path).stem})"
             grouped.append((name, runs))
     runs = [run for _, runs_ in grouped for run in runs_]
-    print_scorecard(runs, slo, args.gpu_cost_per_hour)
+    print_scorecard(runs, slo, args.gpu_cost_per_hour, wide=args.wide)
     if args.markdown:
         Path(args.markdown).write_text(markdown(runs, slo, args.gpu_cost_per_hour))
     if args.plots:
@@ -375,20 +424,48 @@ def _scorecard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_result(path: str) -> dict[str, Any]:
+    """A result file, or an error that says what the file is instead (a trace, say)."""
+    from loom.bench.results import load_result
+
+    try:
+        return load_result(path)
+    except json.JSONDecodeError as e:
+        if _is_trace(Path(path)):
+            raise ValueError(f"{path} is a trace (JSONL), not a bench result: replay it with "
+                             f"`loom bench run --trace {path} ... --out run.json` and pass "
+                             "run.json") from None
+        raise ValueError(f"{path} is not a loom bench result (JSON): {e}") from None
+
+
+def _is_trace(path: Path) -> bool:
+    """Does the file start like a trace: a JSON object per line, a header or a request?"""
+    try:
+        with path.open() as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError):
+        return False
+    return isinstance(first, dict) and bool({"header", "prompt", "prompt_len"} & set(first))
+
+
 def _diagnose(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from loom.bench.diagnose import diagnose
-    from loom.bench.results import load_result
+    from loom.bench.diagnose import diagnose, what_bounds
 
-    findings = diagnose(load_result(args.result), _slo(args))
+    result = _load_result(args.result)
+    findings = diagnose(result, _slo(args))
     if args.json:
         print(json.dumps([asdict(f) for f in findings], indent=1))
         return 0
     console = Console()
-    if not findings:
-        console.print("No rule fired: no sign of the seed's usual constraints in these figures.")
     for f in findings:
         console.print(f"[bold]{f.title}[/bold] ({f.run})\n  {f.message}\n"
                       f"  [bold]Try:[/bold] {f.setting}\n", highlight=False)
+    if not findings:
+        console.print("No rule fired: no sign of a scheduling, admission, memory or "
+                      "client-side constraint in these figures. What bounds each run:\n",
+                      highlight=False)
+        for line in what_bounds(result):
+            console.print(f"  {line}", highlight=False)
     return 0

@@ -1,4 +1,4 @@
-"""`loom diagnose`: the seed's "diagnosing a disappointing result", applied to measurements.
+"""`loom diagnose`: diagnosing a disappointing result from its measurements.
 
 Look for the constraint before changing another flag. Each rule reads figures a bench result
 holds, fires only when they show its pattern, cites the numbers that triggered it and names
@@ -10,6 +10,9 @@ the one setting to try next:
 3. throughput up but p95 worse             -> cap admission (needs several rates or configs)
 4. preemptions or out-of-memory            -> KV cache capacity
 5. low utilisation while requests wait     -> something upstream of the scheduler
+
+When none fires, `what_bounds` still says where each run's time went (queue, prefill or
+decode), which names the knob that would move it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from loom.bench.client import OK
-from loom.bench.results import Slo, groups, requests_of, run_label
+from loom.bench.results import Slo, groups, requests_of
+from loom.bench.scorecard import shown_label
 
 # Thresholds: deliberately coarse, so that a healthy run stays quiet.
 WAITING_MEAN = 1.0          # requests waiting on average over the run ...
@@ -106,7 +110,7 @@ def waiting_with_memory_free(run: dict[str, Any], flags: str, slo: Slo | None) -
     memory_free = kv is not None and kv < KV_FREE
     if memory_free and rejected >= max(1, REJECTED_SHARE * run["num_prompts"]):
         findings.append(Finding(
-            "waiting_memory_free", "Requests refused while memory is free", run_label(run),
+            "waiting_memory_free", "Requests refused while memory is free", shown_label(run),
             f"{rejected} of {run['num_prompts']} requests got 503/429 while KV cache usage "
             f"peaked at {kv:.0%}: the admission limit, not memory, turned them away.",
             "--max-num-queued-reqs (raise it)",
@@ -134,14 +138,14 @@ def waiting_with_memory_free(run: dict[str, Any], flags: str, slo: Slo | None) -
                        "in each step's token budget (or for CPU tokenization).")
             setting = "--max-num-batched-tokens"
         findings.append(Finding("waiting_memory_free", "Waiting grows while memory is free",
-                                run_label(run), message, setting,
+                                shown_label(run), message, setting,
                                 {"waiting_mean": waiting, "kv_cache_usage_peak": kv,
                                  "running_peak": running_peak, "max_num_seqs": max_seqs}))
     lag = (run.get("client") or {}).get("send_lag_p95_ms")
     if _open_loop(run) and run.get("max_concurrency") and lag is not None \
             and lag / 1000 > SEND_LAG_S:
         findings.append(Finding(
-            "client_concurrency", "Requests wait in the client, not the server", run_label(run),
+            "client_concurrency", "Requests wait in the client, not the server", shown_label(run),
             f"p95 send lag {lag / 1000:.2f} s at offered {run['offered_rate']:.2f} req/s: "
             f"requests waited for one of the client's {run['max_concurrency']} connections "
             "(server waiting averaged "
@@ -178,7 +182,7 @@ def ttft_long_prompts(run: dict[str, Any], flags: str, slo: Slo | None) -> list[
     message += ("Chunked prefill is off, so a long prefill holds whole steps." if chunked is False
                 else "Each step's token budget decides how fast a long prefill gets through and "
                      "how much it delays decodes; compare the long-prompt distribution after.")
-    return [Finding("ttft_long_prompts", "TTFT rises with long prompts", run_label(run),
+    return [Finding("ttft_long_prompts", "TTFT rises with long prompts", shown_label(run),
                     message, setting,
                     {"long_prompt_min_tokens": long_cut, "long_p95_ttft_s": long_p95,
                      "short_p95_ttft_s": short_p95, "ttft_limit_s": limit,
@@ -199,7 +203,7 @@ def preemptions_or_oom(run: dict[str, Any], flags: str, slo: Slo | None) -> list
                "KV cache, and each preemption recomputes work. Give the cache more memory, or "
                "admit fewer sequences (--max-num-seqs) / shorter contexts.")
     return [Finding("preemptions_kv_pressure", "Preemptions or out-of-memory errors",
-                    run_label(run), message, "--kv-cache-memory",
+                    shown_label(run), message, "--kv-cache-memory",
                     {"preemptions": preemptions, "num_prompts": sent, "kv_cache_usage_peak": kv,
                      "oom_errors": len(oom)})]
 
@@ -244,7 +248,7 @@ def upstream_bottleneck(run: dict[str, Any], flags: str, slo: Slo | None) -> lis
                "--num-threads (loom: leave a core for HTTP + tokenization; vLLM: "
                "--api-server-count)")
     return [Finding("upstream_bottleneck", "Low utilisation while requests wait",
-                    run_label(run), message, setting, evidence)]
+                    shown_label(run), message, setting, evidence)]
 
 
 # -- rules across runs -----------------------------------------------------------------------
@@ -276,7 +280,7 @@ def throughput_up_p95_worse(grouped: list[tuple[str, list[dict[str, Any]], str]]
                 cap = f" (running peaked at {running:g} there)" if running is not None else ""
                 findings.append(Finding(
                     "throughput_up_p95_worse", "Throughput up, but p95 worse", name,
-                    f"from {run_label(low)} to {run_label(high)} completed req/s rose only "
+                    f"from {shown_label(low)} to {shown_label(high)} completed req/s rose only "
                     f"{gain:.0%} ({low['request_throughput']:.2f} -> "
                     f"{high['request_throughput']:.2f}) while p95 TTFT grew {blowup:.1f}x "
                     f"({low['p95_ttft_ms'] / 1000:.2f} -> {high['p95_ttft_ms'] / 1000:.2f} s, "
@@ -304,7 +308,7 @@ def _config_tradeoff(a: dict[str, Any], b: dict[str, Any], name_a: str,
                         for key, label in worse)
     return Finding(
         "throughput_up_p95_worse", "Throughput up, but p95 worse", f"{name_a} vs {name_b}",
-        f"at {run_label(a)}, {name_b} completes {b['request_throughput']:.2f} req/s against "
+        f"at {shown_label(a)}, {name_b} completes {b['request_throughput']:.2f} req/s against "
         f"{name_a}'s {a['request_throughput']:.2f} (+"
         f"{b['request_throughput'] / a['request_throughput'] - 1:.0%}) but {latency}: it accepts "
         "more concurrent work than an interactive target allows. Limit admission (or a queue "
@@ -340,3 +344,36 @@ def diagnose(obj: dict[str, Any], slo: Slo | None = None) -> list[Finding]:
     findings = [f for _, runs, flags in grouped for run in runs
                 for rule in RUN_RULES for f in rule(run, flags, slo)]
     return findings + throughput_up_p95_worse(grouped, slo)
+
+
+# -- what bounds a run when no rule fires ----------------------------------------------------
+
+_BOUND_ADVICE = {
+    "queue": "requests wait for a slot: the server is at capacity at this load (compare a lower "
+             "rate, or add capacity)",
+    "prefill": "TTFT is prompt compute, not queueing: shorter prompts, a shared prefix (prefix "
+               "caching) or a larger --max-num-batched-tokens shorten it",
+    "decode": "time per output token is the model's step time, which grows with the batch "
+              "(--max-num-seqs trades it against throughput) and with the model's size",
+}
+
+
+def what_bounds(obj: dict[str, Any]) -> list[str]:
+    """One line per run of a run, sweep or compare result: where its completed requests spent
+    their time on average, and what would shorten the largest part."""
+    return [bound(run) for _, runs, _ in groups(obj) for run in runs]
+
+
+def bound(run: dict[str, Any]) -> str:
+    e2e_ms, ttft_ms = run.get("mean_e2el_ms"), run.get("mean_ttft_ms")
+    if not e2e_ms or ttft_ms is None:
+        return f"{shown_label(run)}: no request completed, so no time to apportion"
+    queue_ms = (run.get("queue_time") or {}).get("mean_ms")
+    parts = {"queue": queue_ms or 0.0, "prefill": max(ttft_ms - (queue_ms or 0.0), 0.0),
+             "decode": max(e2e_ms - ttft_ms, 0.0)}
+    largest = max(parts, key=lambda k: parts[k])
+    total = sum(parts.values()) or 1.0
+    shares = ", ".join(f"{k} {v / total:.0%}" for k, v in parts.items())
+    unknown = "" if queue_ms is not None else " (no server queue metric: prefill includes it)"
+    return (f"{shown_label(run)}: {largest}-bound; of a mean E2E of {e2e_ms / 1000:.2f} s: "
+            f"{shares}{unknown}. {_BOUND_ADVICE[largest]}.")

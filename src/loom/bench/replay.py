@@ -94,6 +94,19 @@ async def probe_server(client: httpx.AsyncClient, target: Target) -> dict[str, A
     return info
 
 
+def check_reachable(target: Target) -> None:
+    """Fail at once, naming the URL, when nothing listens there: otherwise each request
+    would fail on its own and the run would end in a scorecard of errors."""
+    try:
+        httpx.get(target.root + "/v1/models", timeout=10)
+    except httpx.ConnectError as e:
+        what = "connection refused" if "refused" in str(e).lower() else f"cannot connect ({e})"
+        raise ConnectionError(f"{what} at {target.base_url}: is the server running "
+                              "there?") from None
+    except httpx.HTTPError:
+        pass  # something answers; the run reports what it does
+
+
 def model_name(target: Target, server: dict[str, Any]) -> str:
     if target.model:
         return target.model

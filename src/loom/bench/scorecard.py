@@ -1,9 +1,10 @@
-"""The seed's scorecard, filled with measurements: one row per run (configuration x offered
-load), in Markdown and as a rich table, plus per-class rows (fairness).
+"""The scorecard: one row per run (configuration x offered load), in Markdown and as a rich
+table, plus per-class rows (fairness).
 
 Goodput (completed req/s within an SLO) and, given a GPU price, the cost per accepted answer
-are here because the seed picks the configuration that meets the latency and reliability
+are here because the configuration to pick is the one that meets the latency and reliability
 targets at the lowest cost per accepted answer, not the one with the most tokens per second.
+In a terminal narrower than the table only the key columns are shown (`wide` for all).
 """
 
 from __future__ import annotations
@@ -14,6 +15,17 @@ from rich.console import Console
 from rich.table import Table
 
 from loom.bench.results import Slo, request_figures, requests_of, run_label
+
+# The columns that decide between configurations; they fit an 80-column terminal.
+KEY_COLUMNS = ("Run", "Class", "Offered req/s", "Completed req/s", "Output tok/s", "p95 TTFT s",
+               "p95 ITL ms", "p95 E2E s", "Error rate", "Goodput req/s")
+_ALL_COLUMNS_WIDTH = 220
+
+
+def shown_label(run: dict[str, Any]) -> str:
+    """A run's name wherever it is shown; a simulated run says so."""
+    label = run_label(run)
+    return f"{label} (simulated)" if run.get("simulated") and "simulated" not in label else label
 
 
 def _s(ms: float | None) -> str:
@@ -43,7 +55,7 @@ def rows(runs: list[dict[str, Any]], slo: Slo | None = None,
     for run in runs:
         queue = (run.get("queue_time") or {}).get("p95_ms")
         row = {
-            "Run": run_label(run), "Offered req/s": offered(run),
+            "Run": shown_label(run), "Offered req/s": offered(run),
             "Completed req/s": f"{run['request_throughput']:.2f}",
             "Output tok/s": f"{run['output_throughput']:.1f}",
             "p50 TTFT s": _s(run["median_ttft_ms"]), "p95 TTFT s": _s(run["p95_ttft_ms"]),
@@ -73,7 +85,7 @@ def class_rows(runs: list[dict[str, Any]], slo: Slo | None = None) -> list[dict[
         for cls, f in run["per_class"].items():
             if requests is not None:
                 f = request_figures([r for r in requests if r.cls == cls], run["duration"], slo)
-            row = {"Run": run_label(run), "Class": cls, "Requests": str(f["num_prompts"]),
+            row = {"Run": shown_label(run), "Class": cls, "Requests": str(f["num_prompts"]),
                    "Completed": str(f["completed"]), "Failed": str(f["failed"]),
                    "Cancelled": str(f["cancelled"]),
                    "Completed req/s": f"{f['request_throughput']:.2f}",
@@ -121,22 +133,29 @@ def markdown(runs: list[dict[str, Any]], slo: Slo | None = None,
     return "\n".join(parts) + "\n"
 
 
-def _rich(table: list[dict[str, str]], title: str) -> Table:
+def _rich(table: list[dict[str, str]], title: str, columns: list[str]) -> Table:
     out = Table(title=title)
-    for column in _columns(table):
+    for column in columns:
         out.add_column(column, justify="left" if column in ("Run", "Class") else "right")
     for row in table:
-        out.add_row(*(row.get(c, "-") for c in _columns(table)))
+        out.add_row(*(row.get(c, "-") for c in columns))
     return out
 
 
 def print_scorecard(runs: list[dict[str, Any]], slo: Slo | None = None,
                     gpu_cost_per_hour: float | None = None,
-                    console: Console | None = None) -> None:
+                    console: Console | None = None, wide: bool = False) -> None:
+    """The scorecard and per-class table. A log file or pipe gets every column; a terminal
+    narrower than that only the key columns, unless `wide`."""
     if console is None:
         console = Console()
         if not console.is_terminal:  # a log file or pipe: room for every column, no wrapping
-            console = Console(width=220)
-    console.print(_rich(rows(runs, slo, gpu_cost_per_hour), "Scorecard"))
-    console.print(_rich(class_rows(runs, slo), "Per request class"))
-
+            console = Console(width=_ALL_COLUMNS_WIDTH)
+    narrow = not wide and console.width < _ALL_COLUMNS_WIDTH
+    for table, title in ((rows(runs, slo, gpu_cost_per_hour), "Scorecard"),
+                         (class_rows(runs, slo), "Per request class")):
+        columns = _columns(table)
+        if narrow:
+            columns = [c for c in columns if c in KEY_COLUMNS]
+            title += " (key columns; --wide for all)"
+        console.print(_rich(table, title, columns))

@@ -1,37 +1,25 @@
 """The machine a result was measured on, and a local server process's memory.
 
-A figure means little without its hardware, and the seed asks for peak memory per run; both
-are read from /proc and, where present, nvidia-smi. Nothing here talks to the server.
+A figure means little without its hardware, and a run's peak memory is part of its cost. The
+host is described by `loom.host` (as the engine and the benchmarks describe it); GPUs come
+from nvidia-smi where present, process memory from /proc. Nothing here talks to the server.
 """
 
 from __future__ import annotations
 
-import os
-import platform
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
+from loom import host
+
 
 def hardware() -> dict[str, Any]:
     """CPU model, cores, RAM and GPUs of this (the benchmarking) machine."""
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = _read("/proc/cpuinfo")
-    for line in cpuinfo.splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    return {
-        "cpu_model": cpu,
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "ram_bytes": _meminfo_bytes("MemTotal"),
-        "gpus": _nvidia_smi(["--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                            lambda f: {"name": f[0], "memory_bytes": int(float(f[1])) * 2**20}),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-    }
+    return {**host.hardware(),
+            "gpus": _nvidia_smi(["--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                                lambda f: {"name": f[0], "memory_bytes": int(float(f[1])) * 2**20})}
 
 
 def process_tree(pid: int) -> list[int]:
@@ -41,7 +29,7 @@ def process_tree(pid: int) -> list[int]:
         current = todo.pop()
         tree.append(current)
         for task in Path(f"/proc/{current}/task").glob("*/children"):
-            todo += [int(c) for c in _read(str(task)).split()]
+            todo += [int(c) for c in host.read_text(str(task)).split()]
     return tree
 
 
@@ -51,7 +39,7 @@ def process_memory(pid: int) -> dict[str, int] | None:
     pids = process_tree(pid)
     rss = hwm = 0
     for p in pids:
-        status = _read(f"/proc/{p}/status")
+        status = host.read_text(f"/proc/{p}/status")
         if not status and p == pid:
             return None
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
@@ -65,20 +53,6 @@ def process_memory(pid: int) -> dict[str, int] | None:
 
 def _kib(field: str | None) -> int:
     return int(field.split()[0]) * 1024 if field else 0
-
-
-def _meminfo_bytes(key: str) -> int | None:
-    for line in _read("/proc/meminfo").splitlines():
-        if line.startswith(key + ":"):
-            return _kib(line.split(":", 1)[1])
-    return None
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
 
 
 def _nvidia_smi(args: list[str], parse: Any) -> list[Any]:
