@@ -83,7 +83,7 @@ def run_offline(llm: LLM, items: list[WorkItem]) -> Result:
             max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True))
         timings[f"offline-{i}"] = Timings(sent=start)
     while engine.has_unfinished_requests():
-        outputs = engine.step()
+        outputs, _ = engine.step()
         now = time.monotonic()
         for output in outputs:
             t = timings[output.request_id]

@@ -1,23 +1,10 @@
-"""Shared fixtures. Building an engine over the bundled model costs seconds, mostly GGUF
-dequantization, so the suite loads each model file once and shares the weights (engines only
-read them)."""
+"""Shared fixtures."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-import loom.engine.core
 from loom import LLM
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _load_each_model_once():
-    original = loom.engine.core.load_model
-    loom.engine.core.load_model = functools.cache(original)
-    yield
-    loom.engine.core.load_model = original
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ import torch
 
 from loom.core.batch import ScheduledRequest
 from loom.model.arch import default_model_path
+from loom.model.backends import Backends
 from loom.model.kernels import fused_ops
 from loom.model.llama import LlamaModel
 from loom.model.runner import ModelRunner
@@ -279,10 +280,14 @@ def make_runner(loaded: LoadedModel, num_blocks: int = 64, block_size: int = 4,
     """The torch attention path: the tiny models' shapes are outside the native kernel's
     (which test_attention checks against this path). fused: the add + RMSNorm and SiLU * up
     kernels, as the engine runs float32 on CPU (test_fused_ops checks them against torch)."""
+    ops = fused_ops() if fused else None
     model = LlamaModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"),
-                       fused_ops=fused_ops() if fused else None)
-    return ModelRunner(model, num_blocks, block_size, torch.float32, torch.device("cpu"),
-                       native_decode=False)
+                       fused_ops=ops)
+    backends = Backends(device=torch.device("cpu"), dtype=torch.float32, num_threads=0,
+                        native_decode=False, linear="torch", fused_ops=ops)
+    runner = ModelRunner(model, backends, block_size)
+    runner.initialize_kv_cache(num_blocks)
+    return runner
 
 
 @dataclass
@@ -315,11 +320,9 @@ def step_logits(runner: ModelRunner, chunks: list[Chunk]) -> dict[str, torch.Ten
 
 @functools.lru_cache(maxsize=1)
 def smollm_loaded() -> LoadedModel:
-    # Through the engine module's name: tests/conftest.py caches that one for the session, so
-    # this shares the weights engines of the bundled model load (read-only either way).
-    import loom.engine.core
+    from loom.model.loader import load_model
 
-    return loom.engine.core.load_model(None)
+    return load_model(None)
 
 
 @functools.lru_cache(maxsize=1)

@@ -21,6 +21,15 @@ PROMPTS = [
 ]
 
 
+def run_all(engine) -> list:
+    """Every output until nothing is unfinished or in flight, as a server's loop drives it."""
+    outputs, in_flight = [], None
+    while engine.has_unfinished_requests() or in_flight is not None:
+        step_outputs, in_flight = engine.step(in_flight)
+        outputs += step_outputs
+    return outputs
+
+
 def greedy(max_tokens: int = 24) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -156,13 +165,14 @@ def test_abort_returns_blocks_and_others_keep_running(any_llm: LLM) -> None:
     engine = any_llm.engine
     engine.add_request("keep", "Hello there", greedy(6))
     engine.add_request("drop", "Tell me everything about the ocean", greedy(200))
-    engine.step()
-    engine.step()
+    _, in_flight = engine.step()
+    _, in_flight = engine.step(in_flight)
     aborted = engine.abort_request("drop")
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     done = []
-    while engine.has_unfinished_requests():
-        done += [o for o in engine.step() if o.finished]
+    while engine.has_unfinished_requests() or in_flight is not None:
+        outputs, in_flight = engine.step(in_flight)
+        done += [o for o in outputs if o.finished]
     assert [o.request_id for o in done] == ["keep"] and len(done[0].outputs[0].token_ids) == 6
     assert engine.kv_cache.pool.usage == 0.0
     assert any_llm.get_metrics()["loom:request_success_total{finished_reason=abort}"] >= 1
@@ -179,9 +189,7 @@ def test_bad_requests_fail_alone_with_clear_errors(any_llm: LLM) -> None:
         engine.add_request("empty", [], greedy(3))
     with pytest.raises(ValueError, match="duplicate request id"):
         engine.add_request("good", "Hello", greedy(3))
-    outputs = []
-    while engine.has_unfinished_requests():
-        outputs += engine.step()
+    outputs = run_all(engine)
     assert outputs[-1].request_id == "good" and len(outputs[-1].outputs[0].token_ids) == 3
 
 
@@ -216,9 +224,7 @@ def test_a_request_whose_step_throws_fails_alone(any_llm: LLM, reference, monkey
     monkeypatch.setattr(engine.runner, "execute", execute)
     engine.add_request("healthy", PROMPTS[0], greedy())
     engine.add_request("poisoned", PROMPTS[1], greedy())
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    finished = {o.request_id: o for o in run_all(engine) if o.finished}
     assert finished["poisoned"].outputs[0].finish_reason == "error"
     assert "sampling blew up" in finished["poisoned"].error
     assert finished["healthy"].outputs[0].token_ids == reference[0]
@@ -241,9 +247,7 @@ def test_a_request_that_shared_a_failed_requests_prefix_is_recomputed(
     monkeypatch.setattr(engine.runner, "execute", execute)
     engine.add_request("owner", shared + "First question?", greedy(8))
     engine.add_request("sharer", shared + "And the second?", greedy(8))
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    finished = {o.request_id: o for o in run_all(engine) if o.finished}
     assert finished["owner"].outputs[0].finish_reason == "error"
     # The sharer found the owner's blocks in the failed step, which never wrote them.
     assert finished["sharer"].outputs[0].token_ids == expected

@@ -37,7 +37,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # every id that ends generation
     priority: int = 0
     arrival_order: int = 0
     output_token_ids: list[int] = field(default_factory=list)
@@ -47,6 +47,8 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    # What ended it, once finished by a stop: the stop string or stop token id; None for EOS.
+    stop_reason: str | int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -116,11 +116,13 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> None:
-        """End a request for a reason found outside the scheduler (a stop string, an error)."""
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       stop_reason: str | int | None = None) -> None:
+        """End a request for a reason found outside the scheduler: a stop string, which only
+        the detokenized text shows."""
         request = self.requests.get(request_id)
         if request is not None:
-            self._finish(request, status)
+            self._finish(request, status, stop_reason)
 
     def fail_request(self, request_id: str) -> None:
         """End a request whose step failed. Its blocks that step was computing are withdrawn
@@ -135,13 +137,16 @@ class Scheduler:
             if withdrawn.intersection(self.kv_cache.get_block_table(other.request_id)):
                 self._requeue(other)
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Request, status: RequestStatus,
+                stop_reason: str | int | None = None) -> None:
+        """The one place a request ends: off the queues, blocks released, status and the
+        reason recorded for the output."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
             self._dequeue(request)
         self._release(request)
-        request.status = status
+        request.status, request.stop_reason = status, stop_reason
         del self.requests[request.request_id]
         self.finished_request_ids.append(request.request_id)
 
@@ -283,19 +288,23 @@ class Scheduler:
             request.num_output_placeholders -= 1
             token_id = runner_output.sampled_token_ids[item.request_id]
             request.output_token_ids.append(token_id)
-            status = self._stop_status(request, token_id)
-            if status is not None:
-                self._finish(request, status)
-            updates.append(RequestUpdate(request, token_id, status is not None))
+            stop = self._token_stop(request, token_id)
+            if stop is not None:
+                self._finish(request, *stop)
+            updates.append(RequestUpdate(request, token_id, stop is not None))
         return updates
 
-    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+    def _token_stop(self, request: Request, token_id: int
+                    ) -> tuple[RequestStatus, int | None] | None:
+        """(status, stop reason) if this token ends the request: a stop token (its id is the
+        reason), EOS (no reason, as OpenAI and vLLM report it) or the length limit."""
         params = request.sampling_params
         num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens and (
-                token_id in params.stop_token_ids
-                or (token_id == request.eos_token_id and not params.ignore_eos)):
-            return RequestStatus.FINISHED_STOPPED
+        if num_output >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token_id
+            if token_id in request.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED, None
         if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+            return RequestStatus.FINISHED_LENGTH, None
         return None

@@ -1,4 +1,15 @@
-"""EngineCore: the step loop. Schedule, run the model, update, detokenize, report."""
+"""EngineCore: the step loop. Schedule, run the model, update, detokenize, report.
+
+The engine takes a runner (anything with `Runner`'s calls: the real `ModelRunner`, or a
+stand-in in tests and the simulator), asks it how many KV blocks fit, and from then on only
+moves plain data between the scheduler and the runner.
+
+One step is `step(previous) -> (outputs, in_flight)`. Without async scheduling a step runs to
+completion inside the call and nothing is left in flight. With it, the call schedules step N+1,
+waits for step N (`previous`), launches N+1 on the model thread and only then processes N's
+tokens, returning N+1 as the value to pass to the next call. The loop that owns the engine
+holds that value; the engine keeps no hidden pipeline state.
+"""
 
 from __future__ import annotations
 
@@ -6,34 +17,49 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
-import torch
-
-from loom import host
-from loom.config import EngineConfig, parse_size
-from loom.core.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprob
+from loom.config import CacheConfig, EngineConfig
+from loom.core.batch import ModelRunnerOutput, SchedulerOutput
 from loom.core.kv_cache import KVCacheManager
 from loom.core.scheduler import RequestUpdate, Scheduler
 from loom.core.static import StaticScheduler
 from loom.engine.detokenizer import IncrementalDetokenizer
 from loom.engine.metrics import EngineMetrics
-from loom.model.arch import ModelArch
-from loom.model.kernels import block_quant_linear_ops, fused_ops, paged_attention_ops
-from loom.model.linear import onednn_prepack_supported
-from loom.model.llama import LlamaModel
-from loom.model.loader import load_model
-from loom.model.memory import KVCacheSpec
-from loom.model.runner import ModelRunner
-from loom.model.weights import BlockQuantWeight
-from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from loom.model.tokenizer import Tokenizer
+from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from loom.request import Request, RequestStatus
 from loom.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CPU_KV_SHARE, _CPU_KV_CAP = 0.25, 4 * 2**30
-_GPU_KV_SHARE = 0.85
+
+class ModelInfoLike(Protocol):
+    name: str
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_position_embeddings: int
+
+
+class Runner(Protocol):
+    """What the engine needs of a model runner (see loom.model.runner.ModelRunner)."""
+
+    info: ModelInfoLike
+
+    def determine_num_kv_blocks(self, cache: CacheConfig, max_model_len: int) -> int: ...
+
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass
+class InFlightStep:
+    """A step handed to the model and not yet processed: its batch and, once launched on the
+    model thread, the future of its output."""
+
+    batch: SchedulerOutput
+    future: Future[ModelRunnerOutput]
 
 
 @dataclass
@@ -45,134 +71,42 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None
     prompt_logprobs: list[TokenLogprob | None] | None
-    stop_reason: str | int | None = None
     error: str | None = None
     last_token_time: float = 0.0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
+        if runner is None:
+            from loom.model.runner import ModelRunner  # the real model: torch and the weights
+
+            runner = ModelRunner.from_config(config)
         self.config = config
-        mc = config.model
-        self.device = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if mc.device == "auto" else mc.device)
-        self.dtype = _DTYPES[mc.dtype] if mc.dtype != "auto" else (
-            torch.bfloat16 if self.device.type == "cuda" or host.has_native_bf16()
-            else torch.float32)
-        if self.device.type == "cpu":
-            torch.set_num_threads(mc.num_threads or host.usable_cpus())
-        loaded = load_model(mc.model)
-        self.model_name = loaded.name
-        self.tokenizer = loaded.tokenizer
-        arch = loaded.arch
-        self.max_model_len = _max_model_len(mc.max_model_len, arch)
+        self.runner = runner
+        info = runner.info
+        self.model_name = info.name
+        self.tokenizer = info.tokenizer
+        self.max_model_len = _max_model_len(config.model.max_model_len,
+                                            info.max_position_embeddings)
         sc = config.scheduler
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"with chunked prefill disabled, max_num_batched_tokens "
                 f"({sc.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
-        prepack = self._use_onednn_linear(mc.linear_backend)
-        block_quant = self._use_block_quant_linear(mc.linear_backend, loaded.block_quant)
-        fused = (fused_ops() if self.device.type == "cpu" and self.dtype == torch.float32
-                 else None)
-        model = LlamaModel(arch, loaded.weights, self.dtype, self.device, prepack=prepack,
-                           block_quant=loaded.block_quant if block_quant else None,
-                           fused_ops=fused)
-        del loaded
-        num_blocks = self._num_kv_blocks(arch)
-        block_size = config.cache.block_size
-        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        num_blocks = runner.determine_num_kv_blocks(config.cache, self.max_model_len)
+        runner.initialize_kv_cache(num_blocks)
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
+                                       config.cache.enable_prefix_caching)
         scheduler_cls = StaticScheduler if sc.scheduler == "static" else Scheduler
         self.scheduler: Scheduler = scheduler_cls(sc, self.kv_cache, self.max_model_len)
-        self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device,
-                                  native_decode=self._use_native_decode(mc.attention_backend, arch))
-        logger.info("model %s on %s: dtype %s%s, decode attention %s, matmuls %s, add + norm "
-                    "and SiLU * up %s, %d threads",
-                    self.model_name, self.device, str(self.dtype).removeprefix("torch."),
-                    " (auto)" if mc.dtype == "auto" else "",
-                    "native kernel" if self.runner.native_decode else "torch",
-                    "native on the GGUF's blocks" if block_quant
-                    else "oneDNN prepacked" if prepack else "torch",
-                    "fused kernels" if fused is not None else "torch", torch.get_num_threads())
         self.metrics = EngineMetrics(self.model_name)
         self.states: dict[str, _RequestState] = {}
         # Async scheduling: one worker thread runs the model; at most one step is in flight.
         self._executor = (ThreadPoolExecutor(1, thread_name_prefix="loom-model")
                           if sc.async_scheduling else None)
-        self._in_flight: tuple[SchedulerOutput, Future] | None = None
         self._back_to_back = False
         self._last_forward_end: float | None = None
-
-    # -- set-up ------------------------------------------------------------------------------
-
-    def _use_native_decode(self, backend: str, arch: ModelArch) -> bool:
-        if backend == "torch" or (backend == "auto" and self.device.type != "cpu"):
-            return False
-        ops = paged_attention_ops() if self.device.type == "cpu" else None
-        shape = (arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                 self.config.cache.block_size, self.dtype)
-        if ops is not None and ops.supported(*shape):
-            return True
-        if backend == "native":
-            raise ValueError(
-                "attention_backend 'native' is unavailable: it needs a CPU device, a C++ "
-                "compiler (see any warning above), block_size 16, head_dim 64 or 128, 1-8 "
-                "query heads per kv head and float32/bfloat16; use 'torch' or 'auto'")
-        return False
-
-    def _use_onednn_linear(self, backend: str) -> bool:
-        if backend == "torch":
-            return False
-        if onednn_prepack_supported(self.device, self.dtype):
-            return True
-        if backend in ("onednn", "native"):
-            raise ValueError(f"linear_backend {backend!r} needs a CPU device, float32 and a "
-                             "torch built with oneDNN (mkldnn); use 'torch' or 'auto'")
-        return False
-
-    def _use_block_quant_linear(self, backend: str,
-                                block_quant: dict[str, BlockQuantWeight]) -> bool:
-        if backend not in ("auto", "native") or not onednn_prepack_supported(self.device,
-                                                                             self.dtype):
-            return False
-        ops = block_quant_linear_ops()
-        if block_quant and ops is not None and ops.supported():
-            return True
-        if backend == "native":
-            raise ValueError(
-                "linear_backend 'native' needs a GGUF model with Q4_0, Q4_1 or Q8_0 weights, "
-                "a C++ compiler (see any warning above) and a CPU with AVX2 and FMA; use "
-                "'onednn' or 'auto'")
-        return False
-
-    def _num_kv_blocks(self, arch: ModelArch) -> int:
-        cc = self.config.cache
-        bytes_per_block = KVCacheSpec.for_model(arch, self.dtype.itemsize).bytes_per_block(
-            cc.block_size)
-        if cc.num_kv_blocks is not None:
-            num_blocks, source = cc.num_kv_blocks, "num_kv_blocks"
-        else:
-            if cc.kv_cache_memory is not None:
-                budget, source = parse_size(cc.kv_cache_memory), "kv_cache_memory"
-            elif self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * _GPU_KV_SHARE)
-                source = f"{_GPU_KV_SHARE:.0%} of free GPU memory"
-            else:
-                budget = min(int(host.available_ram_bytes() * _CPU_KV_SHARE), _CPU_KV_CAP)
-                source = f"{_CPU_KV_SHARE:.0%} of available RAM, at most 4 GiB"
-            num_blocks = budget // bytes_per_block
-            if num_blocks < 1:
-                raise ValueError(f"KV cache budget {budget} bytes is less than one block "
-                                 f"({bytes_per_block} bytes)")
-        num_tokens = num_blocks * cc.block_size
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, from %s); "
-            "max concurrency at max_model_len=%d: %.2fx",
-            num_blocks, cc.block_size, num_tokens, num_blocks * bytes_per_block / 2**30, source,
-            self.max_model_len, num_tokens / self.max_model_len)
-        return num_blocks
 
     # -- what the async engine and the server read (the loop thread owns the rest) ----------
 
@@ -209,10 +143,11 @@ class EngineCore:
             text, token_ids = None, list(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
-        vocab = self.tokenizer.vocab_size
-        if any(not 0 <= t < max(vocab, self.runner.model.arch.vocab_size) for t in token_ids):
+        vocab = max(self.tokenizer.vocab_size, self.runner.info.vocab_size)
+        if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        request = Request(request_id, token_ids, params, eos_token_id=self.tokenizer.eos_token_id,
+        request = Request(request_id, token_ids, params,
+                          eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
                           priority=priority)
         self.scheduler.add_request(request)
         self.states[request_id] = _RequestState(
@@ -231,29 +166,38 @@ class EngineCore:
 
     # -- the step --------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration: returns an output for every request that progressed or finished.
-
-        With async scheduling, this schedules step N+1 while step N runs, launches N+1 as soon
-        as N ends, and then processes N's tokens (so the outputs lag one step behind)."""
+    def step(self, previous: InFlightStep | None = None
+             ) -> tuple[list[RequestOutput], InFlightStep | None]:
+        """One iteration: (an output for every request that progressed or finished, the step
+        left in flight). Pass the returned step back in on the next call."""
         batch = self.scheduler.schedule()
         self._note_scheduled(batch, time.monotonic())
-        if self._executor is None:
+        if self._executor is None:  # plain loop: this step runs and is processed now
             if batch.is_empty:
                 self.update_gauges()
-                return []
-            return self._finish_step(batch, self._execute(batch))
-        previous, self._in_flight = self._in_flight, None
+                return [], None
+            return self._finish_step(batch, self._collect(self._launch(batch))), None
         previous_output = None
-        if previous is not None:
-            previous_output = self._execute(*previous)
+        if previous is not None:  # overlapped loop: N+1 needs N's sampled tokens first
+            previous_output = self._collect(previous)
             batch.fill_placeholders(previous_output)
-        if not batch.is_empty:
-            self._in_flight = (batch, self._executor.submit(self._timed_forward, batch))
+        in_flight = self._launch(batch) if not batch.is_empty else None
         if previous is None:
             self.update_gauges()
-            return []
-        return self._finish_step(previous[0], previous_output)
+            return [], in_flight
+        return self._finish_step(previous.batch, previous_output), in_flight
+
+    def _launch(self, batch: SchedulerOutput) -> InFlightStep:
+        """Hand the batch to the model: on the model thread with async scheduling, else run it
+        here and return it already done."""
+        if self._executor is not None:
+            return InFlightStep(batch, self._executor.submit(self._timed_forward, batch))
+        future: Future[ModelRunnerOutput] = Future()
+        try:
+            future.set_result(self._timed_forward(batch))
+        except Exception as e:  # noqa: BLE001 - _collect retries the batch request by request
+            future.set_exception(e)
+        return InFlightStep(batch, future)
 
     def _finish_step(self, batch: SchedulerOutput, runner_output: ModelRunnerOutput
                      ) -> list[RequestOutput]:
@@ -275,18 +219,16 @@ class EngineCore:
         self.metrics.forward_time.observe(self._last_forward_end - start)
         return output
 
-    def _execute(self, batch: SchedulerOutput, running: Future | None = None
-                 ) -> ModelRunnerOutput:
-        """Run the batch (or collect it, if already `running`); if it throws, rerun each
-        request alone so only the culprit fails."""
+    def _collect(self, step: InFlightStep) -> ModelRunnerOutput:
+        """The step's output; if it threw, rerun each request alone so only the culprit fails."""
         try:
-            return running.result() if running is not None else self._timed_forward(batch)
+            return step.future.result()
         except Exception:
             logger.exception("model step failed; retrying its %d requests one by one",
-                             len(batch.scheduled))
+                             len(step.batch.scheduled))
         self._last_forward_end = None
         merged = ModelRunnerOutput()
-        for item in batch.scheduled:
+        for item in step.batch.scheduled:
             request = self.scheduler.requests.get(item.request_id)
             if item.padding or request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished, or sent back to the queue by a failure before it
@@ -330,31 +272,30 @@ class EngineCore:
         outputs = []
         for update in updates:
             request, state = update.request, self.states[update.request.request_id]
-            self.metrics.generation_tokens.inc()
-            m = state.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-                self.metrics.ttft.observe(now - m.arrival_time)
-                self.metrics.prefill_time.observe(now - (m.first_scheduled_time or now))
-            else:
-                self.metrics.itl.observe(now - state.last_token_time)
-            state.last_token_time = now
+            self._note_token(state, now)
             if state.logprobs is not None:
                 state.logprobs.append(runner_output.logprobs[request.request_id])
             state.detokenizer.push(update.new_token_id)
-            if update.finished:
-                if request.status == RequestStatus.FINISHED_STOPPED:
-                    state.stop_reason = (update.new_token_id
-                                         if update.new_token_id != request.eos_token_id else None)
-            elif state.detokenizer.stopped_on is not None:
-                state.stop_reason = state.detokenizer.stopped_on
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if not update.finished and state.detokenizer.stopped_on is not None:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED,
+                                              stop_reason=state.detokenizer.stopped_on)
             outputs.append(self._output(request.request_id))
-        for item in batch.scheduled:  # requests whose step failed (already ended in _execute)
+        for item in batch.scheduled:  # requests whose step failed (already ended in _collect)
             state = self.states.get(item.request_id)
             if state is not None and state.error is not None:
                 outputs.append(self._finish_output(item.request_id))
         return outputs
+
+    def _note_token(self, state: _RequestState, now: float) -> None:
+        self.metrics.generation_tokens.inc()
+        m = state.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            self.metrics.ttft.observe(now - m.arrival_time)
+            self.metrics.prefill_time.observe(now - (m.first_scheduled_time or now))
+        else:
+            self.metrics.itl.observe(now - state.last_token_time)
+        state.last_token_time = now
 
     def _output(self, request_id: str) -> RequestOutput:
         state = self.states[request_id]
@@ -367,8 +308,7 @@ class EngineCore:
         request, m = state.request, state.metrics
         m.finished_time = time.monotonic()
         m.num_preemptions = request.num_preemptions
-        reason = request.status.value
-        self.metrics.finished(reason)
+        self.metrics.finished(request.status.value)
         self.metrics.e2e.observe(m.finished_time - m.arrival_time)
         if m.first_token_time is not None:
             self.metrics.decode_time.observe(m.finished_time - m.first_token_time)
@@ -381,7 +321,7 @@ class EngineCore:
             text=state.detokenizer.visible_text(finished),
             token_ids=list(request.output_token_ids),
             finish_reason=request.status.value if finished else None,
-            stop_reason=state.stop_reason,
+            stop_reason=request.stop_reason,
             logprobs=state.logprobs,
         )
         return RequestOutput(
@@ -399,10 +339,10 @@ class EngineCore:
         self.metrics.maybe_log_stats(busy=self.has_unfinished_requests())
 
 
-def _max_model_len(requested: int | None, arch: ModelArch) -> int:
+def _max_model_len(requested: int | None, model_context: int) -> int:
     if requested is None:
-        return arch.max_position_embeddings
-    if requested > arch.max_position_embeddings:
+        return model_context
+    if requested > model_context:
         raise ValueError(f"max_model_len {requested} exceeds the model's context length "
-                         f"{arch.max_position_embeddings}")
+                         f"{model_context}")
     return requested

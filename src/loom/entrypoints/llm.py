@@ -74,8 +74,10 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         wanted = set(ids)
         progress = _progress(len(ids)) if use_tqdm else None
-        while wanted - finished.keys():
-            for output in self.engine.step():
+        in_flight = None  # with async scheduling, the step still running on the model
+        while wanted - finished.keys() or in_flight is not None:
+            outputs, in_flight = self.engine.step(in_flight)
+            for output in outputs:
                 if output.finished and output.request_id in wanted:
                     finished[output.request_id] = output
                     if progress:

@@ -194,10 +194,14 @@ def _hf_tokenizer(path: Path, config: dict[str, Any]) -> Tokenizer:
             value = value.get("content")
         return backend.token_to_id(value) if isinstance(value, str) else None
 
-    eos = gen_config.get("eos_token_id", config.get("eos_token_id"))
-    eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    if not eos_ids and token_id(tok_config.get("eos_token")) is not None:
-        eos_ids = [token_id(tok_config.get("eos_token"))]
+    # Every id any of the three files names ends generation: Llama-3.x-Instruct's config.json
+    # names <|end_of_text|> while its chat turns end with <|eot_id|> (generation_config.json).
+    eos_ids: list[int] = []
+    for value in (config.get("eos_token_id"), gen_config.get("eos_token_id"),
+                  token_id(tok_config.get("eos_token"))):
+        for eos in value if isinstance(value, list) else [value]:
+            if isinstance(eos, int) and eos not in eos_ids:
+                eos_ids.append(eos)
     bos_id = token_id(tok_config.get("bos_token"))
     if bos_id is None:
         bos_id = config.get("bos_token_id")

@@ -1,19 +1,21 @@
 """SchedulerOutput -> tensors -> forward -> sampled tokens (ModelRunnerOutput).
 
-The runner owns the KV cache tensors and per-request sampling state (seeded generators); it
-never decides who runs.
+The runner owns the model, its KV cache tensors and per-request sampling state (seeded
+generators); it never decides who runs. The engine asks it how many KV blocks fit
+(`determine_num_kv_blocks`), then hands that count back (`initialize_kv_cache`): the engine
+never probes the machine itself.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 
-from loom.core.batch import (
-    ModelRunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-    TokenLogprob,
-)
+from loom import host
+from loom.config import CacheConfig, EngineConfig, parse_size
+from loom.core.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from loom.model.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -21,27 +23,106 @@ from loom.model.attention import (
     PrefillSpan,
     new_kv_cache,
 )
+from loom.model.backends import Backends, resolve_backends
 from loom.model.llama import LlamaModel
+from loom.model.loader import load_model
+from loom.model.memory import KVCacheSpec
+from loom.model.tokenizer import Tokenizer
+from loom.outputs import TokenLogprob
 from loom.sampling import Sampler
 
+logger = logging.getLogger(__name__)
+
 _MAX_PADDING = 1.25  # padded KV a decode group may gather, relative to what it needs
+_CPU_KV_SHARE, _CPU_KV_CAP = 0.25, 4 * 2**30
+_GPU_KV_SHARE = 0.85
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know of the model it serves, beyond running it."""
+
+    name: str
+    tokenizer: Tokenizer
+    vocab_size: int  # token ids the embedding accepts
+    max_position_embeddings: int
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, native_decode: bool) -> None:
-        arch = model.arch
+    def __init__(self, model: LlamaModel, backends: Backends, block_size: int,
+                 info: ModelInfo | None = None) -> None:
         self.model = model
-        self.native_decode = native_decode  # decodes through the C++ paged-attention kernel
+        self.backends = backends
+        self.native_decode = backends.native_decode  # decodes through the C++ kernel
         self.block_size = block_size
-        self.device = device
-        # One block more than the pool hands out: the scratch block padding tokens write to.
-        self.scratch_block = num_blocks
-        self.kv_caches = [new_kv_cache(num_blocks + 1, block_size, arch.num_kv_heads,
-                                       arch.head_dim, dtype, device)
-                          for _ in range(arch.num_layers)]
+        self.device = backends.device
+        self.info = info
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.scratch_block = 0
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> ModelRunner:
+        """Load the model, pick its backends for this machine and build it (no KV cache yet)."""
+        loaded = load_model(config.model.model)
+        block_size = config.cache.block_size
+        backends = resolve_backends(config.model, loaded.arch, block_size,
+                                    has_block_quant=bool(loaded.block_quant))
+        model = LlamaModel(loaded.arch, loaded.weights, backends.dtype, backends.device,
+                           prepack=backends.prepack,
+                           block_quant=loaded.block_quant if backends.linear == "native"
+                           else None,
+                           fused_ops=backends.fused_ops)
+        info = ModelInfo(loaded.name, loaded.tokenizer, loaded.arch.vocab_size,
+                         loaded.arch.max_position_embeddings)
+        logger.info("model %s on %s: %s%s", info.name, backends.device, backends.describe(),
+                    " (dtype auto)" if config.model.dtype == "auto" else "")
+        return cls(model, backends, block_size, info)
+
+    # -- KV cache memory -----------------------------------------------------------------------
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec.for_model(self.model.arch, self.backends.dtype.itemsize)
+
+    def determine_num_kv_blocks(self, cache: CacheConfig, max_model_len: int) -> int:
+        """KV blocks for this cache config on this device: the count asked for, or what the
+        memory budget (given, or a share of what the device has free) holds."""
+        bytes_per_block = self.kv_cache_spec.bytes_per_block(cache.block_size)
+        if cache.num_kv_blocks is not None:
+            num_blocks, source = cache.num_kv_blocks, "num_kv_blocks"
+        else:
+            budget, source = self._kv_budget(cache)
+            num_blocks = budget // bytes_per_block
+            if num_blocks < 1:
+                raise ValueError(f"KV cache budget {budget} bytes is less than one block "
+                                 f"({bytes_per_block} bytes)")
+        num_tokens = num_blocks * cache.block_size
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, from %s); "
+            "max concurrency at max_model_len=%d: %.2fx",
+            num_blocks, cache.block_size, num_tokens, num_blocks * bytes_per_block / 2**30,
+            source, max_model_len, num_tokens / max_model_len)
+        return num_blocks
+
+    def _kv_budget(self, cache: CacheConfig) -> tuple[int, str]:
+        if cache.kv_cache_memory is not None:
+            return parse_size(cache.kv_cache_memory), "kv_cache_memory"
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * _GPU_KV_SHARE), f"{_GPU_KV_SHARE:.0%} of free GPU memory"
+        return (min(int(host.available_ram_bytes() * _CPU_KV_SHARE), _CPU_KV_CAP),
+                f"{_CPU_KV_SHARE:.0%} of available RAM, at most {_CPU_KV_CAP / 2**30:g} GiB")
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate K and V for `num_blocks` blocks per layer, plus one scratch block that
+        padding tokens (the fixed-batch baseline) write to."""
+        arch = self.model.arch
+        self.scratch_block = num_blocks
+        self.kv_caches = [new_kv_cache(num_blocks + 1, self.block_size, arch.num_kv_heads,
+                                       arch.head_dim, self.backends.dtype, self.device)
+                          for _ in range(arch.num_layers)]
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:

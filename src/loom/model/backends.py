@@ -1,0 +1,118 @@
+"""Where and how the model runs: device, dtype, CPU threads and the kernel behind each op,
+resolved once from the config and the machine, then handed to the model and the runner.
+
+Every choice the engine used to make in its constructor lives here, so a newcomer reads the
+rule in one place and the engine never probes the machine itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from loom import host
+from loom.config import ModelConfig
+from loom.model.arch import ModelArch
+from loom.model.kernels import block_quant_linear_ops, fused_ops, paged_attention_ops
+from loom.model.linear import onednn_prepack_supported
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Backends:
+    device: torch.device
+    dtype: torch.dtype
+    num_threads: int  # torch's intra-op threads on CPU; 0 on GPU
+    native_decode: bool  # decode attention through the C++ paged kernel
+    linear: str  # projection matmuls: "native" (GGUF blocks), "onednn" (prepacked) or "torch"
+    fused_ops: ModuleType | None  # compiled add + RMSNorm and SiLU * up, else torch's ops
+
+    @property
+    def prepack(self) -> bool:
+        """oneDNN-prepacked fp32 weights: the native matmul keeps them for layers it skips."""
+        return self.linear in ("native", "onednn")
+
+    def describe(self) -> str:
+        """The start-up log's words for these choices."""
+        matmuls = {"native": "native on the GGUF's blocks", "onednn": "oneDNN prepacked"}
+        parts = [f"dtype {str(self.dtype).removeprefix('torch.')}",
+                 f"decode attention {'native kernel' if self.native_decode else 'torch'}",
+                 f"matmuls {matmuls.get(self.linear, 'torch')}",
+                 f"add + norm and SiLU * up {'fused kernels' if self.fused_ops else 'torch'}"]
+        if self.num_threads:
+            parts.append(f"{self.num_threads} threads")
+        return ", ".join(parts)
+
+
+def resolve_backends(config: ModelConfig, arch: ModelArch, block_size: int,
+                     has_block_quant: bool) -> Backends:
+    """The backends for this model on this machine. Raises ValueError when a backend asked for
+    by name cannot run here, naming what it needs."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    num_threads = 0
+    if device.type == "cpu":
+        from loom.threads import configure_threads
+
+        num_threads = configure_threads(config.num_threads)
+    return Backends(
+        device=device, dtype=dtype, num_threads=num_threads,
+        native_decode=_native_decode(config.attention_backend, arch, block_size, device, dtype),
+        linear=_linear_backend(config.linear_backend, has_block_quant, device, dtype),
+        fused_ops=fused_ops() if device.type == "cpu" and dtype == torch.float32 else None)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA and on CPUs with native bf16 instructions, else float32."""
+    if name != "auto":
+        return DTYPES[name]
+    native = device.type == "cuda" or host.has_native_bf16()
+    return torch.bfloat16 if native else torch.float32
+
+
+def _native_decode(backend: str, arch: ModelArch, block_size: int, device: torch.device,
+                   dtype: torch.dtype) -> bool:
+    if backend == "torch" or (backend == "auto" and device.type != "cpu"):
+        return False
+    ops = paged_attention_ops() if device.type == "cpu" else None
+    if ops is not None and ops.supported(arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                         block_size, dtype):
+        return True
+    if backend == "native":
+        raise ValueError(
+            "attention_backend 'native' is unavailable: it needs a CPU device, a C++ "
+            "compiler (see any warning above), block_size 16, head_dim 64 or 128, 1-8 "
+            "query heads per kv head and float32/bfloat16; use 'torch' or 'auto'")
+    return False
+
+
+def _linear_backend(backend: str, has_block_quant: bool, device: torch.device,
+                    dtype: torch.dtype) -> str:
+    """The first of native, onednn, torch that applies (auto), or the one named."""
+    if backend == "torch":
+        return "torch"
+    onednn = onednn_prepack_supported(device, dtype)
+    if backend in ("auto", "native") and onednn:
+        ops = block_quant_linear_ops()
+        if has_block_quant and ops is not None and ops.supported():
+            return "native"
+        if backend == "native":
+            raise ValueError(
+                "linear_backend 'native' needs a GGUF model with Q4_0, Q4_1 or Q8_0 weights, "
+                "a C++ compiler (see any warning above) and a CPU with AVX2 and FMA; use "
+                "'onednn' or 'auto'")
+    if onednn:
+        return "onednn"
+    if backend in ("onednn", "native"):
+        raise ValueError(f"linear_backend {backend!r} needs a CPU device, float32 and a "
+                         "torch built with oneDNN (mkldnn); use 'torch' or 'auto'")
+    return "torch"
