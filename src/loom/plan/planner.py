@@ -1,0 +1,147 @@
+"""`loom plan`'s answer per (GPU, tensor-parallel size, concurrency): does the model fit, how
+many sequences of max_model_len the KV cache holds, how long a context each of N sequences can
+have, a roofline estimate of decode and prefill speed, and the flags that size the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from loom.model.memory import KVCacheSpec
+from loom.plan.catalogue import GpuSpec, PlanError
+from loom.plan.models import PlanModel
+from loom.plan.roofline import Efficiency, ModelShape, StepModel, StepWork, roofline_step_model
+from loom.plan.sizing import KV_DTYPES, activation_bytes, weight_bytes_per_gpu
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """Everything `loom plan` varies besides model and GPUs; validated once."""
+
+    max_model_len: int
+    concurrencies: tuple[int, ...] = (1,)
+    tensor_parallel_sizes: tuple[int, ...] = (1,)
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    block_size: int = 16
+    safety_margin: float = 0.10
+    framework_bytes: int = GIB
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    efficiency: Efficiency = Efficiency()
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise PlanError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not self.concurrencies or min(self.concurrencies) < 1:
+            raise PlanError("concurrency values must be >= 1")
+        if not self.tensor_parallel_sizes or min(self.tensor_parallel_sizes) < 1:
+            raise PlanError("tensor_parallel_size values must be >= 1")
+        if self.kv_dtype not in KV_DTYPES:
+            raise PlanError(f"unknown KV dtype {self.kv_dtype!r}; use one of "
+                            f"{', '.join(KV_DTYPES)}")
+        if not 0 <= self.safety_margin < 1:
+            raise PlanError(f"safety margin must be in [0, 1), got {self.safety_margin}")
+        if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise PlanError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Memory of one GPU of a (GPU, TP) configuration, and the step model that goes with it."""
+
+    gpu: GpuSpec
+    tp: int
+    weights_bytes: int
+    activation_bytes: int
+    framework_bytes: int
+    margin_bytes: int
+    kv_spec: KVCacheSpec
+    block_size: int
+    step_model: StepModel
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """What is left for the KV cache (negative when the rest does not even fit)."""
+        return (self.gpu.memory_bytes - self.margin_bytes - self.weights_bytes
+                - self.activation_bytes - self.framework_bytes)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_spec.num_blocks(max(self.kv_budget_bytes, 0), self.block_size)
+
+
+def capacity(model: PlanModel, gpu: GpuSpec, tp: int, s: PlanSettings) -> Capacity:
+    """Weights, overhead and the KV blocks left on each GPU of `tp` x `gpu`."""
+    arch = model.arch
+    weights = weight_bytes_per_gpu(model, tp, s.weight_dtype)
+    kv_bytes = KV_DTYPES[s.kv_dtype]
+    shape = ModelShape.of(arch, tp, kv_bytes, weights)
+    return Capacity(gpu, tp, weights,
+                    activation_bytes(arch, tp, s.max_num_batched_tokens, s.max_num_seqs),
+                    s.framework_bytes, int(gpu.memory_bytes * s.safety_margin),
+                    KVCacheSpec.for_model(arch, kv_bytes, tp), s.block_size,
+                    roofline_step_model(gpu, arch, tp, shape, s.weight_dtype, s.efficiency))
+
+
+def plan(model: PlanModel, gpus: list[GpuSpec], s: PlanSettings) -> list[dict[str, Any]]:
+    """One row per (gpu, tp, concurrency), in that order."""
+    if s.max_model_len > model.arch.max_position_embeddings:
+        raise PlanError(f"max_model_len {s.max_model_len} exceeds {model.name}'s context "
+                        f"length {model.arch.max_position_embeddings}")
+    return [row(cap, c, model, s) for gpu in gpus for tp in s.tensor_parallel_sizes
+            for cap in [capacity(model, gpu, tp, s)] for c in s.concurrencies]
+
+
+def row(cap: Capacity, concurrency: int, model: PlanModel, s: PlanSettings) -> dict[str, Any]:
+    blocks_per_seq = -(-s.max_model_len // s.block_size)
+    kv_needed = concurrency * blocks_per_seq * cap.kv_spec.bytes_per_block(s.block_size)
+    max_context = min(cap.num_blocks // concurrency * s.block_size,
+                      model.arch.max_position_embeddings)
+    decode_s = cap.step_model.time(StepWork.of([(1, s.max_model_len - 1, True)] * concurrency))
+    prefill_tokens = min(s.max_num_batched_tokens, s.max_model_len)
+    prefill_s = cap.step_model.time(StepWork.of([(prefill_tokens, 0, True)]))
+    fits = cap.kv_budget_bytes > 0 and cap.num_blocks >= concurrency * blocks_per_seq
+    return {
+        "model": model.name, "gpu": cap.gpu.key, "gpu_name": cap.gpu.name,
+        "tensor_parallel_size": cap.tp, "num_gpus": cap.tp, "concurrency": concurrency,
+        "max_model_len": s.max_model_len, "weight_dtype": s.weight_dtype,
+        "kv_dtype": s.kv_dtype, "gpu_memory_bytes": cap.gpu.memory_bytes,
+        "weights_bytes_per_gpu": cap.weights_bytes,
+        "kv_bytes_per_token": cap.kv_spec.bytes_per_token,
+        "kv_bytes_per_block": cap.kv_spec.bytes_per_block(s.block_size),
+        "kv_bytes_at_concurrency": concurrency * s.max_model_len * cap.kv_spec.bytes_per_token,
+        "kv_bytes_needed": kv_needed,
+        "activation_bytes": cap.activation_bytes, "framework_bytes": cap.framework_bytes,
+        "safety_margin_bytes": cap.margin_bytes, "kv_budget_bytes": max(cap.kv_budget_bytes, 0),
+        "num_kv_blocks": cap.num_blocks, "fits": fits,
+        "max_concurrency": cap.num_blocks // blocks_per_seq,
+        "max_context_at_concurrency": max_context,
+        "decode_tok_s_per_seq": 1 / decode_s, "decode_tok_s": concurrency / decode_s,
+        "prefill_tok_s": prefill_tokens / prefill_s,
+        "flags": flags(cap, model, s),
+    }
+
+
+def flags(cap: Capacity, model: PlanModel, s: PlanSettings) -> dict[str, Any]:
+    """The flags that give the cache this budget: loom's --kv-cache-memory (loom serves on
+    one device, so only without a split) and vLLM's --gpu-memory-utilization (the share of
+    memory vLLM may use for weights, activations and KV together: all but the margin)."""
+    budget_mib = max(cap.kv_budget_bytes, 0) // 2**20
+    loom = None
+    if cap.tp == 1 and budget_mib > 0:
+        loom = (f"--max-model-len {s.max_model_len} --kv-cache-memory {budget_mib}MiB "
+                f"--max-num-batched-tokens {s.max_num_batched_tokens} "
+                f"--max-num-seqs {s.max_num_seqs}")
+    vllm = (f"--tensor-parallel-size {cap.tp} --max-model-len {s.max_model_len} "
+            f"--gpu-memory-utilization {1 - s.safety_margin:.2f} "
+            f"--max-num-batched-tokens {s.max_num_batched_tokens} --max-num-seqs {s.max_num_seqs}"
+            + (" --kv-cache-dtype fp8" if s.kv_dtype == "fp8" else ""))
+    return {"kv_cache_memory_bytes": budget_mib * 2**20 if loom else None,
+            "gpu_memory_utilization": round(1 - s.safety_margin, 2),
+            "loom": loom, "vllm": vllm,
+            "loom_serve": f"loom serve --model {model.serve_name} {loom}" if loom else None,
+            "vllm_serve": f"vllm serve {model.serve_name} {vllm}"}
