@@ -371,3 +371,26 @@ def test_gguf_unsupported_rope_scaling_is_named(tmp_path, tiny_llama, monkeypatc
     monkeypatch.setattr(gguf.GGUFWriter, "add_rope_freq_base", with_yarn)
     with pytest.raises(ModelLoadError, match=r"unsupported GGUF rope scaling 'yarn'"):
         load_model(str(write_gguf(tiny_llama, tmp_path / "yarn.gguf")))
+
+
+# -- end of generation ------------------------------------------------------------------------
+
+@pytest.mark.integration
+def test_every_eos_id_of_an_hf_folder_ends_generation(tmp_path, hf_folder):
+    """Llama-3.x-Instruct names one EOS in config.json and a list in generation_config.json;
+    generation must stop at any of them, not only the first."""
+    from loom import LLM, SamplingParams
+
+    prompt = [5, 6, 7, 8]
+    free = LLM(model=str(hf_folder), num_kv_blocks=16, dtype="float32")
+    first = free.generate(prompt, SamplingParams(max_tokens=4, temperature=0,
+                                                 ignore_eos=True))[0].outputs[0].token_ids[0]
+    assert first != EOS_ID
+    folder = copy_folder(hf_folder, tmp_path / "two-eos")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS_ID, first]}))
+    assert load_model(str(folder)).tokenizer.eos_token_ids == [EOS_ID, first]
+
+    llm = LLM(model=str(folder), num_kv_blocks=16, dtype="float32")
+    out = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0))[0].outputs[0]
+    assert out.token_ids == [first]
+    assert (out.finish_reason, out.stop_reason) == ("stop", None)

@@ -1,10 +1,11 @@
 """Scheduler + KV cache driven by a stand-in model that checks every KV read.
 
-`SlotModel` plays the model runner: each scheduled token is written into its slot (block id *
-block_size + offset) together with its position, and a sampled token is a hash of the whole
-context read back through the block table. A wrong block, a reused slot, a stale prefix-cache
-hit or a botched preemption therefore changes the tokens, which are compared with the tokens
-the request's own history dictates.
+The property tests run the real `EngineCore` step loop (plain and overlapped) with
+`SlotRunner` in place of the model runner. `SlotModel` plays the model: each scheduled token is
+written into its slot (block id * block_size + offset) together with its position, and a
+sampled token is a hash of the whole context read back through the block table. A wrong block,
+a reused slot, a stale prefix-cache hit or a botched preemption therefore changes the tokens,
+which are compared with the tokens the request's own history dictates.
 """
 
 from __future__ import annotations
@@ -14,12 +15,18 @@ import logging
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models
 
-from loom.config import SchedulerConfig
+from loom.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from loom.core.batch import ModelRunnerOutput, SchedulerOutput
 from loom.core.kv_cache import KVCacheManager
 from loom.core.scheduler import Scheduler
 from loom.core.static import StaticScheduler
+from loom.engine.core import EngineCore
+from loom.model.arch import ModelInfo
+from loom.model.tokenizer import Tokenizer
+from loom.outputs import RequestOutput
 from loom.request import Request, RequestStatus
 from loom.sampling import SamplingParams
 
@@ -96,25 +103,44 @@ def check_limits(scheduler: Scheduler, batch: SchedulerOutput) -> None:
     assert len(scheduler.running) <= cfg.max_num_seqs
 
 
-class AsyncDriver:
-    """Drives the scheduler one step ahead of the model, in the engine's async order:
-    schedule N+1, fill its placeholders from N's tokens, run N+1, then update with N."""
+class SlotRunner:
+    """The engine's runner protocol over `SlotModel`, checking the step limits on every batch
+    the real engine loop hands it."""
 
-    def __init__(self, scheduler: Scheduler, model: SlotModel) -> None:
-        self.scheduler, self.model = scheduler, model
-        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+    def __init__(self, block_size: int) -> None:
+        self.model = SlotModel(block_size)
+        self.info = ModelInfo("slot-model", toy_tokenizer(), VOCAB, 4096)
+        self.engine: EngineCore | None = None
 
-    def step(self) -> SchedulerOutput:
-        batch = self.scheduler.schedule()
-        check_limits(self.scheduler, batch)
-        previous, self.in_flight = self.in_flight, None
-        if previous is not None:
-            batch.fill_placeholders(previous[1])
-        if batch.scheduled:
-            self.in_flight = (batch, self.model.execute(batch))
-        if previous is not None:
-            self.scheduler.update(*previous)
-        return batch
+    def determine_num_kv_blocks(self, cache: CacheConfig, max_model_len: int) -> int:
+        assert cache.num_kv_blocks is not None
+        return cache.num_kv_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        pass
+
+    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        check_limits(self.engine.scheduler, batch)
+        return self.model.execute(batch)
+
+
+def toy_tokenizer() -> Tokenizer:
+    """A word-level tokenizer over ids 0..VOCAB-1 ("t0 t1 ..."), no EOS."""
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    return Tokenizer(backend=HFTokenizer(models.WordLevel(vocab, unk_token="t0")),
+                     eos_token_ids=[])
+
+
+def make_engine(config: SchedulerConfig, num_blocks: int, block_size: int,
+                max_model_len: int = 4096, prefix_caching: bool = True) -> EngineCore:
+    runner = SlotRunner(block_size)
+    engine = EngineCore(EngineConfig(
+        model=ModelConfig(max_model_len=max_model_len),
+        cache=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
+                          enable_prefix_caching=prefix_caching),
+        scheduler=config), runner=runner)
+    runner.engine = engine
+    return engine
 
 
 @st.composite
@@ -141,39 +167,35 @@ def workloads(draw: st.DrawFn) -> dict:
             max_num_batched_tokens=budget, max_num_seqs=draw(st.integers(1, min(6, budget))),
             enable_chunked_prefill=chunked,
             scheduler=draw(st.sampled_from(["continuous", "static"])),
-            scheduling_policy=draw(st.sampled_from(["fcfs", "priority"]))),
+            scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
+            async_scheduling=draw(st.booleans())),
         block_size=block_size, max_model_len=max_model_len,
         num_blocks=draw(st.integers(min_blocks, min_blocks + 12)),
-        prefix_caching=draw(st.booleans()), async_scheduling=draw(st.booleans()),
-        requests=requests)
+        prefix_caching=draw(st.booleans()), requests=requests)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_finish_correctly_without_leaks(w: dict) -> None:
-    scheduler = make(w["config"], w["num_blocks"], w["block_size"], w["max_model_len"],
-                     w["prefix_caching"])
-    model = SlotModel(w["block_size"])
-    driver = AsyncDriver(scheduler, model) if w["async_scheduling"] else None
-    live: dict[str, Request] = {}
-    aborted: set[str] = set()
+    engine = make_engine(w["config"], w["num_blocks"], w["block_size"], w["max_model_len"],
+                         w["prefix_caching"])
+    scheduler = engine.scheduler
+    finished: dict[str, RequestOutput] = {}
+    in_flight = None
     for step in range(3000):
         for spec in w["requests"]:
             if spec["arrive_at"] == step:
-                live[spec["request_id"]] = add(scheduler, spec["request_id"], spec["prompt"],
-                                               spec["max_tokens"], spec["priority"])
+                engine.add_request(spec["request_id"], spec["prompt"], SamplingParams(
+                    max_tokens=spec["max_tokens"], ignore_eos=True), spec["priority"])
             if spec["abort_at"] == step and spec["request_id"] in scheduler.requests:
-                scheduler.abort_request(spec["request_id"])
-                aborted.add(spec["request_id"])
+                finished[spec["request_id"]] = engine.abort_request(spec["request_id"])
         if isinstance(scheduler, StaticScheduler):
             assert {r.request_id for r in scheduler.running} <= scheduler.batch_ids
             assert len(scheduler.batch_ids) <= w["config"].max_num_seqs
             assert len(scheduler.running) + len(scheduler.padding) <= w["config"].max_num_seqs
-        if driver is not None:
-            driver.step()
-        else:
-            run_step(scheduler, model)
-        if step > 15 and not scheduler.has_unfinished_requests():
+        outputs, in_flight = engine.step(in_flight)
+        finished.update((o.request_id, o) for o in outputs if o.finished)
+        if step > 15 and not engine.has_unfinished_requests() and in_flight is None:
             break
     else:
         pytest.fail("requests were starved: the workload never finished")
@@ -182,14 +204,15 @@ def test_random_workloads_finish_correctly_without_leaks(w: dict) -> None:
     assert pool.num_free_blocks == pool.num_blocks, "KV blocks leaked"
     assert all(c == 0 for c in pool.ref_cnt)
     assert not scheduler.kv_cache.block_tables
+    assert finished.keys() == {spec["request_id"] for spec in w["requests"]}
     for spec in w["requests"]:
-        request = live[spec["request_id"]]
-        if spec["request_id"] in aborted:
-            assert request.status == RequestStatus.FINISHED_ABORTED
+        output = finished[spec["request_id"]].outputs[0]
+        if output.finish_reason == "abort":
+            assert spec["abort_at"] is not None
             continue
         allowed = min(spec["max_tokens"], w["max_model_len"] - len(spec["prompt"]))
-        assert request.status == RequestStatus.FINISHED_LENGTH
-        assert request.output_token_ids == expected_output(spec["prompt"], allowed)
+        assert output.finish_reason == "length"
+        assert output.token_ids == expected_output(spec["prompt"], allowed)
 
 
 def test_decodes_are_scheduled_before_new_prefills_and_long_prompts_are_chunked() -> None:
@@ -208,21 +231,42 @@ def test_decodes_are_scheduled_before_new_prefills_and_long_prompts_are_chunked(
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_prefix_computed_in_this_step_serves_requests_admitted_after_it(
         async_scheduling: bool) -> None:
-    scheduler = make(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), 64, 4)
-    model = SlotModel(4)
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
+                             async_scheduling=async_scheduling)
+    engine = make_engine(config, 64, 4)
     prefix = list(range(100, 112))  # three full blocks
-    first = add(scheduler, "first", prefix + [1, 2], 3)
-    second = add(scheduler, "second", prefix + [3], 3)
-    driver = AsyncDriver(scheduler, model) if async_scheduling else None
-    batch = driver.step() if driver else run_step(scheduler, model)
-    assert [(s.request_id, len(s.token_ids)) for s in batch.scheduled] == [("first", 14),
-                                                                           ("second", 1)]
-    assert second.num_cached_tokens == 12
-    assert batch.scheduled[1].block_ids[:3] == batch.scheduled[0].block_ids[:3]
-    while scheduler.has_unfinished_requests() or (driver and driver.in_flight):
-        driver.step() if driver else run_step(scheduler, model)
-    assert first.output_token_ids == expected_output(prefix + [1, 2], 3)
-    assert second.output_token_ids == expected_output(prefix + [3], 3)
+    engine.add_request("first", prefix + [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("second", prefix + [3], SamplingParams(max_tokens=3, ignore_eos=True))
+    batches: list[SchedulerOutput] = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda batch: (batches.append(batch), execute(batch))[1]
+    finished, in_flight = {}, None
+    while engine.has_unfinished_requests() or in_flight is not None:
+        outputs, in_flight = engine.step(in_flight)
+        finished.update((o.request_id, o) for o in outputs if o.finished)
+    first_step = batches[0].scheduled
+    assert [(s.request_id, len(s.token_ids)) for s in first_step] == [("first", 14),
+                                                                      ("second", 1)]
+    assert finished["second"].num_cached_tokens == 12
+    assert first_step[1].block_ids[:3] == first_step[0].block_ids[:3]
+    assert finished["first"].outputs[0].token_ids == expected_output(prefix + [1, 2], 3)
+    assert finished["second"].outputs[0].token_ids == expected_output(prefix + [3], 3)
+
+
+def test_the_engine_stops_at_any_of_the_models_eos_ids() -> None:
+    """A model may name several EOS tokens (Llama-3.x-Instruct: <|end_of_text|> and
+    <|eot_id|>); whichever is sampled ends the request, reported as EOS (no stop_reason)."""
+    prompt = [1, 2, 3]
+    second_eos = expected_output(prompt, 2)[1]
+    engine = make_engine(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), 64, 4)
+    engine.tokenizer.eos_token_ids[:] = [VOCAB + 1, second_eos]
+    engine.add_request("r", prompt, SamplingParams(max_tokens=10))
+    outputs: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()[0]
+    final = outputs[-1].outputs[0]
+    assert final.token_ids == expected_output(prompt, 2)
+    assert (final.finish_reason, final.stop_reason) == ("stop", None)
 
 
 def test_a_failed_request_withdraws_the_prefix_it_was_computing() -> None:

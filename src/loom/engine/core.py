@@ -26,7 +26,7 @@ from loom.core.scheduler import RequestUpdate, Scheduler
 from loom.core.static import StaticScheduler
 from loom.engine.detokenizer import IncrementalDetokenizer
 from loom.engine.metrics import EngineMetrics
-from loom.model.tokenizer import Tokenizer
+from loom.model.arch import ModelInfo
 from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from loom.request import Request, RequestStatus
 from loom.sampling import SamplingParams
@@ -34,17 +34,10 @@ from loom.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class ModelInfoLike(Protocol):
-    name: str
-    tokenizer: Tokenizer
-    vocab_size: int
-    max_position_embeddings: int
-
-
 class Runner(Protocol):
     """What the engine needs of a model runner (see loom.model.runner.ModelRunner)."""
 
-    info: ModelInfoLike
+    info: ModelInfo
 
     def determine_num_kv_blocks(self, cache: CacheConfig, max_model_len: int) -> int: ...
 

@@ -17,12 +17,23 @@ from typing import Any
 import numpy as np
 
 from loom.model.gguf_file import GGUFTensor, read_gguf
+from loom.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 # Llama-3 style RoPE scaling in a GGUF: per-frequency divisors stored as a tensor.
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know of the model it serves, beyond running it."""
+
+    name: str
+    tokenizer: Tokenizer
+    vocab_size: int  # token ids the embedding accepts
+    max_position_embeddings: int
 
 
 class ModelLoadError(ValueError):

@@ -9,13 +9,13 @@ never probes the machine itself.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from loom import host
 from loom.config import CacheConfig, EngineConfig, parse_size
 from loom.core.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from loom.model.arch import ModelInfo
 from loom.model.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -27,7 +27,6 @@ from loom.model.backends import Backends, resolve_backends
 from loom.model.llama import LlamaModel
 from loom.model.loader import load_model
 from loom.model.memory import KVCacheSpec
-from loom.model.tokenizer import Tokenizer
 from loom.outputs import TokenLogprob
 from loom.sampling import Sampler
 
@@ -36,16 +35,6 @@ logger = logging.getLogger(__name__)
 _MAX_PADDING = 1.25  # padded KV a decode group may gather, relative to what it needs
 _CPU_KV_SHARE, _CPU_KV_CAP = 0.25, 4 * 2**30
 _GPU_KV_SHARE = 0.85
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the engine needs to know of the model it serves, beyond running it."""
-
-    name: str
-    tokenizer: Tokenizer
-    vocab_size: int  # token ids the embedding accepts
-    max_position_embeddings: int
 
 
 class ModelRunner:
