@@ -49,8 +49,30 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        cached_block_ids: list[int] | None = None) -> bool:
-        """Make room for `num_new_tokens` more tokens (after any cached prefix); False if the
-        pool cannot, in which case nothing changes."""
+        r"""Make room for `num_new_tokens` more tokens (after any cached prefix); False if the
+        pool cannot, in which case nothing changes.
+
+        The table covers every token scheduled so far, whole blocks only; blocks are added
+        just when the step's tokens spill past the last one. block_size = 4:
+
+          admission of the prompt "abcdefghij" (10 tokens) with 2 blocks found in the
+          prefix cache, so num_new_tokens = 2:
+
+            tokens        a b c d | e f g h | i j . .
+            table         [  b7  ] [  b2  ] [  b9  ]
+                          \______________/ \______/
+                           cached_block_ids  allocated here: ceil((8 + 2) / 4) - 2 = 1
+                           (touched: +1 ref)
+
+          a decode step later (10 prompt tokens + 2 outputs scheduled, 1 new token):
+
+            tokens        a b c d | e f g h | i j k l | m
+            table         [  b7  ] [  b2  ] [  b9  ] [  b4  ]   <- 13 tokens need a 4th
+                                                                  block: allocated now
+
+        A block is shared (ref_cnt > 1) only while it is full and its chained hash matches;
+        the block a request is still writing is always its own.
+        """
         cached_block_ids = cached_block_ids or []
         table = self.block_tables.setdefault(request.request_id, [])
         num_computed = request.num_scheduled_tokens + len(cached_block_ids) * self.block_size
