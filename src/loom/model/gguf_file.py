@@ -1,8 +1,8 @@
 """Read a GGUF file's metadata and tensor index, and map its tensor bytes without copying.
 
-gguf's own `GGUFReader` builds a numpy view for every part of every metadata value; on the
-bundled model's 49,152-token vocabulary and its merges that took 4.2 s of a 5.7 s model load.
-Here a string array is one Python loop over the mapped bytes (0.18 s for the whole header).
+gguf's own `GGUFReader` builds a numpy view for every part of every metadata value; on a
+vocabulary of tens of thousands of tokens and its merges that was most of the model load
+(BENCHMARKS.md, start-up). Here a string array is one Python loop over the mapped bytes.
 Layout: the GGUF v2/v3 specification (little-endian; llama.cpp's docs/gguf.md).
 """
 

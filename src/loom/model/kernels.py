@@ -5,7 +5,7 @@ Three places where torch has no good CPU primitive:
   tensor for SDPA copies the whole context, twice, per layer and step.
   `csrc/paged_attention.cpp` reads K/V straight from the blocks instead.
 - small-batch matmuls with a GGUF's block-quantized weights: torch's int8/int4 weight-only
-  matmuls have no AVX2 path (20-100x slower than fp32 here), and its dynamic int8 matmul
+  matmuls have no AVX2 path (far slower than fp32 here), and its dynamic int8 matmul
   quantizes activations per tensor, which cost this model half its top-1 agreement.
   `csrc/block_quant_linear.cpp` computes with the file's own codes, in fp32, at every batch
   size.

@@ -2,8 +2,7 @@
 transformers' Llama) and tokenizer. Nothing is ever downloaded.
 
 A GGUF's weights are dequantized only when the model asks for them: with the native matmul,
-only the embedding and the norms are ever needed in fp32 (0.1 of the 0.54 GB of fp32 weights
-of the bundled model)."""
+only the embedding and the norms are ever needed in fp32, a small part of the fp32 weights."""
 
 from __future__ import annotations
 
