@@ -1,4 +1,4 @@
-"""`loom diagnose`: each of the seed's rules fires on a crafted result that shows its pattern,
+"""`loom diagnose`: each of its rules fires on a crafted result that shows its pattern,
 and none fires on a healthy one."""
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
+from bench_helpers import write_trace_file
 
 from loom.bench.replay import Load, Target, replay
 from loom.bench.server import LOOM_SERVE, LocalServer
@@ -15,11 +15,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_bench_run_against_loom_serve(tmp_path) -> None:
-    trace_path = tmp_path / "t.jsonl"
     prompts = ["Hello, how are you?", "Name a colour.", "What is 2 + 2?"] * 2
-    trace_path.write_text("".join(
-        json.dumps({"prompt": p, "max_tokens": 4, "class": "chat" if i % 2 else "rag"}) + "\n"
-        for i, p in enumerate(prompts)))
+    trace_path = write_trace_file(tmp_path / "t.jsonl", prompts, 4, ["rag", "chat"])
     server = LocalServer(LOOM_SERVE, "--kv-cache-memory 128MiB --max-num-seqs 4",
                          tmp_path / "serve.log", health_timeout_s=180)
     with server:

@@ -1,8 +1,10 @@
 """Start a server under test as a subprocess on a free port, wait until /health answers, stop
-it afterwards. bench imports no engine code: `loom serve` is started like any other server."""
+it afterwards. bench imports no engine code: `loom serve` is started like any other server.
+While it starts (a model load can take a minute), the log says so every few seconds."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import signal
@@ -15,6 +17,9 @@ from types import TracebackType
 
 import httpx
 
+logger = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 10.0
 LOOM_SERVE = f"{shlex.quote(sys.executable)} -m loom.entrypoints.cli serve --port {{port}}"
 
 
@@ -56,8 +61,10 @@ class LocalServer:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=self.env,
                                          start_new_session=True)
+        logger.info("starting %s (log: %s)", shlex.join(self.command), self.log_path)
         start = time.monotonic()
         deadline = start + self.health_timeout_s
+        next_note = start + PROGRESS_EVERY_S
         while True:
             if self.proc.poll() is not None:
                 tail = self.log_path.read_text(errors="replace")[-2000:]
@@ -66,6 +73,7 @@ class LocalServer:
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     self.startup_s = time.monotonic() - start
+                    logger.info("server on %s healthy after %.0f s", self.url, self.startup_s)
                     return self
             except httpx.HTTPError:
                 pass
@@ -73,6 +81,10 @@ class LocalServer:
                 self.stop()
                 raise ChildProcessError(f"server not healthy after {self.health_timeout_s:g} s: "
                                    f"{shlex.join(self.command)} (log: {self.log_path})")
+            if time.monotonic() >= next_note:
+                logger.info("waiting for %s/health: %.0f s of at most %g s", self.url,
+                            time.monotonic() - start, self.health_timeout_s)
+                next_note += PROGRESS_EVERY_S
             time.sleep(0.25)
 
     def stop(self) -> None:

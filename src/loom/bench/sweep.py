@@ -1,6 +1,6 @@
 """Sweeps: the same trace at rising offered load, from below the expected load up to where
-p95 queue time or the error rate crosses the limit you can accept (the seed's advice), or at
-1/2/4/8... overlapping requests (closed loop, the home-server article's replay).
+p95 queue time or the error rate crosses the limit you can accept, or at 1/2/4/8...
+overlapping requests (a closed loop of N users, as a home server with a few users sees).
 
 `--auto` looks for the knee without a list of rates: double the rate until a limit is
 crossed, then bisect between the last rate within the limits and the first beyond them.

@@ -1,4 +1,4 @@
-"""Request traces: the JSONL format, reading and hashing it, generating the seed's three-class
+"""Request traces: the JSONL format, reading and hashing it, generating a three-class
 mix, and importing ShareGPT conversations.
 
 Format (one JSON object per line):
@@ -159,8 +159,8 @@ class ClassSpec:
                 "shared_prefix_len": self.shared_prefix_len}
 
 
-# The seed article's three groups. rag's prompt_len is the question after the 480-token
-# shared prefix (30 blocks of 16, so the prefix fills whole KV blocks a server can reuse).
+# Three request classes: short chats, long prompts, RAG. rag's prompt_len is the question
+# after the 480-token shared prefix (30 blocks of 16: whole KV blocks a server can reuse).
 CLASSES: dict[str, ClassSpec] = {
     "chat": ClassSpec(LengthDist("normal", 20, 50, mean=35, std=6),
                       LengthDist("uniform", 16, 96)),

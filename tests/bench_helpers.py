@@ -1,0 +1,15 @@
+"""What several `loom bench` test files need: a small trace file on disk."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_trace_file(path: Path, prompts: list[str], max_tokens: int,
+                     classes: list[str]) -> Path:
+    """A JSONL trace of one request per prompt, the classes given in turn."""
+    path.write_text("".join(
+        json.dumps({"prompt": p, "max_tokens": max_tokens, "class": classes[i % len(classes)]})
+        + "\n" for i, p in enumerate(prompts)))
+    return path
