@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import pytest
+from model_fixtures import torch_threads
 
 from loom import LLM
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for the module that asks (restored after it): the tiny-model and
+    transformers comparisons are too small to gain from two."""
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_fixtures import smollm_hf_model, torch_threads
+from model_fixtures import smollm_hf_model
 
 from loom import LLM
 from loom.sampling import SamplingParams
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with torch_threads(1):
-        yield
 
 MAX_TOKENS = 24
 LONG_TEXT = (

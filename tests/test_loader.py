@@ -18,7 +18,6 @@ from model_fixtures import (
     make_runner,
     save_hf_folder,
     step_logits,
-    torch_threads,
     write_gguf,
 )
 
@@ -27,11 +26,7 @@ from loom.model.llama import LlamaModel, rope_inv_freq
 from loom.model.loader import load_model
 from loom.model.weights import LazyWeights
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +128,13 @@ def test_unsupported_architecture_in_hf_folder(tmp_path, hf_folder):
 
 
 @pytest.mark.integration
-def test_unsupported_architecture_in_gguf(tmp_path, tiny_llama):
-    path = write_gguf(tiny_llama, tmp_path / "falcon.gguf", arch="falcon")
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'falcon'.*falcon\.gguf"):
+@pytest.mark.parametrize("name,options,message", [
+    ("falcon.gguf", {"arch": "falcon"}, r"unsupported architecture 'falcon'.*falcon\.gguf"),
+    ("pre.gguf", {"pre": "no-such-pre"}, r"pre-tokenizer 'no-such-pre'"),
+])
+def test_unsupported_gguf_contents_are_named(tmp_path, tiny_llama, name, options, message):
+    path = write_gguf(tiny_llama, tmp_path / name, **options)
+    with pytest.raises(ModelLoadError, match=message):
         load_model(str(path))
 
 
@@ -151,13 +150,6 @@ def test_unsupported_gguf_tokenizer_is_named(tmp_path, tiny_llama, monkeypatch):
     monkeypatch.setattr(gguf.GGUFWriter, "add_token_merges", lambda self, merges: None)
     path = write_gguf(tiny_llama, tmp_path / "spm.gguf")
     with pytest.raises(ModelLoadError, match=r"GGUF tokenizer 'llama' is not supported"):
-        load_model(str(path))
-
-
-@pytest.mark.integration
-def test_unsupported_gguf_pre_tokenizer_is_named(tmp_path, tiny_llama):
-    path = write_gguf(tiny_llama, tmp_path / "pre.gguf", pre="no-such-pre")
-    with pytest.raises(ModelLoadError, match=r"pre-tokenizer 'no-such-pre'"):
         load_model(str(path))
 
 

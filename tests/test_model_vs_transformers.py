@@ -22,7 +22,6 @@ from model_fixtures import (
     make_runner,
     save_hf_folder,
     step_logits,
-    torch_threads,
     write_gguf,
 )
 
@@ -32,11 +31,8 @@ from loom.model.llama import rope_inv_freq
 from loom.model.loader import load_model
 from loom.sampling import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with torch_threads(1):
-        yield
 
 ATOL = 1e-4  # fp32; observed differences are ~5e-6 on logits of magnitude ~5
 

@@ -23,7 +23,7 @@ import pytest
 import regex
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from model_fixtures import smollm_hf_tokenizer, smollm_loaded, torch_threads
+from model_fixtures import smollm_hf_tokenizer, smollm_loaded
 
 from loom.model.tokenizer import gguf_pre_tokenizer
 
@@ -60,10 +60,7 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def llama_cpp_smollm_pieces(text: str) -> list[str]:
