@@ -32,13 +32,15 @@ stage() {  # stage "what" ["usual duration"]
     printf '[%d/%d] %s%s\n' "$stage_number" "$stages" "$1" "${2:+ (usually $2)}"
 }
 
-watch() {  # watch LOG PID: a progress line every 15 s until PID exits; returns its status
-    local log=$1 pid=$2 start=$SECONDS last
+watch() {  # watch LOG PID [START]: a progress line every 15 s until PID exits; its status
+    local log=$1 pid=$2 start=${3:-$SECONDS} next=$((SECONDS + 15)) line shown=""
     while kill -0 "$pid" 2>/dev/null; do
         sleep 1
-        if (( (SECONDS - start) % 15 == 0 )); then
-            last=$(grep -v '^\s*$' "$log" 2>/dev/null | tail -n 1 | cut -c 1-70 || true)
-            printf '      %3d s  %s\n' "$((SECONDS - start))" "${last:-working}"
+        if (( SECONDS >= next )); then
+            next=$((next + 15))
+            line=$(grep -v '^\s*$' "$log" 2>/dev/null | tail -n 1 | cut -c 1-70 || true)
+            [ "$line" = "$shown" ] && line="working" || shown=$line
+            printf '      %3d s  %s\n' "$((SECONDS - start))" "${line:-working}"
         fi
     done
     wait "$pid"
@@ -99,24 +101,24 @@ run loom "${pip[@]}" install -e ".$extra"
 
 if (( build_kernels )); then
     stage "C++ kernels: paged attention, block-quantized matmul, fused norm, in parallel" \
-          "3 min on 2 cores; seconds when already built"
+          "5-6 min on a busy 2-core machine; seconds when already built"
     start=$SECONDS
+    kernels=(paged_attention_ops block_quant_linear_ops fused_ops)
     pids=()
-    for kernel in paged_attention_ops block_quant_linear_ops fused_ops; do
+    for kernel in "${kernels[@]}"; do
         .venv/bin/python -c "import sys; from loom.model import kernels
 sys.exit(kernels.$kernel() is None)" >"$logs/$kernel.log" 2>&1 &
         pids+=($!)
     done
-    failed=()
-    i=0
-    for kernel in paged_attention_ops block_quant_linear_ops fused_ops; do
-        watch "$logs/$kernel.log" "${pids[$i]}" || failed+=("$kernel")
-        i=$((i + 1))
+    for i in "${!kernels[@]}"; do
+        if watch "$logs/${kernels[$i]}.log" "${pids[$i]}" "$start"; then
+            printf '      %3d s  %s built\n' "$((SECONDS - start))" "${kernels[$i]}"
+        else
+            echo "      ${kernels[$i]} did not build; loom will use a slower path" \
+                 "(see $logs/${kernels[$i]}.log)" >&2
+        fi
     done
     printf '      done in %d s\n' "$((SECONDS - start))"
-    for kernel in "${failed[@]}"; do
-        echo "      $kernel did not build; loom will use a slower path (see $logs/$kernel.log)" >&2
-    done
 else
     stage "C++ kernels: skipped (see above)"
 fi

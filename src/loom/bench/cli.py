@@ -133,8 +133,9 @@ def _sweep_parent() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(add_help=False)
     points = p.add_mutually_exclusive_group(required=True)
-    points.add_argument("--rates", type=_floats, help="offered req/s to try, e.g. 0.5,1,2,4,8 "
-                                                      "(stops after the first beyond the limits)")
+    points.add_argument("--rates", type=_floats,
+                        help="offered req/s to try, e.g. 0.5,1,2,4,8 (stops after the first "
+                             "beyond the limits); this, --auto or --overlap is required")
     points.add_argument("--auto", action="store_true",
                         help="find the knee: double the rate until a limit is crossed, bisect")
     points.add_argument("--overlap", type=_ints,

@@ -39,7 +39,10 @@ class Command:
 
     def available(self) -> bool:
         """False while the module that defines it is not installed (or not written yet)."""
-        return importlib.util.find_spec(self.adder.partition(":")[0]) is not None
+        try:
+            return importlib.util.find_spec(self.adder.partition(":")[0]) is not None
+        except ModuleNotFoundError:  # its package is missing too
+            return False
 
     def add_parser(self, sub: argparse._SubParsersAction) -> None:
         module, _, function = self.adder.partition(":")
