@@ -16,9 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
-import os
-import platform
 import shlex
 import statistics
 import tempfile
@@ -31,17 +28,19 @@ from pathlib import Path
 import httpx
 from workload import WorkItem, bundled_tokenizer, mixed_workload
 
-from loom import LLM, SamplingParams
+from loom import LLM, SamplingParams, host
+from loom.bench.client import OK, RequestResult, send
 from loom.bench.server import LOOM_SERVE, LocalServer
+from loom.bench.trace import TraceRequest
 
 
 @dataclass
 class Timings:
-    """One request as the client saw it: send, first token, each later chunk, tokens."""
+    """One request as the client saw it, in seconds from its send: the first token, each
+    later chunk, and the tokens it got."""
 
-    sent: float
-    first_token: float | None = None
-    chunk_times: list[float] = field(default_factory=list)
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
     num_tokens: int = 0
 
 
@@ -57,10 +56,10 @@ class Result:
         return sum(r.num_tokens for r in self.requests) / self.wall_s
 
     def ttft(self) -> list[float]:
-        return [r.first_token - r.sent for r in self.requests]
+        return [r.ttft for r in self.requests]
 
     def itl(self) -> list[float]:
-        return [b - a for r in self.requests for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+        return [gap for r in self.requests for gap in r.itls]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -77,18 +76,22 @@ def run_offline(llm: LLM, items: list[WorkItem]) -> Result:
     (the same loop LLM.generate runs, instrumented per step)."""
     engine = llm.engine
     start = time.monotonic()
-    timings = {}
+    timings, last = {}, {}
     for i, item in enumerate(items):
         engine.add_request(f"offline-{i}", item.prompt_token_ids, SamplingParams(
             max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True))
-        timings[f"offline-{i}"] = Timings(sent=start)
-    while engine.has_unfinished_requests():
-        outputs, _ = engine.step()
+        timings[f"offline-{i}"] = Timings()
+    in_flight = None  # with async scheduling, the step still running on the model
+    while engine.has_unfinished_requests() or in_flight is not None:
+        outputs, in_flight = engine.step(in_flight)
         now = time.monotonic()
         for output in outputs:
             t = timings[output.request_id]
-            t.first_token = t.first_token or now
-            t.chunk_times.append(now)
+            if t.ttft is None:
+                t.ttft = now - start
+            else:
+                t.itls.append(now - last[output.request_id])
+            last[output.request_id] = now
             t.num_tokens = len(output.outputs[0].token_ids)
     return Result("offline", len(items), time.monotonic() - start, list(timings.values()))
 
@@ -103,25 +106,17 @@ def loom_serve(flags: list[str]) -> Iterator[str]:
         yield server.url
 
 
-async def stream_one(http: httpx.AsyncClient, item: WorkItem) -> Timings:
-    body = {"prompt": item.prompt_token_ids, "max_tokens": item.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    timings = Timings(sent=time.monotonic())
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                timings.num_tokens = chunk["usage"]["completion_tokens"]
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                now = time.monotonic()
-                timings.first_token = timings.first_token or now
-                timings.chunk_times.append(now)
-    if timings.num_tokens != item.max_tokens:
-        raise RuntimeError(f"asked for {item.max_tokens} tokens, got {timings.num_tokens}")
-    return timings
+async def stream_one(http: httpx.AsyncClient, url: str, item: WorkItem) -> Timings:
+    """One streamed request through loom.bench's client (SSE split only where SSE splits)."""
+    request = TraceRequest(max_tokens=item.max_tokens, prompt_len=len(item.prompt_token_ids))
+    result = RequestResult(id=None, cls="mixed", prompt_len=request.prompt_len,
+                           max_tokens=item.max_tokens, scheduled_s=0.0)
+    await send(http, url + "/v1/completions", request, "any", result, time.perf_counter(),
+               extra={"prompt": item.prompt_token_ids, "temperature": 0})
+    if result.status != OK or result.output_tokens != item.max_tokens:
+        raise RuntimeError(f"asked for {item.max_tokens} tokens, got {result.output_tokens} "
+                           f"({result.status}: {result.error})")
+    return Timings(result.ttft_s, result.itls_s, result.output_tokens)
 
 
 async def run_http(url: str, items: list[WorkItem], concurrency: int) -> Result:
@@ -131,11 +126,11 @@ async def run_http(url: str, items: list[WorkItem], concurrency: int) -> Result:
         queue.put_nowait(item)
     results: list[Timings] = []
     limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
+    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
 
         async def client() -> None:
             while not queue.empty():
-                results.append(await stream_one(http, queue.get_nowait()))
+                results.append(await stream_one(http, url, queue.get_nowait()))
 
         start = time.monotonic()
         await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -185,8 +180,7 @@ def main() -> None:
             results.append(asyncio.run(run_http(url, workload(seed), concurrency)))
             print(row(results[-1]), flush=True)
 
-    print(f"\nhardware: {platform.processor() or platform.machine()}, "
-          f"{len(os.sched_getaffinity(0))} cores; {args.num_requests} mixed requests, "
+    print(f"\nhost: {host.describe()}; {args.num_requests} mixed requests, "
           f"max_num_seqs={args.max_num_seqs}, kv_cache_memory={args.kv_cache_memory}")
     print("| mode | concurrency | output tok/s | p50 TTFT (s) | p95 TTFT (s) | p95 ITL (ms) "
           "| wall (s) |")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from loom.bench.client import OK, RequestResult
-from loom.bench.diagnose import diagnose
+from loom.bench.diagnose import bound, diagnose, what_bounds
 from loom.bench.results import (
     client_figures,
     load_result,
@@ -202,3 +202,22 @@ def test_cli_prints_findings_as_json(tmp_path, capsys) -> None:
     assert main(["diagnose", str(path), "--json"]) == 0
     (finding,) = json.loads(capsys.readouterr().out)
     assert finding["rule"] == "preemptions_kv_pressure" and finding["evidence"]["preemptions"] == 6
+
+
+def test_a_quiet_diagnosis_still_says_what_bounds_each_run(tmp_path, capsys) -> None:
+    """Queue empty and TTFT long (two rules just under their thresholds): prefill-bound."""
+    run = make_run(requests=_requests(short_ttft=1.2, long_ttft=1.9), label="continuous")
+    assert rules(run) == []
+    assert bound(run).startswith("continuous: prefill-bound") and "queue 0%" in bound(run)
+    path = tmp_path / "run.json"
+    save_json(run, path)
+    assert main(["diagnose", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "No rule fired" in out and "continuous: prefill-bound" in out
+    decode_bound = make_run(requests=_requests(short_ttft=0.1, long_ttft=0.1))
+    assert "decode-bound" in what_bounds(sweep_of(decode_bound))[0]
+
+
+def test_a_simulated_run_says_so_in_findings() -> None:
+    (finding,) = diagnose(make_run(preemptions=6, simulated=True, label="sim"))
+    assert finding.run == "sim (simulated)"

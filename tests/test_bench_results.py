@@ -6,8 +6,8 @@ import pytest
 
 from loom.bench.client import CANCELLED, OK, REJECTED, RequestResult
 from loom.bench.results import Slo, request_figures
-from loom.bench.scorecard import markdown, rows
-from loom.bench.scrape import Histogram, parse_metrics
+from loom.bench.scorecard import markdown, print_scorecard, rows
+from loom.bench.scrape import Histogram, parse_metrics, sample_value
 
 pytestmark = pytest.mark.unit
 
@@ -54,6 +54,14 @@ def test_parse_loom_metrics() -> None:
     assert queue.quantile(0.95) == 1.0  # beyond the last finite bucket: its bound
 
 
+def test_one_sample_by_name_and_labels() -> None:
+    assert sample_value(LOOM_METRICS, "loom:num_requests_waiting") == 5.0
+    assert sample_value(VLLM_METRICS, "vllm:num_requests_running", engine="1") == 1.0
+    assert sample_value(LOOM_METRICS, "loom:request_queue_time_seconds_bucket", le="1.0") == 6.0
+    with pytest.raises(KeyError, match="loom:nothing"):
+        sample_value(LOOM_METRICS, "loom:nothing")
+
+
 def test_parse_vllm_metrics_sums_counts_and_takes_the_peak_kv() -> None:
     snap = parse_metrics(VLLM_METRICS)
     assert snap.source == "vllm"
@@ -98,14 +106,39 @@ def test_slo_parse() -> None:
         Slo.parse("latency=3")
 
 
-def test_scorecard_rows_goodput_and_cost() -> None:
+def _scored_run(**extra) -> dict:
     requests = [_result(OK, 0.5, 2.0, tokens=11), _result(OK, 2.0, 4.0, tokens=11)]
-    run = {"label": "continuous @1/s", "request_rate": 1.0, "max_concurrency": None,
-           "offered_rate": 1.0, "duration": 3600.0, "preemptions": 2, "queue_time": None,
-           "kv_cache_usage_peak": 0.5, "slo": None, "trace": {"sha256": "ab" * 32},
-           "requests": [r.to_json() for r in requests],
-           "per_class": {"c": {**request_figures(requests, 3600.0, None)}},
-           **request_figures(requests, 3600.0, None)}
+    return {"label": "continuous @1/s", "request_rate": 1.0, "max_concurrency": None,
+            "offered_rate": 1.0, "duration": 3600.0, "preemptions": 2, "queue_time": None,
+            "kv_cache_usage_peak": 0.5, "slo": None, "trace": {"sha256": "ab" * 32},
+            "requests": [r.to_json() for r in requests],
+            "per_class": {"c": {**request_figures(requests, 3600.0, None)}},
+            **request_figures(requests, 3600.0, None), **extra}
+
+
+def test_scorecard_reads_at_80_columns_and_wide_shows_all() -> None:
+    from rich.console import Console
+
+    run = _scored_run()
+    narrow = Console(width=80, record=True)
+    print_scorecard([run], Slo.parse("ttft_p95=1"), 3.0, console=narrow)
+    text = narrow.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "…" not in text and "--wide for all" in text
+    assert "continuous @1/s" in text and "Goodput" in text and "KV peak" not in text
+    wide = Console(width=80, record=True)
+    print_scorecard([run], Slo.parse("ttft_p95=1"), 3.0, console=wide, wide=True)
+    assert "KV" in wide.export_text()
+
+
+def test_a_simulated_run_says_so() -> None:
+    (row,) = rows([_scored_run(simulated=True)])
+    assert row["Run"] == "continuous @1/s (simulated)"
+    assert "(simulated)" in markdown([_scored_run(simulated=True)])
+
+
+def test_scorecard_rows_goodput_and_cost() -> None:
+    run = _scored_run()
     (row,) = rows([run], Slo.parse("ttft_p95=1"), gpu_cost_per_hour=3.0)
     assert row["Run"] == "continuous @1/s" and row["Preemptions"] == "2"
     assert row["p95 queue s"] == "-" and row["KV peak"] == "50%"

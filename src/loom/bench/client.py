@@ -63,27 +63,31 @@ class RequestResult:
         return cls(**obj)
 
 
-def completion_payload(request: TraceRequest, model: str) -> dict[str, Any]:
+def completion_payload(request: TraceRequest, model: str,
+                       extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The request body; `extra` adds or overrides fields (token-id prompts, temperature)."""
     payload: dict[str, Any] = {
         "model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
         "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
     }
     if request.priority is not None:  # only when asked: some servers refuse it under fcfs
         payload["priority"] = request.priority
-    return payload
+    return {**payload, **(extra or {})}
 
 
 async def send(client: httpx.AsyncClient, url: str, request: TraceRequest, model: str,
-               result: RequestResult, run_start: float) -> RequestResult:
+               result: RequestResult, run_start: float,
+               extra: dict[str, Any] | None = None) -> RequestResult:
     """Send `request`, fill `result`; closes the stream after `cancel_after_s` if set."""
     t0 = time.perf_counter()
     result.start_s = t0 - run_start
+    payload = completion_payload(request, model, extra)
     try:
         if request.cancel_after_s is None:
-            await _stream(client, url, completion_payload(request, model), result, t0)
+            await _stream(client, url, payload, result, t0)
         else:
-            await asyncio.wait_for(_stream(client, url, completion_payload(request, model),
-                                           result, t0), request.cancel_after_s)
+            await asyncio.wait_for(_stream(client, url, payload, result, t0),
+                                   request.cancel_after_s)
     except asyncio.TimeoutError:
         result.status = CANCELLED
         result.e2e_s = time.perf_counter() - t0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -19,6 +20,7 @@ from loom.bench.results import Slo, request_figures, requests_of, run_label
 # The columns that decide between configurations; they fit an 80-column terminal.
 KEY_COLUMNS = ("Run", "Class", "Offered req/s", "Completed req/s", "Output tok/s", "p95 TTFT s",
                "p95 ITL ms", "p95 E2E s", "Error rate", "Goodput req/s")
+_NARROW_DROPS = {"Scorecard": ("p95 E2E s",)}  # at 80 columns; the per-class table keeps it
 _ALL_COLUMNS_WIDTH = 220
 
 
@@ -133,10 +135,16 @@ def markdown(runs: list[dict[str, Any]], slo: Slo | None = None,
     return "\n".join(parts) + "\n"
 
 
-def _rich(table: list[dict[str, str]], title: str, columns: list[str]) -> Table:
-    out = Table(title=title)
-    for column in columns:
-        out.add_column(column, justify="left" if column in ("Run", "Class") else "right")
+def _rich(table: list[dict[str, str]], title: str, columns: list[str],
+          narrow: bool = False) -> Table:
+    """The table; `narrow` drops the vertical rules, which leaves the numbers room at 80
+    columns."""
+    out = Table(title=title, box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD)
+    for column in columns:  # fold, never truncate: a cut-off number reads as another one
+        label = column in ("Run", "Class")
+        words = column.split() + [w for row in table for w in row.get(column, "").split()]
+        out.add_column(column, justify="left" if label else "right", overflow="fold",
+                       max_width=None if label else max(map(len, words)))
     for row in table:
         out.add_row(*(row.get(c, "-") for c in columns))
     return out
@@ -156,6 +164,7 @@ def print_scorecard(runs: list[dict[str, Any]], slo: Slo | None = None,
                          (class_rows(runs, slo), "Per request class")):
         columns = _columns(table)
         if narrow:
-            columns = [c for c in columns if c in KEY_COLUMNS]
+            columns = [c for c in columns if c in KEY_COLUMNS
+                       and c not in _NARROW_DROPS.get(title, ())]
             title += " (key columns; --wide for all)"
-        console.print(_rich(table, title, columns))
+        console.print(_rich(table, title, columns, narrow))

@@ -92,34 +92,50 @@ class Snapshot:
     source: str = ""  # the metric prefix that matched, e.g. "loom" or "vllm"
 
 
-def parse_metrics(text: str) -> Snapshot:
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus text -> sample name -> (labels, value) of each of its samples, NaNs left out
+    (NaN gauges exist; results are strict JSON)."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if not math.isnan(s.value):  # NaN gauges exist; results are strict JSON
-                samples.setdefault(s.name, []).append((s.labels, s.value))
+            if not math.isnan(s.value):
+                out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def sample_value(text: str, name: str, **labels: str) -> float:
+    """The value of one sample (the first whose labels include those given)."""
+    for found, value in samples(text).get(name, []):
+        if all(found.get(k) == v for k, v in labels.items()):
+            return value
+    raise KeyError(f"{name} {labels} not in the metrics")
+
+
+def parse_metrics(text: str) -> Snapshot:
+    samples_by_name = samples(text)
     snap = Snapshot()
 
     def first(names: tuple[str, ...]) -> str | None:
-        name = next((n for n in names if n in samples or n + "_bucket" in samples), None)
+        name = next((n for n in names if n in samples_by_name
+                     or n + "_bucket" in samples_by_name), None)
         if name and not snap.source:
             snap.source = name.split(":", 1)[0]
         return name
 
     for canon, (names, how) in GAUGES.items():
         if name := first(names):
-            values = [v for _, v in samples[name]]
+            values = [v for _, v in samples_by_name[name]]
             snap.gauges[canon] = max(values) if how == "max" else sum(values)
     for canon, names in COUNTERS.items():
         if name := first(names):
-            snap.counters[canon] = sum(v for _, v in samples[name])
+            snap.counters[canon] = sum(v for _, v in samples_by_name[name])
     for canon, names in HISTOGRAMS.items():
         if name := first(names):
             hist = Histogram()
-            for labels, value in samples.get(name + "_bucket", []):
+            for labels, value in samples_by_name.get(name + "_bucket", []):
                 le = float(labels["le"])
                 hist.buckets[le] = hist.buckets.get(le, 0.0) + value
-            hist.sum = sum(v for _, v in samples.get(name + "_sum", []))
-            hist.count = sum(v for _, v in samples.get(name + "_count", []))
+            hist.sum = sum(v for _, v in samples_by_name.get(name + "_sum", []))
+            hist.count = sum(v for _, v in samples_by_name.get(name + "_count", []))
             snap.histograms[canon] = hist
     return snap
