@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from loom.engine.detokenizer import IncrementalDetokenizer
-from loom.sampling import Sampler, SamplingParams, _apply_top_k_top_p
+from loom.sampling import (
+    Sampler,
+    SamplingParams,
+    SamplingParamsError,
+    _apply_top_k_top_p,
+    valid_unicode,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -56,8 +64,45 @@ def test_unseeded_rows_of_one_batch_follow_their_distributions() -> None:
     (dict(stop=[""]), "stop"),
 ])
 def test_invalid_parameters_name_the_field(kwargs: dict, field: str) -> None:
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(SamplingParamsError, match=field) as error:
         SamplingParams(**kwargs)
+    assert error.value.field == field
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(seed=2**64), "seed"), (dict(seed=-(2**63) - 1), "seed"), (dict(seed=True), "seed"),
+    (dict(top_k=2**63), "top_k"), (dict(temperature=math.inf), "temperature"),
+    (dict(temperature=math.nan), "temperature"), (dict(top_p=math.nan), "top_p"),
+    (dict(max_tokens=True), "max_tokens"), (dict(max_tokens=2.0), "max_tokens"),
+    (dict(stop=""), "stop"), (dict(stop=["\ud800"]), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(stop_token_ids=[False]), "stop_token_ids"),
+])
+def test_values_that_once_reached_the_model_are_refused(kwargs: dict, field: str) -> None:
+    """Each of these failed inside a model step (a seed torch cannot take, a top-k tensor
+    that overflows) or slipped through as another type."""
+    with pytest.raises(SamplingParamsError) as error:
+        SamplingParams(**kwargs)
+    assert error.value.field == field
+
+
+def test_the_widest_valid_values_are_taken() -> None:
+    SamplingParams(seed=2**64 - 1, top_k=2**31 - 1, temperature=1e300, stop_token_ids=[0])
+    SamplingParams(seed=-(2**63))
+
+
+def test_vocabulary_checks_name_the_field() -> None:
+    params = SamplingParams(top_k=1000, stop_token_ids=[5, 99])
+    params.check_vocab(1000)
+    with pytest.raises(SamplingParamsError) as error:
+        params.check_vocab(99)
+    assert error.value.field == "top_k"
+    with pytest.raises(SamplingParamsError) as error:
+        SamplingParams(stop_token_ids=[99]).check_vocab(99)
+    assert error.value.field == "stop_token_ids"
+
+
+def test_valid_unicode_refuses_lone_surrogates() -> None:
+    assert valid_unicode("héllo \U0001f600") and not valid_unicode("a\ud800b")
 
 
 class CharTokenizer:

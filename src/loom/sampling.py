@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: a 64-bit value
+_MAX_INT32 = 2**31 - 1  # counts (tokens, top-k) beyond this are no request, only a bug
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter out of range. `field` names it (a SamplingParams field), so callers
+    such as the HTTP layer can say which of their own fields was wrong without parsing text."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field} {reason}")
+        self.field, self.reason = field, reason
+
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens for one request; validated on construction so bad values fail early."""
+    """How to pick tokens for one request; validated on construction so bad values fail early.
+    This is the one place the ranges are spelled: the HTTP server checks only types."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -26,23 +40,56 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        checks = [
-            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 or >= 1, got {self.top_k}"),
-            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
-            (self.min_tokens <= self.max_tokens,
-             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20,
-             f"logprobs must be in [0, 20], got {self.logprobs}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
-             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
-            (all(s for s in self.stop), "stop strings must be non-empty"),
-        ]
-        for ok, message in checks:
+        for name, ok, reason in self._checks():
             if not ok:
-                raise ValueError(message)
+                raise SamplingParamsError(name, reason)
+
+    def _checks(self) -> list[tuple[str, bool, str]]:
+        """(field, holds, what it must be) for every range; ints are checked as ints first
+        (bool is not one), so a JSON `true` or a float never reaches the model."""
+
+        def whole(value: object, low: int, high: int) -> bool:
+            return _is_int(value) and low <= value <= high
+
+        def finite(value: object) -> bool:
+            return _is_number(value) and math.isfinite(value)
+
+        seed_ok = self.seed is None or (_is_int(self.seed)
+                                        and SEED_RANGE[0] <= self.seed < SEED_RANGE[1])
+        return [
+            ("max_tokens", whole(self.max_tokens, 1, _MAX_INT32),
+             f"must be an integer >= 1, got {self.max_tokens!r}"),
+            ("temperature", finite(self.temperature) and self.temperature >= 0,
+             f"must be a finite number >= 0, got {self.temperature!r}"),
+            ("top_p", finite(self.top_p) and 0 < self.top_p <= 1,
+             f"must be in (0, 1], got {self.top_p!r}"),
+            ("top_k", self.top_k == -1 or whole(self.top_k, 1, _MAX_INT32),
+             f"must be -1 (off) or an integer >= 1, got {self.top_k!r}"),
+            ("seed", seed_ok, f"must be a 64-bit integer, got {self.seed!r}"),
+            ("min_tokens", whole(self.min_tokens, 0, _MAX_INT32),
+             f"must be an integer >= 0, got {self.min_tokens!r}"),
+            ("min_tokens", not _is_int(self.max_tokens) or not _is_int(self.min_tokens)
+             or self.min_tokens <= self.max_tokens,
+             f"({self.min_tokens!r}) must not exceed max_tokens ({self.max_tokens!r})"),
+            ("logprobs", self.logprobs is None or whole(self.logprobs, 0, 20),
+             f"must be in [0, 20], got {self.logprobs!r}"),
+            ("prompt_logprobs", self.prompt_logprobs is None or whole(self.prompt_logprobs, 0, 20),
+             f"must be in [0, 20], got {self.prompt_logprobs!r}"),
+            ("stop", all(isinstance(s, str) and s and valid_unicode(s) for s in self.stop),
+             "must be non-empty strings of valid Unicode"),
+            ("stop_token_ids", all(whole(t, 0, _MAX_INT32) for t in self.stop_token_ids),
+             "must be token ids (integers >= 0)"),
+        ]
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The checks that need the model: token ids and top_k within its vocabulary."""
+        if self.top_k > vocab_size:
+            raise SamplingParamsError(
+                "top_k", f"must be -1 (off) or at most the vocabulary size {vocab_size}, "
+                f"got {self.top_k}")
+        if any(t >= vocab_size for t in self.stop_token_ids):
+            raise SamplingParamsError(
+                "stop_token_ids", f"must be in [0, {vocab_size}) for this model")
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +132,24 @@ class Sampler:
         drawn = torch.where(drawn < cdf.shape[-1], drawn, cdf.argmax(dim=-1))
         greedy_ids[rows] = drawn
         return greedy_ids
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def valid_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate (JSON allows "\\ud800"): no tokenizer and
+    no UTF-8 response can carry it."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

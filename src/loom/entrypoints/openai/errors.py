@@ -1,7 +1,9 @@
 """Everything that goes wrong becomes an OpenAI-style error body with the right status.
 
 Bad input is a 400 naming the field, admission control and a dead engine are a 503 (with
-Retry-After when retrying helps), and anything unexpected is a 500 for that request alone.
+Retry-After when retrying helps), and anything unexpected is a 500 for that request alone,
+whose body says nothing of the exception: the log has it, a client (or an attacker) needs none
+of it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from loom.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # a queue slot usually frees within a few steps
+INTERNAL_ERROR = "internal server error; the server log says what went wrong"
 
 
 class APIError(Exception):
@@ -81,5 +84,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("Request to %s failed", request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}",
-                              type_="internal_server_error")
+        return error_response(500, INTERNAL_ERROR, type_="internal_server_error")

@@ -1,45 +1,69 @@
 """The OpenAI wire format (plus the vLLM extensions benchmark tools send), as pydantic models.
 
-Requests ignore unknown fields, as OpenAI-compatible servers do, but reject wrong types and
-out-of-range values with the field's name; responses are shaped the way the official clients
-parse them.
+Requests ignore unknown fields, as OpenAI-compatible servers do, but reject wrong types with
+the field's name: strictly (a JSON `true` is no integer, "5" is no number). Ranges of the
+sampling fields are checked once, by `SamplingParams`; only what is HTTP's alone (`n`, a prompt
+that is not empty, text that is valid Unicode, the chat roles) is checked here. Responses are
+shaped the way the official clients parse them.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+)
+
+from loom.sampling import valid_unicode
 
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class OpenAIRequest(OpenAIModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def _unicode(text: str) -> str:
+    if not valid_unicode(text):
+        raise ValueError("must be valid Unicode (it holds a lone surrogate such as \\ud800)")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
 # -- requests ------------------------------------------------------------------------------------
 
 
-class StreamOptions(OpenAIModel):
+class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(OpenAIRequest):
     """Fields completions and chat share."""
 
     model: str | None = None
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (vLLM's extension)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # -1 or 0: off (vLLM's extension)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions that benchmark tools send
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = 0
     priority: int = 0
 
     @property
@@ -49,9 +73,9 @@ class SamplingRequest(OpenAIModel):
 
 class CompletionRequest(SamplingRequest):
     # A string, token ids, or a batch of either (each prompt gets its own n choices).
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (with echo)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt: Text | list[int] | list[Text] | list[list[int]]
+    max_tokens: int | None = 16  # 0: score the prompt only (with echo)
+    logprobs: int | None = None
     echo: bool = False
 
     @field_validator("prompt")
@@ -71,14 +95,14 @@ def _as_batch(prompt: Any) -> list[Any]:
     return [prompt] if single else list(prompt)
 
 
-class ContentPart(OpenAIModel):
+class ContentPart(OpenAIRequest):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(OpenAIModel):
-    role: str
-    content: str | list[ContentPart] | None = None
+class ChatMessage(OpenAIRequest):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -88,10 +112,10 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = None
 
 
 # -- responses -----------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """What the completions and chat endpoints share: limits and sampling parameters, submitting to
-the engine with the request tied to its HTTP connection, and server-sent events.
+the engine with the request tied to its HTTP connection, the one streaming loop, and
+server-sent events.
 
 A response's status is decided by the engine's first answer (the first output, or an error
 such as a prompt the engine can never run or a queue timeout), so streaming responses send
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
 
-from fastapi import Request
+from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
@@ -25,10 +27,10 @@ from loom.engine.async_engine import (
     OutputStream,
     RequestRejectedError,
 )
-from loom.entrypoints.openai.errors import APIError, error_body
+from loom.entrypoints.openai.errors import INTERNAL_ERROR, APIError, error_body
 from loom.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from loom.outputs import CompletionOutput, RequestOutput
-from loom.sampling import SamplingParams
+from loom.sampling import SEED_RANGE, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +91,22 @@ class ChoiceProgress:
         return text, first
 
 
+@dataclass
+class Choice:
+    """One engine request of an HTTP request: its choice index and what it has sent."""
+
+    index: int
+    progress: ChoiceProgress = field(default_factory=ChoiceProgress)
+
+
+C = TypeVar("C", bound=Choice)
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, stream_interval: int) -> None:
         self.engine = engine
         self.tokenizer = engine.core.tokenizer
+        self.vocab_size = self.tokenizer.vocab_size
         self.max_model_len = engine.core.max_model_len
         self.kv_capacity = engine.core.num_kv_blocks * engine.core.block_size  # tokens
         self.model_name = model_name
@@ -100,11 +114,21 @@ class OpenAIServing:
 
     # -- turning a request into engine requests ----------------------------------------------
 
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize on a worker thread: a prompt of megabytes takes seconds, during which the
+        event loop must go on streaming and answering /health."""
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise APIError(400, f"{param} token ids must be in [0, {self.vocab_size})", param)
+
     def max_tokens(self, requested: int | None, num_prompt_tokens: int, prompt_param: str,
-                   max_tokens_param: str = "max_tokens") -> int:
+                   max_tokens_param: str = "max_tokens") -> int | None:
         """The output budget: as requested if prompt + output fit max_model_len, else a 400;
         when not given, whatever room the context has left, up to what the whole KV cache
-        holds (the engine refuses requests that could outgrow it)."""
+        holds (the engine refuses requests that could outgrow it). Values that are no budget
+        at all (< 1) are left to SamplingParams to refuse."""
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(400, f"{prompt_param} has {num_prompt_tokens} tokens, but this "
@@ -119,27 +143,75 @@ class OpenAIServing:
                            max_tokens_param)
         return requested
 
-    @staticmethod
-    def sampling_params(request: SamplingRequest, choice: int, **kwargs: int | None
-                        ) -> SamplingParams:
-        """Choice `choice` of n draws with seed + choice, so seeded choices still differ."""
+    def sampling_params(self, request: SamplingRequest, choice: int,
+                        api_names: Mapping[str, str], **kwargs: int | None) -> SamplingParams:
+        """Choice `choice` of n draws with seed + choice, so seeded choices still differ.
+        SamplingParams checks every range; its error names its own field, which `api_names`
+        maps to the request's (e.g. chat's `top_logprobs` is SamplingParams' `logprobs`)."""
+        seed = request.seed
+        if seed is not None and SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+            seed = (seed + choice) % SEED_RANGE[1]  # the same 64-bit generator state
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 temperature=1.0 if request.temperature is None else request.temperature,
                 top_p=1.0 if request.top_p is None else request.top_p,
                 top_k=request.top_k if request.top_k not in (None, 0) else -1,
-                seed=None if request.seed is None else request.seed + choice,
-                min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
-                stop=request.stop or [], stop_token_ids=request.stop_token_ids or [], **kwargs)
-        except ValueError as e:
-            field = str(e).split()[0]
-            raise APIError(400, str(e),
-                           field if field in type(request).model_fields else None) from e
+                seed=seed, min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
+                stop=[] if request.stop is None else request.stop,
+                stop_token_ids=request.stop_token_ids or [], **kwargs)
+            params.check_vocab(self.vocab_size)
+        except SamplingParamsError as e:
+            name = api_names.get(e.field, e.field)
+            raise APIError(400, f"{name} {e.reason}", name) from e
+        return params
 
     # -- running them --------------------------------------------------------------------------
 
-    async def start(self, raw_request: Request, requests: list[EngineRequest],
-                    prompt_param: str) -> tuple[ClientStream, list[RequestOutput]] | None:
+    async def respond(self, raw_request: Request, requests: list[EngineRequest],
+                      prompt_param: str, stream: bool,
+                      events: Callable[[ClientStream, list[RequestOutput]], AsyncIterator[str]],
+                      response: Callable[[dict[str, RequestOutput]], BaseModel]) -> Response:
+        """Submit, wait for the engine's first outputs, then stream `events` or answer with
+        `response` of the final outputs (by request id)."""
+        started = await self._start(raw_request, requests, prompt_param)
+        if started is None:
+            return Response(status_code=CLIENT_CLOSED)
+        client_stream, first = started
+        if stream:
+            return self._sse_response(client_stream, events(client_stream, first))
+        finals = await self._finish(client_stream, first, len(requests))
+        if finals is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return Response(response(finals).model_dump_json(), media_type="application/json")
+
+    async def stream_events(self, stream: ClientStream, first: list[RequestOutput],
+                            choices: dict[str, C],
+                            chunk: Callable[[RequestOutput, C], str | None],
+                            usage_chunk: Callable[[list[RequestOutput]], str] | None
+                            ) -> AsyncIterator[str]:
+        """The streaming loop of both endpoints: once a choice has gathered `stream_interval`
+        new tokens (or finished), `chunk` makes its event (None: nothing to send yet); at the
+        end comes `usage_chunk`'s event, if asked for."""
+        finals: list[RequestOutput] = []
+        outputs: list[RequestOutput] | None = first
+        while outputs is not None:
+            for output in outputs:
+                check_failed(output)
+                choice = choices[output.request_id]
+                if (not output.finished
+                        and choice.progress.pending(output.outputs[0]) < self.stream_interval):
+                    continue
+                if output.finished:
+                    finals.append(output)
+                event = chunk(output, choice)
+                if event is not None:
+                    yield event
+            outputs = await anext(stream, None)
+        if usage_chunk is not None and len(finals) == len(choices):
+            yield usage_chunk(finals)
+
+    async def _start(self, raw_request: Request, requests: list[EngineRequest],
+                     prompt_param: str) -> tuple[ClientStream, list[RequestOutput]] | None:
         """Submit and wait for the engine's first outputs; None if the client left first.
         Raises what the status should say: APIError(400) for a prompt the engine can never
         run, RequestRejectedError (503) from admission control, EngineDeadError (503)."""
@@ -158,8 +230,8 @@ class OpenAIServing:
         return stream, first
 
     @staticmethod
-    async def finish(stream: ClientStream, first: list[RequestOutput], num_requests: int
-                     ) -> dict[str, RequestOutput] | None:
+    async def _finish(stream: ClientStream, first: list[RequestOutput], num_requests: int
+                      ) -> dict[str, RequestOutput] | None:
         """The final output of every request; None if the client left first. A request the
         engine failed is a 500 (for this HTTP request only)."""
         finals: dict[str, RequestOutput] = {}
@@ -176,9 +248,10 @@ class OpenAIServing:
         return finals if len(finals) == num_requests else None
 
     @staticmethod
-    def sse_response(stream: ClientStream, events: AsyncIterator[str]) -> StreamingResponse:
+    def _sse_response(stream: ClientStream, events: AsyncIterator[str]) -> StreamingResponse:
         """Send `events`, then `data: [DONE]`. An error after the headers went out becomes an
-        OpenAI-style error event, as vLLM sends it."""
+        OpenAI-style error event, as vLLM sends it; its text never carries an internal
+        exception (the log does)."""
 
         async def body() -> AsyncIterator[str]:
             try:
@@ -188,9 +261,9 @@ class OpenAIServing:
                 yield sse(error_body(e.message, e.type, e.param))
             except (RequestRejectedError, EngineDeadError) as e:
                 yield sse(error_body(str(e), "service_unavailable_error"))
-            except Exception as e:  # noqa: BLE001 - fail this response alone, and say why
+            except Exception:  # noqa: BLE001 - fail this response alone
                 logger.exception("Streaming response failed")
-                yield sse(error_body(f"{type(e).__name__}: {e}", "internal_server_error"))
+                yield sse(error_body(INTERNAL_ERROR, "internal_server_error"))
             finally:
                 stream.close()
             yield SSE_DONE
@@ -200,9 +273,8 @@ class OpenAIServing:
 
 
 def check_failed(output: RequestOutput) -> None:
-    if output.error is not None:
-        raise APIError(500, f"the engine failed this request: {output.error}",
-                       type_="internal_server_error")
+    if output.error is not None:  # the engine logged why
+        raise APIError(500, INTERNAL_ERROR, type_="internal_server_error")
 
 
 def usage(finals: list[RequestOutput], num_prompt_tokens: int) -> UsageInfo:

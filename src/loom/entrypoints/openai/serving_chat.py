@@ -3,6 +3,7 @@ streamed (a role chunk, then content deltas) or not, with per-token logprobs."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,55 +26,49 @@ from loom.entrypoints.openai.protocol import (
     TopLogprob,
 )
 from loom.entrypoints.openai.serving import (
-    CLIENT_CLOSED,
-    ChoiceProgress,
+    Choice,
     ClientStream,
     OpenAIServing,
-    check_failed,
     sse,
     usage,
 )
-from loom.outputs import RequestOutput, TokenLogprob
+from loom.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 
 class ChatServing(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-        token_ids = self._render(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
+        token_ids = await asyncio.to_thread(self._render, request)  # long chats take a while
         budget_param = ("max_completion_tokens" if request.max_completion_tokens is not None
                         else "max_tokens")
-        max_tokens = self.max_tokens(request.max_completion_tokens or request.max_tokens,
-                                     len(token_ids), "messages", budget_param)
+        budget = (request.max_tokens if request.max_completion_tokens is None
+                  else request.max_completion_tokens)
+        max_tokens = self.max_tokens(budget, len(token_ids), "messages", budget_param)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        api_names = {"max_tokens": budget_param, "logprobs": "top_logprobs"}
         requests = [EngineRequest(f"{chat_id}-{i}", token_ids,
-                                  self.sampling_params(request, i, max_tokens=max_tokens,
-                                                       logprobs=logprobs),
+                                  self.sampling_params(request, i, api_names,
+                                                       max_tokens=max_tokens, logprobs=logprobs),
                                   request.priority)
                     for i in range(request.n)]
-        index = {r.request_id: i for i, r in enumerate(requests)}
+        choices = {r.request_id: Choice(i) for i, r in enumerate(requests)}
+        created = int(time.time())
 
-        started = await self.start(raw_request, requests, "messages")
-        if started is None:
-            return Response(status_code=CLIENT_CLOSED)
-        stream, first = started
-        if request.stream:
-            return self.sse_response(stream, self._events(
-                request, chat_id, stream, first, index, len(token_ids)))
-        finals = await self.finish(stream, first, len(requests))
-        if finals is None:
-            return Response(status_code=CLIENT_CLOSED)
-        choices = []
-        for request_id, i in index.items():
-            completion = finals[request_id].outputs[0]
-            choices.append(ChatChoice(
-                index=i, message=AssistantMessage(content=completion.text),
-                logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
-                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
-        response = ChatCompletionResponse(id=chat_id, model=self.model_name, choices=choices,
-                                          usage=usage(list(finals.values()), len(token_ids)))
-        return Response(response.model_dump_json(), media_type="application/json")
+        def events(stream: ClientStream, first: list[RequestOutput]) -> AsyncIterator[str]:
+            return self._events(request, chat_id, created, stream, first, choices,
+                                len(token_ids))
+
+        def response(finals: dict[str, RequestOutput]) -> ChatCompletionResponse:
+            return ChatCompletionResponse(
+                id=chat_id, created=created, model=self.model_name,
+                choices=[self._choice(request, finals[rid].outputs[0], choice.index)
+                         for rid, choice in choices.items()],
+                usage=usage(list(finals.values()), len(token_ids)))
+
+        return await self.respond(raw_request, requests, "messages", request.stream, events,
+                                  response)
 
     def _render(self, request: ChatCompletionRequest) -> list[int]:
         """The conversation through the model's chat template, as token ids."""
@@ -84,42 +79,40 @@ class ChatServing(OpenAIServing):
             raise APIError(400, f"messages: {e}", "messages") from e
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def _events(self, request: ChatCompletionRequest, chat_id: str,
-                      stream: ClientStream, first: list[RequestOutput], index: dict[str, int],
-                      num_prompt_tokens: int) -> AsyncIterator[str]:
-        created = int(time.time())
+    def _choice(self, request: ChatCompletionRequest, completion: CompletionOutput,
+                index: int) -> ChatChoice:
+        return ChatChoice(
+            index=index, message=AssistantMessage(content=completion.text),
+            logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
+            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
 
-        def chunk(choices: list[ChatStreamChoice], **extra: object) -> str:
+    async def _events(self, request: ChatCompletionRequest, chat_id: str, created: int,
+                      stream: ClientStream, first: list[RequestOutput],
+                      choices: dict[str, Choice], num_prompt_tokens: int
+                      ) -> AsyncIterator[str]:
+        def chunk(stream_choices: list[ChatStreamChoice], **extra: object) -> str:
             return sse(ChatCompletionChunk(id=chat_id, created=created, model=self.model_name,
-                                           choices=choices, **extra))
+                                           choices=stream_choices, **extra))
 
-        for i in index.values():
-            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                      content=""))])
-        progress = {request_id: ChoiceProgress() for request_id in index}
-        finals: list[RequestOutput] = []
-        outputs: list[RequestOutput] | None = first
-        while outputs is not None:
-            for output in outputs:
-                check_failed(output)
-                completion, choice = output.outputs[0], progress[output.request_id]
-                if not output.finished and choice.pending(completion) < self.stream_interval:
-                    continue
-                text, start = choice.advance(completion)
-                end = len(completion.token_ids)
-                logprobs = self._logprobs(request, completion.token_ids[start:end],
-                                          (completion.logprobs or [])[start:end])
-                if output.finished:
-                    finals.append(output)
-                elif not text and logprobs is None:
-                    continue  # tokens that are no text yet (half a UTF-8 char, a stop prefix)
-                yield chunk([ChatStreamChoice(
-                    index=index[output.request_id], delta=DeltaMessage(content=text),
-                    logprobs=logprobs, finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason)])
-            outputs = await anext(stream, None)
-        if request.include_usage and len(finals) == len(index):
-            yield chunk([], usage=usage(finals, num_prompt_tokens))
+        def delta(output: RequestOutput, choice: Choice) -> str | None:
+            completion = output.outputs[0]
+            text, start = choice.progress.advance(completion)
+            end = len(completion.token_ids)
+            logprobs = self._logprobs(request, completion.token_ids[start:end],
+                                      (completion.logprobs or [])[start:end])
+            if not output.finished and not text and logprobs is None:
+                return None  # tokens that are no text yet (half a UTF-8 char, a stop prefix)
+            return chunk([ChatStreamChoice(
+                index=choice.index, delta=DeltaMessage(content=text), logprobs=logprobs,
+                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)])
+
+        for choice in choices.values():
+            yield chunk([ChatStreamChoice(index=choice.index,
+                                          delta=DeltaMessage(role="assistant", content=""))])
+        usage_chunk = ((lambda finals: chunk([], usage=usage(finals, num_prompt_tokens)))
+                       if request.include_usage else None)
+        async for event in self.stream_events(stream, first, choices, delta, usage_chunk):
+            yield event
 
     def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
                   entries: list[TokenLogprob] | None) -> ChatLogprobs | None:

@@ -8,6 +8,7 @@ only"; the engine always samples at least one token, so it runs with one and dro
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,11 +26,9 @@ from loom.entrypoints.openai.protocol import (
     CompletionResponse,
 )
 from loom.entrypoints.openai.serving import (
-    CLIENT_CLOSED,
-    ChoiceProgress,
+    Choice,
     ClientStream,
     OpenAIServing,
-    check_failed,
     sse,
     usage,
 )
@@ -37,12 +36,10 @@ from loom.outputs import RequestOutput, TokenLogprob
 
 
 @dataclass
-class _Choice:
-    """One engine request of this HTTP request: its choice index and what it has sent."""
+class _Choice(Choice):
+    """A completion choice also echoes its prompt and tracks legacy logprobs' text offsets."""
 
-    index: int
-    prompt_text: str
-    progress: ChoiceProgress
+    prompt_text: str = ""
     echoed: bool = False
     text_offset: int = 0  # where the next token's text starts, for logprobs.text_offset
 
@@ -54,67 +51,61 @@ class CompletionServing(OpenAIServing):
         if score_only and not request.echo:
             raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with "
                            "echo=true, to score the prompt)", "max_tokens")
+        api_names = {"prompt_logprobs": "logprobs"}
         requests, choices, num_prompt_tokens = [], {}, 0
         for p, prompt in enumerate(request.prompts()):
-            if isinstance(prompt, str):
-                text, token_ids = prompt, self.tokenizer.encode(prompt)
-            else:
-                text, token_ids = self.tokenizer.decode(prompt), prompt
+            token_ids = await self._prompt_tokens(prompt)
             num_prompt_tokens += len(token_ids)
             max_tokens = self.max_tokens(1 if score_only else request.max_tokens,
                                          len(token_ids), "prompt")
+            text = await self._prompt_text(prompt) if request.echo else ""
             for i in range(request.n):
                 index = p * request.n + i
                 params = self.sampling_params(
-                    request, i, max_tokens=max_tokens, logprobs=request.logprobs,
+                    request, i, api_names, max_tokens=max_tokens, logprobs=request.logprobs,
                     prompt_logprobs=request.logprobs if request.echo else None)
                 request_id = f"{completion_id}-{index}"
                 requests.append(EngineRequest(request_id, token_ids, params, request.priority))
-                choices[request_id] = _Choice(index, text, ChoiceProgress())
-
-        started = await self.start(raw_request, requests, "prompt")
-        if started is None:
-            return Response(status_code=CLIENT_CLOSED)
-        stream, first = started
-        if request.stream:
-            return self.sse_response(stream, self._events(
-                request, completion_id, stream, first, choices, score_only, num_prompt_tokens))
-        finals = await self.finish(stream, first, len(requests))
-        if finals is None:
-            return Response(status_code=CLIENT_CLOSED)
-        response = CompletionResponse(
-            id=completion_id, model=self.model_name,
-            choices=[self._delta(request, finals[rid], choice, score_only)
-                     for rid, choice in choices.items()],
-            usage=usage([] if score_only else list(finals.values()), num_prompt_tokens))
-        return Response(response.model_dump_json(), media_type="application/json")
-
-    async def _events(self, request: CompletionRequest, completion_id: str,
-                      stream: ClientStream, first: list[RequestOutput],
-                      choices: dict[str, _Choice], score_only: bool,
-                      num_prompt_tokens: int) -> AsyncIterator[str]:
+                choices[request_id] = _Choice(index, prompt_text=text)
         created = int(time.time())
-        finals: list[RequestOutput] = []
-        outputs: list[RequestOutput] | None = first
-        while outputs is not None:
-            for output in outputs:
-                check_failed(output)
-                choice = choices[output.request_id]
-                if (not output.finished
-                        and choice.progress.pending(output.outputs[0]) < self.stream_interval):
-                    continue
+
+        def events(stream: ClientStream, first: list[RequestOutput]) -> AsyncIterator[str]:
+            def chunk(output: RequestOutput, choice: _Choice) -> str | None:
                 delta = self._delta(request, output, choice, score_only)
-                if output.finished:
-                    finals.append(output)
-                elif not delta.text and delta.logprobs is None:
-                    continue  # tokens that are no text yet (half a UTF-8 char, a stop prefix)
-                yield sse(CompletionChunk(id=completion_id, created=created,
-                                          model=self.model_name, choices=[delta]))
-            outputs = await anext(stream, None)
-        if request.include_usage and len(finals) == len(choices):
-            yield sse(CompletionChunk(
-                id=completion_id, created=created, model=self.model_name, choices=[],
-                usage=usage([] if score_only else finals, num_prompt_tokens)))
+                if not output.finished and not delta.text and delta.logprobs is None:
+                    return None  # tokens that are no text yet (half a UTF-8 char, a stop prefix)
+                return sse(CompletionChunk(id=completion_id, created=created,
+                                           model=self.model_name, choices=[delta]))
+
+            def usage_chunk(finals: list[RequestOutput]) -> str:
+                return sse(CompletionChunk(
+                    id=completion_id, created=created, model=self.model_name, choices=[],
+                    usage=usage([] if score_only else finals, num_prompt_tokens)))
+
+            return self.stream_events(stream, first, choices, chunk,
+                                      usage_chunk if request.include_usage else None)
+
+        def response(finals: dict[str, RequestOutput]) -> CompletionResponse:
+            return CompletionResponse(
+                id=completion_id, created=created, model=self.model_name,
+                choices=[self._delta(request, finals[rid], choice, score_only)
+                         for rid, choice in choices.items()],
+                usage=usage([] if score_only else list(finals.values()), num_prompt_tokens))
+
+        return await self.respond(raw_request, requests, "prompt", request.stream, events,
+                                  response)
+
+    async def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return await self.encode(prompt)
+        self.check_token_ids(prompt, "prompt")
+        return prompt
+
+    async def _prompt_text(self, prompt: str | list[int]) -> str:
+        """The prompt as echo returns it (decoded once its ids are known to be valid)."""
+        if isinstance(prompt, str):
+            return prompt
+        return await asyncio.to_thread(self.tokenizer.decode, prompt)
 
     def _delta(self, request: CompletionRequest, output: RequestOutput, choice: _Choice,
                score_only: bool) -> CompletionChoice:
