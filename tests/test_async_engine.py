@@ -4,6 +4,7 @@ a failing request, a dying loop (and /health saying so), and an idle loop that s
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -15,10 +16,12 @@ from loom.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineRequest,
+    OutputStream,
     RequestRejectedError,
 )
 from loom.engine.core import EngineCore
 from loom.entrypoints.openai.server import ServerConfig, build_app
+from loom.entrypoints.openai.serving_completion import CompletionServing
 from loom.outputs import RequestOutput
 from loom.sampling import SamplingParams
 
@@ -59,6 +62,12 @@ def request(request_id: str, max_tokens: int = 4, **params: object) -> EngineReq
 async def collect(engine: AsyncEngine, *requests: EngineRequest) -> list[list[RequestOutput]]:
     stream = engine.submit(list(requests))
     return [outputs async for outputs in stream]
+
+
+def client(engine: AsyncEngine) -> TestClient:
+    """The app in-process, addressed as loopback (the Host a local client sends)."""
+    return TestClient(build_app(engine, ServerConfig()), base_url="http://127.0.0.1",
+                      raise_server_exceptions=False)
 
 
 def counter(core: EngineCore, name: str, **labels: str) -> float:
@@ -115,9 +124,11 @@ def test_queue_timeout_rejects_unscheduled_requests(make_engine: Callable[..., A
     """A timeout shorter than the trip to the first step: rejected before it is scheduled."""
     engine = make_engine(queue_timeout=1e-9)
     rejected = counter(core, "loom:request_rejected_total")
+    aborted = counter(core, "loom:request_success_total", finished_reason="abort")
     with pytest.raises(RequestRejectedError, match="queue_timeout"):
         asyncio.run(collect(engine, request("late")))
     assert counter(core, "loom:request_rejected_total") == rejected + 1
+    assert counter(core, "loom:request_success_total", finished_reason="abort") == aborted
 
 
 def test_queue_limit_counts_the_inbox(make_engine: Callable[..., AsyncEngine],
@@ -134,6 +145,77 @@ def test_queue_limit_counts_the_inbox(make_engine: Callable[..., AsyncEngine],
 
     asyncio.run(run())
     assert counter(core, "loom:request_rejected_total") == rejected + 1
+
+
+def test_admission_counts_engine_requests_and_free_slots(
+        make_engine: Callable[..., AsyncEngine], core: EngineCore) -> None:
+    """Four free sequence slots and room for two waiting: six single requests are taken, a
+    seventh is not; a request of three engine requests that would overflow is refused whole
+    (and counts three times), while one that fits is taken."""
+    engine = make_engine(max_num_queued_reqs=2, max_num_seqs=4)
+    rejected = counter(core, "loom:request_rejected_total")
+
+    async def run() -> list[OutputStream]:
+        with engine._cond:  # hold the loop at its inbox: nothing runs, nothing finishes
+            taken = [engine.submit([request(f"s{i}")]) for i in range(6)]
+            with pytest.raises(RequestRejectedError, match="max_num_queued_reqs=2"):
+                engine.submit([request("s6")])
+            with pytest.raises(RequestRejectedError, match="3 more"):
+                engine.submit([request(f"batch{i}") for i in range(3)])
+        for stream in taken:
+            assert [o async for o in stream][-1][0].finished
+        return taken
+
+    asyncio.run(run())
+    assert counter(core, "loom:request_rejected_total") == rejected + 4
+
+    async def fits() -> list[list[RequestOutput]]:
+        return await collect(engine, *(request(f"fits{i}") for i in range(3)))
+
+    assert len({o.request_id for batch in asyncio.run(fits()) for o in batch}) == 3
+
+
+def test_drain_refuses_new_work_and_stop_ends_open_streams(
+        make_engine: Callable[..., AsyncEngine]) -> None:
+    engine = make_engine()
+
+    async def run() -> None:
+        running = engine.submit([request("long", max_tokens=500)])
+        await anext(running)
+        engine.drain()
+        with pytest.raises(RequestRejectedError, match="shutting down"):
+            engine.submit([request("late")])
+        assert await anext(running)  # what runs goes on
+        engine.stop("the server is shutting down")
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            async for _ in running:
+                pass
+
+    asyncio.run(run())
+
+
+def test_internal_errors_say_nothing_of_the_exception(
+        make_engine: Callable[..., AsyncEngine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug is a 500 (or, mid-stream, an error event and [DONE]) whose text names no
+    exception; the log has it."""
+    def boom(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("secret internals")
+
+    app = client(make_engine())
+    monkeypatch.setattr(CompletionServing, "_prompt_tokens", boom)
+    failed = app.post("/v1/completions", json={"prompt": "hi"})
+    assert failed.status_code == 500
+    assert failed.json()["error"]["type"] == "internal_server_error"
+    assert "secret" not in failed.text and "RuntimeError" not in failed.text
+    monkeypatch.undo()
+
+    monkeypatch.setattr(CompletionServing, "_delta", boom)
+    streamed = app.post("/v1/completions", json={"prompt": "hi", "stream": True,
+                                                 "max_tokens": 3})
+    events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert streamed.status_code == 200 and events[-1] == "data: [DONE]"
+    assert "internal_server_error" in events[-2]
+    assert "secret" not in streamed.text and "RuntimeError" not in streamed.text
 
 
 def test_a_request_that_cannot_run_fails_alone(make_engine: Callable[..., AsyncEngine]
@@ -161,33 +243,48 @@ def test_priority_reaches_the_engine(make_engine: Callable[..., AsyncEngine], co
     assert seen[0][0] == "p" and seen[0][3] == 7
 
 
-def test_idle_loop_sleeps(make_engine: Callable[..., AsyncEngine], core: EngineCore,
-                          monkeypatch: pytest.MonkeyPatch) -> None:
-    steps = []
-    step = core.step
-    monkeypatch.setattr(core, "step", lambda: steps.append(1) or step())
-    engine = make_engine()
-    asyncio.run(collect(engine, request("once", max_tokens=3)))
-    busy_steps = len(steps)
-    time.sleep(0.3)
-    assert len(steps) == busy_steps and engine.is_alive
+def test_idle_loop_sleeps(core: EngineCore) -> None:
+    """Once the work is done the loop blocks on its Condition with no timeout: it sleeps
+    until called, it does not poll."""
+    engine = AsyncEngine(core)
+    waits: list[float | None] = []
+    idle = threading.Event()
+
+    class Watched(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            waits.append(timeout)
+            idle.set()
+            return super().wait(timeout)
+
+    engine._cond = Watched()
+    engine.start()
+    try:
+        idle.wait()  # the loop starts idle
+        idle.clear()
+        asyncio.run(collect(engine, request("once", max_tokens=3)))
+        idle.wait()  # and goes back to sleep once the request is done
+        assert engine.is_alive and set(waits) == {None}
+    finally:
+        engine.shutdown()
 
 
 def test_a_dying_loop_fails_everyone_and_reports_dead(make_engine: Callable[..., AsyncEngine],
                                                       core: EngineCore,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    def explode() -> list[RequestOutput]:
+    def explode(*args: object) -> list[RequestOutput]:
         raise RuntimeError("boom")
 
     monkeypatch.setattr(core, "step", explode)
     engine = make_engine()
-    with pytest.raises(EngineDeadError, match="boom"):
+    with pytest.raises(EngineDeadError, match="died") as dead:
         asyncio.run(collect(engine, request("doomed")))
+    assert "boom" not in str(dead.value)  # the log has it; callers (and clients) do not
     assert not engine.is_alive
-    app = TestClient(build_app(engine, ServerConfig()))  # no lifespan: the dead loop stays
+    app = client(engine)  # no lifespan: the dead loop stays
     assert app.get("/health").status_code == 503
     refused = app.post("/v1/completions", json={"prompt": "hi"})
     assert refused.status_code == 503 and "died" in refused.json()["error"]["message"]
+    assert "boom" not in refused.text
 
     async def submit_again() -> None:
         engine.submit([request("after")])

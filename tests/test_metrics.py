@@ -32,3 +32,13 @@ def test_stats_line_is_quiet_while_idle(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="loom.stats"):
         metrics.maybe_log_stats(busy=False)
     assert not caplog.records
+
+
+def test_an_abort_inside_the_rejection_block_counts_once_as_rejected() -> None:
+    metrics = EngineMetrics("m")
+    with metrics.abort_counts_as_rejected():
+        metrics.finished("abort")
+    metrics.finished("abort")
+    values = metrics.snapshot()
+    assert values["loom:request_rejected_total"] == 1
+    assert values["loom:request_success_total{finished_reason=abort}"] == 1

@@ -9,6 +9,10 @@ Threading contract: only the loop thread touches EngineCore. Callers hand it wor
 lock-protected inbox (adds and aborts, drained at the top of every step); outputs travel back
 to each caller's event loop with `call_soon_threadsafe`. When there is no work the loop sleeps
 on a Condition, so an idle server costs no CPU.
+
+Admission counts engine requests (an HTTP request with P prompts and n choices is P x n of
+them) and takes them all or none. A request "waits" only if it would find no free sequence
+slot: arrivals that the next step will schedule at once do not fill the queue.
 """
 
 from __future__ import annotations
@@ -106,21 +110,26 @@ class OutputStream:
 
 class AsyncEngine:
     """Runs `core` on a background thread. `max_num_queued_reqs` and `queue_timeout` are
-    admission control: refuse new work while that many requests wait, and give up on a
-    request still unscheduled after that many seconds (both raise RequestRejectedError to the
-    caller and count in `loom:request_rejected_total`)."""
+    admission control: refuse new work that would make more than that many requests wait for
+    one of the `max_num_seqs` sequence slots, and give up on a request still unscheduled after
+    that many seconds (both raise RequestRejectedError to the caller and count once, in
+    `loom:request_rejected_total`)."""
 
     def __init__(self, core: EngineCore, max_num_queued_reqs: int | None = None,
-                 queue_timeout: float | None = None) -> None:
+                 queue_timeout: float | None = None, max_num_seqs: int = 0) -> None:
         self.core = core
         self.max_num_queued_reqs = max_num_queued_reqs
         self.queue_timeout = queue_timeout
+        self.max_num_seqs = max_num_seqs
         self._cond = threading.Condition()
         # -- guarded by _cond: the inbox and what admission control reads
         self._adds: list[tuple[OutputStream, EngineRequest, float]] = []
         self._aborts: list[str] = []
         self._num_waiting = 0  # the core's waiting queue, as of the last drain or step
+        self._num_running = 0  # and its running batch
+        self._draining = False  # shutting down: finish what runs, take nothing new
         self._stopping = False
+        self._stop_reason = "the engine was shut down"
         self._dead: EngineDeadError | None = None  # why the loop stopped, once it has
         # -- loop thread only
         self._streams: dict[str, OutputStream] = {}
@@ -132,10 +141,21 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
+    def drain(self) -> None:
+        """Refuse new requests (503) but go on serving those already taken."""
         with self._cond:
-            self._stopping = True
+            self._draining = True
+
+    def stop(self, reason: str = "the engine was shut down") -> None:
+        """End the loop at the top of its next step; every caller still waiting gets an
+        EngineDeadError saying `reason`. Returns at once (see `shutdown`)."""
+        with self._cond:
+            if not self._stopping:
+                self._stopping, self._stop_reason = True, reason
             self._cond.notify()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -145,8 +165,9 @@ class AsyncEngine:
 
     def submit(self, requests: list[EngineRequest]) -> OutputStream:
         """Queue requests for the next step, all or none. Must be called on the event loop
-        that will read the returned stream. Raises RequestRejectedError when
-        `max_num_queued_reqs` requests already wait, EngineDeadError when the loop is down."""
+        that will read the returned stream. Raises RequestRejectedError when taking them
+        would make more than `max_num_queued_reqs` requests wait, or while draining;
+        EngineDeadError when the loop is down."""
         stream = OutputStream(self, [r.request_id for r in requests])
         deadline = time.monotonic() + (self.queue_timeout or 0.0)
         with self._cond:
@@ -154,18 +175,25 @@ class AsyncEngine:
                 raise EngineDeadError(str(self._dead))
             if self._stopping or not self._thread.is_alive():
                 raise EngineDeadError("the engine loop is not running")
-            waiting = self._num_waiting + len(self._adds)
-            if self.max_num_queued_reqs is not None and waiting >= self.max_num_queued_reqs:
-                self.core.metrics.rejected.inc(len(requests))
-                logger.warning("Rejected request %s: %d requests already waiting "
-                               "(max_num_queued_reqs=%d)", requests[0].request_id, waiting,
-                               self.max_num_queued_reqs)
-                raise RequestRejectedError(
-                    f"server is at capacity: {waiting} requests already waiting "
-                    f"(max_num_queued_reqs={self.max_num_queued_reqs}); retry later")
+            if self._draining:
+                self._reject(requests, "the server is shutting down; retry elsewhere or later")
+            free_slots = max(0, self.max_num_seqs - self._num_running)
+            not_running = self._num_waiting + len(self._adds)
+            would_wait = max(0, not_running + len(requests) - free_slots)
+            if self.max_num_queued_reqs is not None and would_wait > self.max_num_queued_reqs:
+                self._reject(requests, (
+                    f"server is at capacity: {max(0, not_running - free_slots)} requests "
+                    f"already waiting, {len(requests)} more asked for "
+                    f"(max_num_queued_reqs={self.max_num_queued_reqs}); retry later"))
             self._adds.extend((stream, r, deadline) for r in requests)
             self._cond.notify()
         return stream
+
+    def _reject(self, requests: list[EngineRequest], why: str) -> None:
+        self.core.metrics.rejected.inc(len(requests))
+        logger.warning("Rejected request %s (%d engine requests): %s", requests[0].request_id,
+                       len(requests), why)
+        raise RequestRejectedError(why)
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the top of the next step (its KV blocks are freed there)."""
@@ -176,24 +204,29 @@ class AsyncEngine:
     # -- the loop thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        error = EngineDeadError("the engine was shut down")
+        error = None
         try:
             in_flight = None  # the step running on the model (async scheduling), as a value
             while self._wait_for_work(in_flight is not None):
                 self._drain_inbox()
                 self._expire_queued()
+                outputs: list[RequestOutput] = []
                 if self.core.has_unfinished_requests() or in_flight is not None:
                     outputs, in_flight = self.core.step(in_flight)
-                    self._deliver(outputs)
                 else:  # only aborts arrived: no step will run to show their freed blocks
                     self.core.update_gauges()
-                with self._cond:
+                with self._cond:  # before delivering: whoever sees a request end sees it gone
                     self._num_waiting = self.core.num_waiting
-        except Exception as e:  # noqa: BLE001 - any crash must fail the callers, not hang them
+                    self._num_running = self.core.num_running
+                self._deliver(outputs)
+        except Exception:  # noqa: BLE001 - any crash must fail the callers, not hang them
             logger.exception("The engine loop died; /health now reports 503")
-            error = EngineDeadError(f"the engine loop died: {type(e).__name__}: {e}")
+            # What went wrong is for the log: a client is only told that it did.
+            error = EngineDeadError("the engine loop died; the server log says why")
         finally:
-            self._fail_all(error)
+            with self._cond:
+                reason = self._stop_reason
+            self._fail_all(error or EngineDeadError(reason))
 
     def _wait_for_work(self, step_in_flight: bool) -> bool:
         """Sleep until there is something to do; False when it is time to stop."""
@@ -232,8 +265,8 @@ class AsyncEngine:
                 del self._deadlines[request_id]
             elif now >= deadline:
                 del self._deadlines[request_id]
-                self.core.abort_request(request_id)
-                self.core.metrics.rejected.inc()
+                with self.core.metrics.abort_counts_as_rejected():  # one request, one count
+                    self.core.abort_request(request_id)
                 logger.warning("Rejected request %s: not scheduled within queue_timeout=%gs",
                                request_id, self.queue_timeout)
                 self._streams.pop(request_id).put_threadsafe([RequestRejectedError(

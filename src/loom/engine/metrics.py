@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -62,12 +64,27 @@ class EngineMetrics:
         for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name=model_name, finished_reason=reason)
 
+        self._abort_is_rejection = False
         self.log_interval_s = log_interval_s
         self._last_log = time.monotonic()
         self._logged = {"prompt": 0.0, "generation": 0.0, "queries": 0.0, "hits": 0.0}
 
     def finished(self, reason: str) -> None:
+        if reason == "abort" and self._abort_is_rejection:
+            self.rejected.inc()
+            return
         self._success.labels(model_name=self._model_name, finished_reason=reason).inc()
+
+    @contextmanager
+    def abort_counts_as_rejected(self) -> Iterator[None]:
+        """Within this block, a request that ends as an abort counts as rejected instead: a
+        queue timeout is aborted in the engine but answered with 503, and each request must
+        count once (the loop thread is the only caller, so no lock is needed)."""
+        self._abort_is_rejection = True
+        try:
+            yield
+        finally:
+            self._abort_is_rejection = False
 
     def prometheus_text(self) -> bytes:
         return generate_latest(self.registry)
