@@ -59,6 +59,15 @@ def compare(trace: Trace, configs: list[tuple[str, str]], out_dir: Path, base: L
         entries.append({"name": name, "flags": all_flags, "file": f"{name}.json",
                         "knee_rate": result["knee_rate"]})
         sweeps.append(result)
+    return save_compare(trace, entries, sweeps, out_dir, slo, gpu_cost_per_hour)
+
+
+def save_compare(trace: Trace, entries: list[dict[str, Any]], sweeps: list[dict[str, Any]],
+                 out_dir: Path, slo: Slo | None, gpu_cost_per_hour: float | None
+                 ) -> dict[str, Any]:
+    """compare.json indexing the sweeps already saved as entries' files, plus the report.
+    Measured and simulated configurations (`loom simulate --gpus ...`) share this layout, so
+    `loom bench scorecard DIR` and `loom diagnose DIR` read either."""
     index = {"kind": "compare", "command": shlex.join(sys.argv), "trace": trace.describe(),
              "configs": entries}
     save_json(index, out_dir / "compare.json")

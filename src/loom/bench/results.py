@@ -155,6 +155,16 @@ def server_figures(before: Snapshot | None, after: Snapshot | None,
     return out
 
 
+def exact_summary(values_s: list[float]) -> dict[str, Any]:
+    """count, mean and percentiles in ms of exact values, in the shape `server_figures` gives a
+    server histogram (for sources that know each value, such as a simulation)."""
+    out: dict[str, Any] = {"count": len(values_s),
+                           "mean_ms": 1000 * float(np.mean(values_s)) if values_s else None}
+    for p in PERCENTILES:
+        out[f"p{p}_ms"] = 1000 * float(np.percentile(values_s, p)) if values_s else None
+    return out
+
+
 def client_figures(results: list[RequestResult], timeline: list[dict[str, Any]]) -> dict[str, Any]:
     """How well the load generator kept its schedule: a late send is the client's queueing,
     not the server's, and must not be mistaken for it."""

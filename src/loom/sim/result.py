@@ -1,0 +1,125 @@
+"""A simulated run as the result JSON `loom bench run` writes (same builder, same keys), marked
+`"simulated": true`, so scorecard, plots, compare and diagnose read it unchanged."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from loom.bench import results as R
+from loom.bench.replay import Load, Target, build_result
+from loom.bench.scrape import Snapshot
+from loom.bench.trace import Trace
+from loom.config import CacheConfig, SchedulerConfig
+from loom.sim.engine import SimEngine
+from loom.sim.profile import Profile
+from loom.sim.replay import ServerLimits, SimRun, Simulation
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated server: a profile and the engine / server flags it runs with."""
+
+    name: str
+    profile: Profile
+    scheduler: SchedulerConfig = SchedulerConfig()
+    cache: CacheConfig = CacheConfig()
+    max_model_len: int | None = None
+    limits: ServerLimits = ServerLimits()
+    serve_commands: dict[str, str | None] = field(default_factory=dict, compare=False)
+
+    @property
+    def model_len(self) -> int:
+        return self.max_model_len or self.profile.max_model_len
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """The cache the flags ask for, else the profile's (in this block size)."""
+        from loom.config import parse_size
+
+        if self.cache.num_kv_blocks is not None:
+            return self.cache.num_kv_blocks
+        per_block = self.profile.step_model.shape.kv_bytes_per_token * self.cache.block_size
+        if self.cache.kv_cache_memory is not None:
+            return max(1, parse_size(self.cache.kv_cache_memory) // per_block)
+        return self.profile.num_kv_blocks * self.profile.block_size // self.cache.block_size
+
+    def engine(self) -> SimEngine:
+        sc = self.scheduler
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.model_len:
+            raise ValueError(f"with chunked prefill disabled, max_num_batched_tokens "
+                             f"({sc.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({self.model_len})")
+        return SimEngine(sc, self.num_kv_blocks, self.cache.block_size,
+                         self.cache.enable_prefix_caching, self.model_len,
+                         self.profile.step_model)
+
+    def flags(self) -> list[str]:
+        """The engine and server flags of this configuration, as `loom serve` takes them."""
+        sc, cc = self.scheduler, self.cache
+        out = ["--max-model-len", str(self.model_len), "--num-kv-blocks", str(self.num_kv_blocks),
+               "--block-size", str(cc.block_size),
+               "--max-num-batched-tokens", str(sc.max_num_batched_tokens),
+               "--max-num-seqs", str(sc.max_num_seqs), "--scheduler", sc.scheduler,
+               "--scheduling-policy", sc.scheduling_policy,
+               "--enable-chunked-prefill" if sc.enable_chunked_prefill
+               else "--no-enable-chunked-prefill",
+               "--enable-prefix-caching" if cc.enable_prefix_caching
+               else "--no-enable-prefix-caching"]
+        if self.limits.max_num_queued_reqs is not None:
+            out += ["--max-num-queued-reqs", str(self.limits.max_num_queued_reqs)]
+        if self.limits.queue_timeout_s is not None:
+            out += ["--queue-timeout", f"{self.limits.queue_timeout_s:g}"]
+        return out
+
+
+@dataclass
+class _Timeline:
+    """What build_result reads from a live monitor."""
+
+    timeline: list[dict[str, Any]]
+    memory_peak: None = None
+
+
+def simulate_run(config: SimConfig, trace: Trace, token_ids: list[list[int]], load: Load,
+                 slo: R.Slo | None = None, label: str | None = None,
+                 scrape_interval_s: float = 1.0) -> dict[str, Any]:
+    """Replay `trace` at `load` on the simulated `config`; returns the run result."""
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    wall, cpu = time.perf_counter(), time.process_time()
+    run = Simulation(config.engine(), trace, token_ids, load, config.limits,
+                     scrape_interval_s).simulate()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return build(run, config, trace, load, slo, label or f"simulated {config.name}", date,
+                 wall, cpu)
+
+
+def build(run: SimRun, config: SimConfig, trace: Trace, load: Load, slo: R.Slo | None,
+          label: str, date: str, wall_s: float, cpu_s: float) -> dict[str, Any]:
+    after = Snapshot(counters={"preemptions": run.preemptions, "rejected": run.rejected,
+                               "prefix_cache_queries": run.prefix_queries,
+                               "prefix_cache_hits": run.prefix_hits}, source="loom")
+    profile = config.profile
+    server = {"simulated": True, "cmdline": ["loom", "serve", *config.flags()],
+              "profile": {"source": profile.source, "model": profile.model, **profile.meta}}
+    result = build_result(run.sent, run.duration, _Timeline(run.timeline), None, after, server,
+                          profile.model, trace, load, Target(f"simulated:{config.name}"), slo,
+                          label, date)
+    result["backend"] = "loom-simulate"
+    result["simulated"] = True
+    result["queue_time"] = R.exact_summary(run.queue_times)
+    result["server_ttft"] = R.exact_summary(run.server_ttfts)
+    result["simulation"] = {
+        "config": config.name, "profile_source": profile.source, "num_gpus": profile.num_gpus,
+        "num_kv_blocks": config.num_kv_blocks, "block_size": config.cache.block_size,
+        "max_model_len": config.model_len, "steps": run.num_steps,
+        "busy_fraction": run.busy_s / run.duration if run.duration else 0.0,
+        "wall_s": wall_s, "cpu_s": cpu_s,
+        "simulated_s_per_wall_s": run.duration / wall_s if wall_s > 0 else None,
+        "serve_commands": config.serve_commands,
+        "not_modelled": "EOS (requests end at their trace length), async scheduling "
+                        "(steps run back to back), HTTP/tokenization time outside the step"}
+    return result
+

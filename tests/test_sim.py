@@ -1,0 +1,226 @@
+"""`loom simulate`: the real scheduler on a virtual clock, writing loom bench's result JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from loom.bench.diagnose import diagnose
+from loom.bench.replay import Load
+from loom.bench.results import load_result, save_json
+from loom.bench.scorecard import markdown
+from loom.bench.trace import Trace, TraceRequest, write_trace
+from loom.config import CacheConfig, SchedulerConfig
+from loom.plan.roofline import ModelShape, StepModel, StepWork
+from loom.sim.calibrate import Sample, errors, fit
+from loom.sim.cli import add_parser
+from loom.sim.profile import Profile
+from loom.sim.replay import ServerLimits, prompt_token_ids
+from loom.sim.result import SimConfig, simulate_run
+
+pytestmark = pytest.mark.unit
+
+SHAPE = ModelShape(linear_params=100_000_000, lm_head_params=10_000_000,
+                   attention_flops_per_pair=4 * 30 * 576, kv_bytes_per_token=23_040,
+                   weight_bytes=0)
+# 5 ms per step + 0.2 ms per sequence + 1 GFLOP/ms: a small CPU-like engine
+STEP = StepModel(SHAPE, step_s=0.005, seq_s=2e-4, token_s=0.0, byte_s=0.0, flop_s=1e-12,
+                 combine="sum")
+
+
+def _profile(num_blocks: int = 4096) -> Profile:
+    return Profile("calibrated", STEP, "test-model", max_model_len=2048,
+                   num_kv_blocks=num_blocks, block_size=16)
+
+
+def _trace(n: int = 60, seed: int = 0, cancel_every: int = 0) -> Trace:
+    """A mixed trace: short chats and long prompts, some with long outputs."""
+    import random
+
+    rng = random.Random(seed)
+    requests = []
+    for i in range(n):
+        long = i % 4 == 0
+        requests.append(TraceRequest(
+            max_tokens=rng.randint(16, 200) if not long else rng.randint(8, 32),
+            prompt_len=rng.randint(600, 1000) if long else rng.randint(20, 60),
+            cls="long" if long else "chat", arrival_s=0.1 * i, id=f"r{i}",
+            cancel_after_s=0.3 if cancel_every and i % cancel_every == 1 else None))
+    return Trace(requests, {"tokenizer": "test"}, sha256="0" * 64)
+
+
+def _run(trace: Trace, load: Load, num_blocks: int = 4096, scheduler: str = "continuous",
+         limits: ServerLimits | None = None, **sched) -> dict:
+    config = SimConfig("test", _profile(num_blocks),
+                       SchedulerConfig(scheduler=scheduler, **sched), CacheConfig(),
+                       limits=limits or ServerLimits())
+    return simulate_run(config, trace, prompt_token_ids(trace, None, 0), load)
+
+
+def _stable(result: dict) -> dict:
+    """The result without what depends on the wall clock."""
+    return {k: v for k, v in result.items() if k not in ("date", "simulation", "hardware",
+                                                          "command")}
+
+
+def test_deterministic_for_a_seed():
+    trace = _trace()
+    a = _run(trace, Load(rate=20.0, seed=3))
+    b = _run(trace, Load(rate=20.0, seed=3))
+    c = _run(trace, Load(rate=20.0, seed=4))
+    assert _stable(a) == _stable(b)
+    assert _stable(a)["requests"] != _stable(c)["requests"]
+
+
+def test_tiny_kv_cache_preempts_and_a_large_one_does_not():
+    trace = _trace()
+    tiny = _run(trace, Load(max_concurrency=32), num_blocks=80)
+    large = _run(trace, Load(max_concurrency=32), num_blocks=8192)
+    assert tiny["preemptions"] > 0
+    assert large["preemptions"] == 0
+    assert tiny["completed"] == large["completed"] == len(trace.requests)
+    assert tiny["kv_cache_usage_peak"] > large["kv_cache_usage_peak"]
+
+
+def test_static_is_slower_than_continuous_on_a_mixed_trace():
+    trace = _trace()
+    continuous = _run(trace, Load(max_concurrency=16))
+    static = _run(trace, Load(max_concurrency=16), scheduler="static", max_num_seqs=16)
+    assert static["duration"] > continuous["duration"]
+    assert static["output_throughput"] < continuous["output_throughput"]
+    assert static["p95_ttft_ms"] > continuous["p95_ttft_ms"]
+
+
+def test_every_request_ends_completed_cancelled_or_rejected():
+    trace = _trace(cancel_every=5)
+    result = _run(trace, Load(rate=40.0), limits=ServerLimits(max_num_queued_reqs=4,
+                                                              queue_timeout_s=1.0))
+    statuses = [r["status"] for r in result["requests"]]
+    assert len(statuses) == len(trace.requests)
+    assert set(statuses) <= {"ok", "cancelled", "rejected"}
+    assert result["completed"] + result["cancelled"] + result["rejected"] == len(statuses)
+    assert result["cancelled"] > 0 and result["rejected"] > 0
+    cancelled = [r for r in result["requests"] if r["status"] == "cancelled"]
+    assert all(r["e2e_s"] == pytest.approx(0.3) for r in cancelled)
+
+
+def test_closed_loop_never_exceeds_its_users():
+    result = _run(_trace(), Load(max_concurrency=5))
+    assert max(e["client_in_flight"] for e in result["timeline"]) <= 5
+    assert result["completed"] == 60
+    assert result["num_requests_running_peak"] <= 5
+
+
+def test_budget_and_chunked_prefill_are_the_real_scheduler_s():
+    trace = _trace()
+    small = _run(trace, Load(max_concurrency=16), max_num_batched_tokens=256, max_num_seqs=16)
+    large = _run(trace, Load(max_concurrency=16), max_num_batched_tokens=2048, max_num_seqs=16)
+    assert small["simulation"]["steps"] > large["simulation"]["steps"]
+    with pytest.raises(ValueError, match="chunked prefill disabled"):
+        _run(trace, Load(max_concurrency=4), enable_chunked_prefill=False,
+             max_num_batched_tokens=512, max_num_seqs=16)
+
+
+def test_the_json_loads_in_scorecard_and_diagnose(tmp_path):
+    result = _run(_trace(), Load(max_concurrency=32), num_blocks=80)
+    assert result["simulated"] is True and result["kind"] == "run"
+    save_json(result, tmp_path / "sim.json")
+    loaded = load_result(tmp_path / "sim.json")
+    card = markdown([loaded])
+    assert "simulated test" in card
+    rules = {f.rule for f in diagnose(loaded)}
+    assert "preemptions_kv_pressure" in rules
+    assert loaded["queue_time"]["count"] == 60
+
+
+def test_shared_prefix_hits_the_prefix_cache():
+    text = "a shared document " * 100
+    trace = Trace([TraceRequest(max_tokens=8, prompt=text + f" question {i}", cls="rag",
+                                arrival_s=float(i), id=str(i)) for i in range(10)],
+                  {"tokenizer": "bundled"})
+    from loom.bench.tokens import load_tokenizer
+
+    config = SimConfig("test", _profile(), SchedulerConfig(), CacheConfig())
+    ids = prompt_token_ids(trace, load_tokenizer(None), 0)
+    result = simulate_run(config, trace, ids, Load(rate="trace"))
+    assert result["prefix_cache_hit_rate"] > 0.5
+    assert result["completed"] == 10
+    for r, n in zip(trace.requests, map(len, ids)):
+        r.prompt_len = n  # as the trace generator records it: ids from words, same sharing
+    by_words = simulate_run(config, trace, prompt_token_ids(trace, None, 0), Load(rate="trace"))
+    assert by_words["prefix_cache_hit_rate"] == pytest.approx(result["prefix_cache_hit_rate"],
+                                                              abs=0.1)
+
+
+def test_profile_round_trip(tmp_path):
+    _profile().save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == _profile()
+    (tmp_path / "bad.json").write_text(json.dumps({"kind": "other"}))
+    with pytest.raises(ValueError, match="not a loom step profile"):
+        Profile.load(tmp_path / "bad.json")
+
+
+def test_fit_recovers_a_known_step_model():
+    truth = StepModel(SHAPE, step_s=0.02, seq_s=5e-4, token_s=1e-5, byte_s=1e-10,
+                      flop_s=2e-11, combine="sum")
+    works = [StepWork.of([(p, 0, True)] * (p > 0) + [(1, c, True)] * d)
+             for p in (0, 32, 256, 1024) for d in (0, 1, 8, 32) for c in (100, 1000)
+             if p or d]
+    samples = [Sample(w, [truth.time(w)]) for w in works]
+    model = fit(samples, SHAPE)
+    assert errors(model, samples)["max_abs_pct"] < 1.0
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+
+def _cli(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="loom")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def test_cli_profile_run_writes_the_bench_json(tmp_path, capsys):
+    write_trace(_trace(), tmp_path / "t.jsonl")
+    _profile().save(tmp_path / "p.json")
+    args = _cli(["simulate", "--profile", str(tmp_path / "p.json"), "--trace",
+                 str(tmp_path / "t.jsonl"), "--max-concurrency", "8", "--num-kv-blocks", "200",
+                 "--output", str(tmp_path / "r.json")])
+    assert args.func(args) == 0
+    result = load_result(tmp_path / "r.json")
+    assert result["simulated"] and result["simulation"]["num_kv_blocks"] == 200
+    assert "--num-kv-blocks 200" in " ".join(result["server"]["cmdline"])
+    assert "simulated figures" in capsys.readouterr().out
+
+
+def test_cli_what_if_across_gpus(tmp_path, capsys):
+    write_trace(_trace(), tmp_path / "t.jsonl")
+    args = _cli(["simulate", "--model", "llama-3.1-70b", "--gpus", "a100-80gb,h100-sxm,h200",
+                 "--tensor-parallel-size", "1,2,4", "--max-model-len", "8192",
+                 "--trace", str(tmp_path / "t.jsonl"), "--rates", "2,8",
+                 "--slo", "ttft_p95=1,e2e_p95=20", "--price", "h100-sxm=2.4,h200=3.1",
+                 "--output-dir", str(tmp_path / "what-if")])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "does not fit: a100-80gb x1" in out
+    assert "cheapest meeting the SLO at @2/s" in out
+    assert "vllm serve meta-llama/Llama-3.1-70B-Instruct --tensor-parallel-size 4" in out
+    compare = load_result(tmp_path / "what-if")
+    names = [c["name"] for c in compare["configs"]]
+    assert "h200-tp2" in names and "h100-sxm-tp1" not in names
+    assert all(r["simulated"] for s in compare["sweeps"] for r in s["runs"])
+    diagnose(compare)
+    assert (tmp_path / "what-if" / "scorecard.md").exists()
+
+
+def test_cli_needs_a_trace_and_a_load(tmp_path):
+    with pytest.raises(ValueError, match="needs --trace"):
+        args = _cli(["simulate", "--profile", "p.json"])
+        args.func(args)
+    write_trace(_trace(), tmp_path / "t.jsonl")
+    with pytest.raises(ValueError, match="give --rate"):
+        args = _cli(["simulate", "--profile", "p.json", "--trace", str(tmp_path / "t.jsonl")])
+        args.func(args)
+    assert math.isinf(_cli(["simulate", "--rate", "inf"]).rates[0])
