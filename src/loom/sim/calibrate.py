@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 # idle 2-core machine with the bundled model; "quick" is a smoke test.
 GRIDS = {
     "quick": ((0, 64), (0, 1, 4), (64, 256)),
-    "default": ((0, 32, 128, 512, 1536), (0, 1, 4, 16, 48), (128, 512, 1536)),
+    "default": ((0, 32, 128, 512), (0, 1, 4, 16, 32), (128, 768)),
 }
 
 
