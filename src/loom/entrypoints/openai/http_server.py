@@ -1,0 +1,124 @@
+"""The socket, the connections and the shutdown of `loom serve`, around uvicorn.
+
+- The port is bound before the model loads, so "address already in use" comes at once, not
+  after the load (the socket listens only once the server is ready: until then a client is
+  refused, not left hanging).
+- Connections are capped below the process's file-descriptor limit: one over the cap is
+  answered 503 and closed at once, so idle sockets can never exhaust descriptors and turn
+  accept() into a loop of "Too many open files".
+- A connection must send its request head within the read timeout (uvicorn times out only
+  idle keep-alive connections, not a first request that never comes); `guards.BodyGuard`
+  bounds the body the same way.
+- SIGTERM (or Ctrl-C) drains: the listening socket closes, new requests on open connections
+  get 503, and requests in flight run on for up to `shutdown_timeout` seconds; then the
+  engine stops, so every stream still open ends with an error event and [DONE], and the
+  process exits.
+- /health and /metrics answers are kept out of the access log: a scraper polls them every
+  second or so and would drown the lines that matter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import socket
+from collections.abc import Callable
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger(__name__)
+
+FD_RESERVE = 64  # descriptors kept for the model files, logs and the engine
+QUIET_PATHS = frozenset({"/health", "/metrics"})
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\n"
+         b"connection: close\r\ncontent-length: 33\r\n\r\ntoo many connections; retry later")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (not yet listening). Raises OSError naming the address."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    return sock
+
+
+def connection_cap(requested: int) -> int:
+    """`requested`, lowered to fit the descriptor limit (raised to its hard maximum first,
+    as servers do: the soft default of 1024 is a relic)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return requested
+    cap = max(1, min(requested, soft - FD_RESERVE))
+    if cap < requested:
+        logger.warning("max_connections lowered to %d to fit the file-descriptor limit %d",
+                       cap, soft)
+    return cap
+
+
+def protocol_class(max_connections: int) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol with a connection cap and a timeout on the first request
+    head (the keep-alive timer, armed from the moment the connection opens)."""
+
+    class CappedH11Protocol(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            if len(self.connections) >= max_connections:
+                self.transport = transport  # connection_lost closes it again, harmlessly
+                transport.write(_BUSY)
+                transport.close()
+                return
+            super().connection_made(transport)
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    return CappedH11Protocol
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown first lets requests in flight finish for up to
+    `shutdown_timeout` seconds, then calls `stop` (which must end every response still open)."""
+
+    def __init__(self, config: uvicorn.Config, shutdown_timeout: float,
+                 drain: Callable[[], None], stop: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.shutdown_timeout = shutdown_timeout
+        self._drain, self._stop = drain, stop
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        logger.info("Draining: new requests get 503; requests in flight have %gs to finish",
+                    self.shutdown_timeout)
+        self._drain()
+        deadline = asyncio.get_running_loop().call_later(self.shutdown_timeout, self._stop_now)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+    def _stop_now(self) -> None:
+        logger.warning("shutdown_timeout reached: aborting the requests still running")
+        self._stop()
+
+
+class QuietPathsFilter(logging.Filter):
+    """Drops uvicorn access-log records of /health and /metrics."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].partition("?")[0] not in QUIET_PATHS
+        return True
