@@ -101,17 +101,17 @@ def test_kv_split_smollm2_tied_gqa():
 def test_max_concurrency_by_hand_llama_8b_h100():
     s = PlanSettings(max_model_len=8192, concurrencies=(4, 64))
     rows = plan(_known("llama-3.1-8b"), resolve_gpus(["h100-sxm"], builtin_catalogue()), s)
-    # 80e9 bytes - 10% margin - weights - activations - 1 GiB framework
+    # 80 GiB - 10% margin - weights - activations - 1 GiB framework
     activations = 2048 * (2 * 4096 + (32 + 2 * 8) * 128 + 2 * 14336) * 2 + 128 * 128256 * 4
     assert activations == 241_827_840 == activation_bytes(_known("llama-3.1-8b").arch, 1,
                                                           2048, 128)
-    budget = 80_000_000_000 - 8_000_000_000 - 16_060_522_496 - activations - 2**30
-    assert rows[0]["kv_budget_bytes"] == budget == 54_623_907_840
-    blocks = budget // (131_072 * 16)  # 26,046 blocks of 16 tokens
-    assert rows[0]["num_kv_blocks"] == blocks == 26_046
-    assert rows[0]["max_concurrency"] == blocks // (8192 // 16) == 50
+    budget = 80 * 2**30 - 8 * 2**30 - 16_060_522_496 - activations - 2**30
+    assert rows[0]["kv_budget_bytes"] == budget == 59_933_319_168
+    blocks = budget // (131_072 * 16)  # 28,578 blocks of 16 tokens
+    assert rows[0]["num_kv_blocks"] == blocks == 28_578
+    assert rows[0]["max_concurrency"] == blocks // (8192 // 16) == 55
     assert [r["fits"] for r in rows] == [True, False]
-    assert rows[1]["max_context_at_concurrency"] == blocks // 64 * 16 == 6_496
+    assert rows[1]["max_context_at_concurrency"] == blocks // 64 * 16 == 7_136
     assert rows[0]["kv_bytes_at_concurrency"] == 4 * 8192 * 131_072
     assert rows[0]["flags"]["loom"].startswith("--max-model-len 8192 --kv-cache-memory "
                                                f"{budget // 2**20}MiB")
@@ -189,7 +189,7 @@ def test_config_json_folder_and_gpu_spec_file(tmp_path):
                                                   "bf16_tflops": 362}}}))
     from loom.plan.catalogue import load_catalogue
 
-    assert load_catalogue([str(spec)])["l40s"].memory_bytes == 48_000_000_000
+    assert load_catalogue([str(spec)])["l40s"].memory_bytes == 48 * 2**30
     spec.write_text(json.dumps({"gpus": {"x": {"memory_gb": 48}}}))
     with pytest.raises(PlanError, match="needs numeric memory_bandwidth_gbs, bf16_tflops"):
         load_catalogue([str(spec)])

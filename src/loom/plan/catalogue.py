@@ -41,7 +41,8 @@ class GpuSpec:
 
     @property
     def memory_bytes(self) -> int:
-        return int(self.memory_gb * 1e9)
+        """The vendor's GB as binary GiB (see gpus.json's note)."""
+        return int(self.memory_gb * 2**30)
 
     def tflops(self, weight_dtype: str) -> float:
         """Dense tensor FLOP/s a matmul with these weights can reach at best."""
@@ -130,7 +131,7 @@ def measure_this_machine(size_mib: int = 256, matmul_n: int = 1024) -> GpuSpec:
     how = f"measured {time.strftime('%Y-%m-%d')} on {host.describe()}"
     return GpuSpec(
         key=THIS_MACHINE, name=f"this machine ({host.cpu_model()})",
-        memory_gb=host.available_ram_bytes() / 1e9, memory_bandwidth_gbs=bandwidth_gbs,
+        memory_gb=host.available_ram_bytes() / 2**30, memory_bandwidth_gbs=bandwidth_gbs,
         bf16_tflops=tflops, fp8_tflops=None, interconnect="none",
         sources={"memory_gb": f"MemAvailable, {how}",
                  "memory_bandwidth_gbs": f"numpy sum over {size_mib} MiB, best of 3, {how}",
