@@ -21,6 +21,10 @@ PROMPTS = [
 ]
 
 
+NGRAM = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, '
+         '"prompt_lookup_min": 1}')
+
+
 def run_all(engine) -> list:
     """Every output until nothing is unfinished or in flight, as a server's loop drives it."""
     outputs, in_flight = [], None
@@ -75,12 +79,17 @@ def test_batch_composition_does_not_change_greedy_output(any_llm: LLM, reference
     dict(async_scheduling=True, num_kv_blocks=12, max_num_seqs=6, enable_prefix_caching=False),
     dict(async_scheduling=True, scheduler="static", max_num_seqs=2),
     dict(attention_backend="torch"),  # the reference runs the native kernel
+    dict(speculative_config=NGRAM),
+    dict(speculative_config=NGRAM, num_kv_blocks=12, max_num_seqs=6,
+         enable_prefix_caching=False),
 ], ids=["static", "chunked", "preemption", "no-chunking", "async-chunked", "async-preemption",
-        "async-static", "torch-attention"])
+        "async-static", "torch-attention", "ngram-speculation", "ngram-preemption"])
 def test_scheduler_settings_do_not_change_greedy_output(options, reference) -> None:
     llm = LLM(max_model_len=2048, kv_cache_memory="128MiB", dtype="float32", **options)
     outs = llm.generate(PROMPTS, greedy())
     assert [o.outputs[0].token_ids for o in outs] == reference
+    if "speculative_config" in options:  # the model repeats itself: some drafts must be kept
+        assert llm.get_metrics()["loom:spec_decode_num_accepted_tokens_total"] > 0
     preemptions = llm.get_metrics()["loom:num_preemptions_total"]
     if "num_kv_blocks" in options:
         assert preemptions > 0

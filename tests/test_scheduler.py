@@ -1,77 +1,35 @@
-"""Scheduler + KV cache driven by a stand-in model that checks every KV read.
+"""Scheduler + KV cache driven by a stand-in model that checks every KV read (stand_in.py).
 
-The property tests run the real `EngineCore` step loop (plain and overlapped) with
-`SlotRunner` in place of the model runner. `SlotModel` plays the model: each scheduled token is
-written into its slot (block id * block_size + offset) together with its position, and a
-sampled token is a hash of the whole context read back through the block table. A wrong block,
-a reused slot, a stale prefix-cache hit or a botched preemption therefore changes the tokens,
-which are compared with the tokens the request's own history dictates.
+The property tests run the real `EngineCore` step loop (plain and overlapped, with and without
+speculative decoding) with `SlotRunner` in place of the model runner.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models
+from stand_in import (
+    VOCAB,
+    SlotModel,
+    check_limits,
+    expected_output,
+    make_engine,
+)
 
-from loom.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from loom.config import SchedulerConfig
 from loom.core.batch import ModelRunnerOutput, SchedulerOutput
 from loom.core.kv_cache import KVCacheManager
 from loom.core.scheduler import Scheduler
 from loom.core.static import StaticScheduler
-from loom.engine.core import EngineCore
-from loom.model.arch import ModelInfo
-from loom.model.tokenizer import Tokenizer
 from loom.outputs import RequestOutput
 from loom.request import Request, RequestStatus
 from loom.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
-
-VOCAB = 1000
-
-
-def next_token(history: list[int]) -> int:
-    return hash(tuple(history)) % VOCAB
-
-
-def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
-    history = list(prompt)
-    for _ in range(max_tokens):
-        history.append(next_token(history))
-    return history[len(prompt):]
-
-
-class SlotModel:
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.slots: dict[int, tuple[int, int]] = {}
-
-    def slot(self, block_ids: list[int], position: int) -> int:
-        return block_ids[position // self.block_size] * self.block_size + \
-            position % self.block_size
-
-    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
-        out = ModelRunnerOutput()
-        for item in batch.scheduled:  # all writes first, as the runner does per layer
-            assert item.token_ids, "a scheduled request must feed at least one token"
-            if item.padding:
-                assert not item.sample and len(item.token_ids) == 1
-                continue  # the runner sends padding to a scratch slot
-            for i, token in enumerate(item.token_ids):
-                position = item.start_position + i
-                self.slots[self.slot(item.block_ids, position)] = (position, token)
-        for item in batch.scheduled:
-            if item.sample:
-                end = item.start_position + len(item.token_ids)
-                context = [self.slots[self.slot(item.block_ids, p)] for p in range(end)]
-                assert [p for p, _ in context] == list(range(end)), "KV read from a wrong slot"
-                out.sampled_token_ids[item.request_id] = next_token([t for _, t in context])
-        return out
 
 
 def make(config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int = 4096,
@@ -80,7 +38,6 @@ def make(config: SchedulerConfig, num_blocks: int, block_size: int, max_model_le
     cls = StaticScheduler if config.scheduler == "static" else Scheduler
     return cls(config, kv, max_model_len)
 
-
 def add(scheduler: Scheduler, request_id: str, prompt: list[int], max_tokens: int,
         priority: int = 0) -> Request:
     request = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
@@ -88,59 +45,11 @@ def add(scheduler: Scheduler, request_id: str, prompt: list[int], max_tokens: in
     scheduler.add_request(request)
     return request
 
-
 def run_step(scheduler: Scheduler, model: SlotModel) -> SchedulerOutput:
     batch = scheduler.schedule()
     check_limits(scheduler, batch)
     scheduler.update(batch, model.execute(batch))
     return batch
-
-
-def check_limits(scheduler: Scheduler, batch: SchedulerOutput) -> None:
-    cfg = scheduler.config
-    assert batch.num_scheduled_tokens <= cfg.max_num_batched_tokens
-    assert len(batch.scheduled) <= cfg.max_num_seqs
-    assert len(scheduler.running) <= cfg.max_num_seqs
-
-
-class SlotRunner:
-    """The engine's runner protocol over `SlotModel`, checking the step limits on every batch
-    the real engine loop hands it."""
-
-    def __init__(self, block_size: int) -> None:
-        self.model = SlotModel(block_size)
-        self.info = ModelInfo("slot-model", toy_tokenizer(), VOCAB, 4096)
-        self.engine: EngineCore | None = None
-
-    def determine_num_kv_blocks(self, cache: CacheConfig, max_model_len: int) -> int:
-        assert cache.num_kv_blocks is not None
-        return cache.num_kv_blocks
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        pass
-
-    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
-        check_limits(self.engine.scheduler, batch)
-        return self.model.execute(batch)
-
-
-def toy_tokenizer() -> Tokenizer:
-    """A word-level tokenizer over ids 0..VOCAB-1 ("t0 t1 ..."), no EOS."""
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    return Tokenizer(backend=HFTokenizer(models.WordLevel(vocab, unk_token="t0")),
-                     eos_token_ids=[])
-
-
-def make_engine(config: SchedulerConfig, num_blocks: int, block_size: int,
-                max_model_len: int = 4096, prefix_caching: bool = True) -> EngineCore:
-    runner = SlotRunner(block_size)
-    engine = EngineCore(EngineConfig(
-        model=ModelConfig(max_model_len=max_model_len),
-        cache=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
-                          enable_prefix_caching=prefix_caching),
-        scheduler=config), runner=runner)
-    runner.engine = engine
-    return engine
 
 
 @st.composite
@@ -160,6 +69,12 @@ def workloads(draw: st.DrawFn) -> dict:
             request_id=f"r{i}", prompt=prompt, max_tokens=draw(st.integers(1, 20)),
             priority=draw(st.integers(0, 3)), arrive_at=draw(st.integers(0, 15)),
             abort_at=draw(st.one_of(st.none(), st.integers(0, 40)))))
+    async_scheduling = draw(st.booleans())
+    speculative = None if async_scheduling else draw(st.one_of(st.none(), st.builds(
+        lambda k, low, extra: json.dumps({"method": "ngram", "num_speculative_tokens": k,
+                                          "prompt_lookup_min": low,
+                                          "prompt_lookup_max": low + extra}),
+        st.integers(1, 5), st.integers(1, 3), st.integers(0, 2))))
     longest = max(min(len(r["prompt"]) + r["max_tokens"], max_model_len) for r in requests)
     min_blocks = -(-longest // block_size)
     return dict(
@@ -168,7 +83,7 @@ def workloads(draw: st.DrawFn) -> dict:
             enable_chunked_prefill=chunked,
             scheduler=draw(st.sampled_from(["continuous", "static"])),
             scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
-            async_scheduling=draw(st.booleans())),
+            async_scheduling=async_scheduling, speculative_config=speculative),
         block_size=block_size, max_model_len=max_model_len,
         num_blocks=draw(st.integers(min_blocks, min_blocks + 12)),
         prefix_caching=draw(st.booleans()), requests=requests)
@@ -212,7 +127,8 @@ def test_random_workloads_finish_correctly_without_leaks(w: dict) -> None:
             continue
         allowed = min(spec["max_tokens"], w["max_model_len"] - len(spec["prompt"]))
         assert output.finish_reason == "length"
-        assert output.token_ids == expected_output(spec["prompt"], allowed)
+        copying = w["config"].speculative_config is not None
+        assert output.token_ids == expected_output(spec["prompt"], allowed, copying)
 
 
 def test_decodes_are_scheduled_before_new_prefills_and_long_prompts_are_chunked() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import types
 import typing
@@ -107,6 +108,50 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config` for the n-gram method: `{"method": "ngram",
+    "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}`. Given
+    one of the lookup bounds, the other defaults to it; given neither, both are 5 (as vLLM)."""
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config method {self.method!r} is not supported; "
+                             "loom implements 'ngram' (prompt lookup)")
+        if not isinstance(self.num_speculative_tokens, int) or \
+                not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config num_speculative_tokens must be an integer in "
+                             f"[1, 16], got {self.num_speculative_tokens!r}")
+        low = self.prompt_lookup_min or self.prompt_lookup_max or 5
+        high = self.prompt_lookup_max or low
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high <= 32):
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= "
+                             f"prompt_lookup_max <= 32, got {low!r} and {high!r}")
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any]) -> SpeculativeConfig:
+        """The flag's JSON (or its dict); unknown keys are refused by name."""
+        try:
+            values = json.loads(text) if isinstance(text, str) else dict(text)
+        except ValueError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {e}") from e
+        if not isinstance(values, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; loom takes "
+                             f"{sorted(known)}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     CLI_GROUP = "Scheduling"
 
@@ -121,8 +166,19 @@ class SchedulerConfig:
         "admission order: arrival, or per-request priority (lower first)"))
     async_scheduling: bool = field(default=False, metadata=flag_help(
         "schedule step N+1 and stream step N-1's tokens while step N runs on the model"))
+    speculative_config: str | None = field(default=None, metadata=flag_help(
+        "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "
+        "\"prompt_lookup_min\": 2}'; default: off"))
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            spec = SpeculativeConfig.from_json(self.speculative_config)  # validates
+            object.__setattr__(self, "speculative_config", json.dumps(dataclasses.asdict(spec)))
+            if self.async_scheduling:
+                raise ValueError("speculative_config needs the plain step loop: drafts are "
+                                 "looked up from the tokens the previous step sampled; "
+                                 "drop async_scheduling")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
@@ -131,6 +187,12 @@ class SchedulerConfig:
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError("max_num_seqs cannot exceed max_num_batched_tokens "
                              f"({self.max_num_seqs} > {self.max_num_batched_tokens})")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_json(self.speculative_config)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,9 @@ class ScheduledRequest:
     # Fixed-batch padding: compute as usual but write K/V to a scratch slot and discard the
     # result (the request has already finished).
     padding: bool = False
+    # Speculative decoding: the last `num_draft_tokens` of token_ids are guesses; the runner
+    # samples at each of them and keeps the run the model agrees with.
+    num_draft_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -67,6 +70,9 @@ class SchedulerOutput:
 @dataclass
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # request id -> the draft tokens the model agreed with, in order; they precede the
+    # request's sampled token (speculative decoding)
+    accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # request id -> (first prompt position covered, logprobs of those prompt tokens)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)

@@ -26,6 +26,7 @@ from loom.core.batch import (
     SchedulerOutput,
 )
 from loom.core.kv_cache import KVCacheManager
+from loom.core.spec_decode import NgramProposer
 from loom.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -33,10 +34,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RequestUpdate:
-    """What one step did to one request: the token it sampled, if any, and whether it ended."""
+    """What one step did to one request: the tokens it added (one sampled token, after any
+    accepted draft tokens) and whether it ended."""
 
     request: Request
-    new_token_id: int | None
+    new_token_ids: list[int]
     finished: bool
 
 
@@ -52,6 +54,8 @@ class Scheduler:
         self.finished_request_ids: list[str] = []
         self.num_preemptions = 0
         self._num_arrivals = 0
+        spec = config.speculative
+        self.proposer = NgramProposer(spec) if spec is not None else None
 
     # -- queue bookkeeping ---------------------------------------------------------------------
 
@@ -116,13 +120,17 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
-    def finish_request(self, request_id: str, status: RequestStatus,
-                       stop_reason: str | int | None = None) -> None:
-        """End a request for a reason found outside the scheduler: a stop string, which only
-        the detokenized text shows."""
-        request = self.requests.get(request_id)
-        if request is not None:
-            self._finish(request, status, stop_reason)
+    def stop_on_string(self, request: Request, stop: str, num_surplus_tokens: int) -> None:
+        """End a request at a stop string, the one end only the detokenized text shows: its
+        last `num_surplus_tokens` tokens (accepted drafts past the string) are dropped. If the
+        same step already ended it past the string (length, EOS), the string is the reason;
+        a request already ended by the token that completed the string keeps that reason."""
+        if num_surplus_tokens:
+            del request.output_token_ids[-num_surplus_tokens:]
+        if request.request_id in self.requests:
+            self._finish(request, RequestStatus.FINISHED_STOPPED, stop)
+        elif num_surplus_tokens:
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
 
     def fail_request(self, request_id: str) -> None:
         """End a request whose step failed. Its blocks that step was computing are withdrawn
@@ -148,6 +156,8 @@ class Scheduler:
         self._release(request)
         request.status, request.stop_reason = status, stop_reason
         del self.requests[request.request_id]
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         self.finished_request_ids.append(request.request_id)
 
     def _release(self, request: Request) -> None:
@@ -165,11 +175,18 @@ class Scheduler:
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
 
+        if self.proposer is not None:
+            self.proposer.new_step()
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_pending_tokens, budget)
             if num_new <= 0 or self._last_token_in_flight(request):
+                continue
+            drafts = self._drafts(request, budget - 1) if num_new == 1 else []
+            if drafts and self.kv_cache.allocate_slots(request, 1 + len(drafts)):
+                scheduled[request.request_id] = self._scheduled(request, 1, drafts)
+                budget -= 1 + len(drafts)
                 continue
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = max(self.running, key=self._key)
@@ -204,6 +221,17 @@ class Scheduler:
         return (num_outputs >= request.sampling_params.max_tokens
                 or request.num_tokens + request.num_output_placeholders >= self.max_model_len)
 
+    def _drafts(self, request: Request, room: int) -> list[int]:
+        """Draft tokens for a decoding request (speculative decoding), within the step's
+        remaining budget and the request's own limits; none where they could not be used."""
+        params = request.sampling_params
+        if (self.proposer is None or request.num_output_placeholders
+                or params.logprobs is not None):
+            return []
+        room = min(room, params.max_tokens - len(request.output_token_ids) - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        return self.proposer.propose(request, room) if room > 0 else []
+
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
         for request in self._admission_candidates():
             if (budget <= 0 or len(self.running) + self._num_padding_slots()
@@ -233,17 +261,22 @@ class Scheduler:
         document) then skips recomputing them. Blocks holding a token not yet sampled wait."""
         self.kv_cache.cache_blocks(request, min(request.num_scheduled_tokens, request.num_tokens))
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, drafts: list[int] | None = None
+                   ) -> ScheduledRequest:
+        """Hand `num_new` of the request's tokens to this step, and after them any draft
+        tokens (fed to the model for it to verify, in the same step)."""
+        drafts = drafts or []
         start, end = request.num_scheduled_tokens, request.num_scheduled_tokens + num_new
         known_end = min(end, request.num_tokens)
         token_ids = request.token_ids_slice(start, known_end)
         token_ids += [PLACEHOLDER_TOKEN_ID] * (end - known_end)
         sample = end == request.num_tokens + request.num_output_placeholders
-        request.num_inflight_tokens += num_new
+        request.num_inflight_tokens += num_new + len(drafts)
         request.num_output_placeholders += sample
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=token_ids,
+            token_ids=token_ids + drafts,
+            num_draft_tokens=len(drafts),
             start_position=start,
             block_ids=list(self.kv_cache.get_block_table(request.request_id)),
             sampling_params=request.sampling_params,
@@ -280,19 +313,33 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # ended or preempted while the step ran
-            request.num_computed_tokens += len(item.token_ids)
+            accepted = self._accepted_drafts(item, runner_output)
+            # Rejected drafts' KV lies past num_computed_tokens: the next step overwrites it.
+            request.num_computed_tokens += len(item.token_ids) - item.num_draft_tokens + \
+                len(accepted)
             request.num_inflight_tokens -= len(item.token_ids)
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
             if not item.sample:
                 continue
             request.num_output_placeholders -= 1
-            token_id = runner_output.sampled_token_ids[item.request_id]
-            request.output_token_ids.append(token_id)
-            stop = self._token_stop(request, token_id)
-            if stop is not None:
-                self._finish(request, *stop)
-            updates.append(RequestUpdate(request, token_id, stop is not None))
+            new_token_ids, stop = [], None
+            for token_id in [*accepted, runner_output.sampled_token_ids[item.request_id]]:
+                request.output_token_ids.append(token_id)
+                new_token_ids.append(token_id)
+                stop = self._token_stop(request, token_id)
+                if stop is not None:
+                    self._finish(request, *stop)
+                    break
+            updates.append(RequestUpdate(request, new_token_ids, stop is not None))
         return updates
+
+    def _accepted_drafts(self, item: ScheduledRequest, runner_output: ModelRunnerOutput
+                         ) -> list[int]:
+        if not item.num_draft_tokens:
+            return []
+        accepted = runner_output.accepted_draft_ids.get(item.request_id, [])
+        self.proposer.record(item.request_id, item.num_draft_tokens, len(accepted))
+        return accepted
 
     def _token_stop(self, request: Request, token_id: int
                     ) -> tuple[RequestStatus, int | None] | None:

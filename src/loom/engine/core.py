@@ -26,6 +26,7 @@ from loom.core.scheduler import RequestUpdate, Scheduler
 from loom.core.static import StaticScheduler
 from loom.engine.detokenizer import IncrementalDetokenizer
 from loom.engine.metrics import EngineMetrics
+from loom.engine.spec_metrics import SpecDecodeMetrics
 from loom.model.arch import ModelInfo
 from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from loom.request import Request, RequestStatus
@@ -94,6 +95,9 @@ class EngineCore:
         scheduler_cls = StaticScheduler if sc.scheduler == "static" else Scheduler
         self.scheduler: Scheduler = scheduler_cls(sc, self.kv_cache, self.max_model_len)
         self.metrics = EngineMetrics(self.model_name)
+        spec = sc.speculative
+        self.spec_metrics = (SpecDecodeMetrics(self.metrics.registry, self.model_name,
+                                               spec.num_speculative_tokens) if spec else None)
         self.states: dict[str, _RequestState] = {}
         # Async scheduling: one worker thread runs the model; at most one step is in flight.
         self._executor = (ThreadPoolExecutor(1, thread_name_prefix="loom-model")
@@ -194,6 +198,8 @@ class EngineCore:
 
     def _finish_step(self, batch: SchedulerOutput, runner_output: ModelRunnerOutput
                      ) -> list[RequestOutput]:
+        if self.spec_metrics is not None:
+            self.spec_metrics.observe(batch, runner_output)
         updates = self.scheduler.update(batch, runner_output)
         outputs = self._process(batch, runner_output, updates)
         self.metrics.iteration_tokens.observe(batch.num_scheduled_tokens)
@@ -265,13 +271,18 @@ class EngineCore:
         outputs = []
         for update in updates:
             request, state = update.request, self.states[update.request.request_id]
-            self._note_token(state, now)
-            if state.logprobs is not None:
+            if state.logprobs is not None:  # such requests get no drafts: one token a step
                 state.logprobs.append(runner_output.logprobs[request.request_id])
-            state.detokenizer.push(update.new_token_id)
-            if not update.finished and state.detokenizer.stopped_on is not None:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED,
-                                              stop_reason=state.detokenizer.stopped_on)
+            new_token_ids = update.new_token_ids
+            kept = len(new_token_ids)
+            for i, token_id in enumerate(new_token_ids):
+                state.detokenizer.push(token_id)
+                if state.detokenizer.stopped_on is not None:
+                    kept = i + 1
+                    self.scheduler.stop_on_string(request, state.detokenizer.stopped_on,
+                                                  len(new_token_ids) - kept)
+                    break
+            self._note_tokens(state, now, kept)
             outputs.append(self._output(request.request_id))
         for item in batch.scheduled:  # requests whose step failed (already ended in _collect)
             state = self.states.get(item.request_id)
@@ -279,15 +290,18 @@ class EngineCore:
                 outputs.append(self._finish_output(item.request_id))
         return outputs
 
-    def _note_token(self, state: _RequestState, now: float) -> None:
-        self.metrics.generation_tokens.inc()
+    def _note_tokens(self, state: _RequestState, now: float, count: int) -> None:
+        """Count a step's tokens for a request and their latency; tokens a step yields
+        together (accepted drafts) share the time since the previous step."""
+        self.metrics.generation_tokens.inc(count)
         m = state.metrics
         if m.first_token_time is None:
             m.first_token_time = now
             self.metrics.ttft.observe(now - m.arrival_time)
             self.metrics.prefill_time.observe(now - (m.first_scheduled_time or now))
-        else:
-            self.metrics.itl.observe(now - state.last_token_time)
+            count -= 1
+        for _ in range(count):
+            self.metrics.itl.observe((now - state.last_token_time) / max(count, 1))
         state.last_token_time = now
 
     def _output(self, request_id: str) -> RequestOutput:

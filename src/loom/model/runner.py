@@ -27,6 +27,7 @@ from loom.model.backends import Backends, resolve_backends
 from loom.model.llama import LlamaModel
 from loom.model.loader import load_model
 from loom.model.memory import KVCacheSpec
+from loom.model.spec_verify import verify_drafts
 from loom.outputs import TokenLogprob
 from loom.sampling import Sampler
 
@@ -119,37 +120,42 @@ class ModelRunner:
             self.generators.pop(request_id, None)  # steps still running (async scheduling)
         items, input_ids, positions, meta = self._prepare(batch.scheduled)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-
-        offsets, rows, row_of = 0, [], {}
-        prompt_rows: dict[str, tuple[int, list[int]]] = {}
-        for item in items:
-            n = len(item.token_ids)
-            if item.sampling_params.prompt_logprobs is not None and \
-                    item.start_position + 1 < item.num_prompt_tokens:
-                # logits at position p score prompt token p + 1
-                last = min(item.start_position + n, item.num_prompt_tokens - 1)
-                count = last - item.start_position
-                prompt_rows[item.request_id] = (len(rows), count)
-                rows.extend(range(offsets, offsets + count))
-            if item.sample:
-                row_of[item.request_id] = len(rows)
-                rows.append(offsets + n - 1)
-            offsets += n
+        rows, sample_rows, prompt_rows = _logit_rows(items)
         output = ModelRunnerOutput()
-        if not rows:
-            return output
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
-        sampled = [s for s in items if s.sample]
-        if sampled:
-            sample_rows = torch.tensor([row_of[s.request_id] for s in sampled], device=self.device)
-            token_ids = self.sampler(logits[sample_rows], [s.sampling_params for s in sampled],
-                                     [self._generator(s) for s in sampled]).tolist()
-            for s, token_id in zip(sampled, token_ids):
+        if rows:
+            logits = self.model.compute_logits(
+                hidden[torch.tensor(rows, device=self.device)]).float()
+            self._sample(items, logits, sample_rows, output)
+            self._score_prompts(items, logits, prompt_rows, output)
+        return output
+
+    def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor,
+                sample_rows: dict[str, int], output: ModelRunnerOutput) -> None:
+        """One token per sampling request, in one batched call; requests with drafts verify
+        them first (their rows start at sample_rows[id], one per draft, then one more)."""
+        plain = [s for s in items if s.sample and not s.num_draft_tokens]
+        if plain:
+            rows = torch.tensor([sample_rows[s.request_id] for s in plain], device=self.device)
+            token_ids = self.sampler(logits[rows], [s.sampling_params for s in plain],
+                                     [self._generator(s) for s in plain]).tolist()
+            for s, token_id in zip(plain, token_ids):
                 output.sampled_token_ids[s.request_id] = token_id
                 if s.sampling_params.logprobs is not None:
+                    row = sample_rows[s.request_id]
                     output.logprobs[s.request_id] = _logprobs(
-                        logits[row_of[s.request_id]:row_of[s.request_id] + 1], [token_id],
-                        s.sampling_params.logprobs)[0]
+                        logits[row:row + 1], [token_id], s.sampling_params.logprobs)[0]
+        for s in items:
+            if s.sample and s.num_draft_tokens:
+                first = sample_rows[s.request_id]
+                accepted, token_id = verify_drafts(
+                    logits[first:first + s.num_draft_tokens + 1],
+                    s.token_ids[-s.num_draft_tokens:], s.sampling_params, self._generator(s))
+                output.accepted_draft_ids[s.request_id] = accepted
+                output.sampled_token_ids[s.request_id] = token_id
+
+    def _score_prompts(self, items: list[ScheduledRequest], logits: torch.Tensor,
+                       prompt_rows: dict[str, tuple[int, int]],
+                       output: ModelRunnerOutput) -> None:
         for item in items:
             if item.request_id in prompt_rows:
                 first, count = prompt_rows[item.request_id]
@@ -157,7 +163,6 @@ class ModelRunner:
                 targets = item.prompt_token_ids[start:start + count]
                 output.prompt_logprobs[item.request_id] = (start, _logprobs(
                     logits[first:first + count], targets, item.sampling_params.prompt_logprobs))
-        return output
 
     def _generator(self, item: ScheduledRequest) -> torch.Generator | None:
         seed = item.sampling_params.seed
@@ -238,6 +243,30 @@ class ModelRunner:
             groups.append(DecodeGroup(lo, hi - lo, block_tables,
                                       mask.view(hi - lo, 1, 1, max_blocks * self.block_size)))
         return groups
+
+
+def _logit_rows(items: list[ScheduledRequest]
+                ) -> tuple[list[int], dict[str, int], dict[str, tuple[int, int]]]:
+    """Which hidden rows (positions in the flat batch) need logits: (the rows, request id ->
+    index of its first sampling row, request id -> (index of its first prompt-scoring row,
+    count)). A request samples at its last position, and at each draft before it."""
+    offset, rows = 0, []
+    sample_rows: dict[str, int] = {}
+    prompt_rows: dict[str, tuple[int, int]] = {}
+    for item in items:
+        n = len(item.token_ids)
+        if item.sampling_params.prompt_logprobs is not None and \
+                item.start_position + 1 < item.num_prompt_tokens:
+            # logits at position p score prompt token p + 1
+            last = min(item.start_position + n, item.num_prompt_tokens - 1)
+            count = last - item.start_position
+            prompt_rows[item.request_id] = (len(rows), count)
+            rows.extend(range(offset, offset + count))
+        if item.sample:
+            sample_rows[item.request_id] = len(rows)
+            rows.extend(range(offset + n - 1 - item.num_draft_tokens, offset + n))
+        offset += n
+    return rows, sample_rows, prompt_rows
 
 
 def _logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
