@@ -6,9 +6,9 @@
 - Connections are capped below the process's file-descriptor limit: one over the cap is
   answered 503 and closed at once, so idle sockets can never exhaust descriptors and turn
   accept() into a loop of "Too many open files".
-- A connection must send its request head within the read timeout (uvicorn times out only
-  idle keep-alive connections, not a first request that never comes); `guards.BodyGuard`
-  bounds the body the same way.
+- A connection must send each request head within the read timeout (uvicorn times out
+  only keep-alive connections that send nothing, not a first request that never comes nor
+  half a head); `guards.BodyGuard` bounds the body the same way.
 - SIGTERM (or Ctrl-C) drains: the listening socket closes, new requests on open connections
   get 503, and requests in flight run on for up to `shutdown_timeout` seconds; then the
   engine stops, so every stream still open ends with an error event and [DONE], and the
@@ -25,6 +25,7 @@ import resource
 import socket
 from collections.abc import Callable
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -72,10 +73,14 @@ def connection_cap(requested: int) -> int:
 
 
 def protocol_class(max_connections: int) -> type[H11Protocol]:
-    """uvicorn's HTTP/1.1 protocol with a connection cap and a timeout on the first request
-    head (the keep-alive timer, armed from the moment the connection opens)."""
+    """uvicorn's HTTP/1.1 protocol with a connection cap and a deadline for each request head:
+    `timeout_keep_alive` seconds from the connection opening (or the previous response
+    ending) to the head's last byte. (uvicorn's own keep-alive timer stops at the first byte
+    of a request, so half a head would hold the connection forever.)"""
 
     class CappedH11Protocol(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= max_connections:
                 self.transport = transport  # connection_lost closes it again, harmlessly
@@ -83,8 +88,37 @@ def protocol_class(max_connections: int) -> type[H11Protocol]:
                 transport.close()
                 return
             super().connection_made(transport)
-            self.timeout_keep_alive_task = self.loop.call_later(
-                self.timeout_keep_alive, self.timeout_keep_alive_handler)
+            self._arm_head_timer()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # the head is in
+                self._cancel_head_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_head_timer()  # for the next request on this connection
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_head_timer()
+            super().connection_lost(exc)
+
+        def _arm_head_timer(self) -> None:
+            self._cancel_head_timer()
+            if self.conn.their_state is h11.IDLE:
+                self._head_timer = self.loop.call_later(self.timeout_keep_alive,
+                                                        self._head_timed_out)
+
+        def _cancel_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
 
     return CappedH11Protocol
 
