@@ -63,17 +63,18 @@ class ServerConfig:
         "none = no cross-origin access"))
     max_num_queued_reqs: int | None = field(default=None, metadata=flag_help(
         "answer 503 (with Retry-After) to a request that would make more than this many "
-        "engine requests (prompts x n) wait for a sequence slot; none = no limit"))
+        "engine requests (prompts x n) wait for a sequence slot; none = no limit", "Admission"))
     queue_timeout: float | None = field(default=None, metadata=flag_help(
-        "answer 503 for a request not scheduled within this many seconds; none = wait"))
+        "answer 503 for a request not scheduled within this many seconds; none = wait",
+        "Admission"))
     max_request_body_bytes: int = field(default=4 * 2**20, metadata=flag_help(
-        "largest request body accepted (413 beyond)"))
+        "largest request body accepted (413 beyond)", "Admission"))
     read_timeout: float = field(default=10.0, metadata=flag_help(
         "seconds a client has to send its request (head and body; 408 after the head), and "
         "that an idle connection stays open"))
     max_connections: int = field(default=512, metadata=flag_help(
         "open connections at most (one more is answered 503 and closed); lowered to fit the "
-        "file-descriptor limit"))
+        "file-descriptor limit", "Admission"))
     shutdown_timeout: float = field(default=30.0, metadata=flag_help(
         "on SIGTERM, seconds requests in flight may run on before they are aborted"))
 
