@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import sys
 from pathlib import Path
@@ -160,13 +161,17 @@ def test_bench_compare_is_also_spelled_as_a_flag(capsys) -> None:
     assert "usage: loom bench compare" in capsys.readouterr().out
 
 
-def test_compare_starts_each_server_and_writes_the_report(tmp_path) -> None:
+def test_compare_starts_each_server_and_writes_the_report(tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="loom.bench.server")
     trace = write_trace_file(tmp_path / "t.jsonl", ["hi"] * 4, 4, CLASSES)
     out = tmp_path / "cmp"
     assert main(["bench", "compare", "--trace", str(trace), "--overlap", "1,2",
                  "--output-dir", str(out), "--scrape-interval", "0.2",
                  "--server-cmd", f"{sys.executable} {FAKE} --port {{port}} --ttft 0.05",
                  "--config", "fast=--itl 0.01", "--config", "slow=--itl 0.03"]) == 0
+    started = [r.getMessage() for r in caplog.records if r.name == "loom.bench.server"]
+    assert sum(m.startswith("starting ") for m in started) == 2  # said while each starts
+    assert sum("healthy after" in m for m in started) == 2
     names = {p.name for p in out.iterdir()}
     assert {"compare.json", "fast.json", "slow.json", "scorecard.md", "throughput.png",
             "latency.png", "timeline-fast.png", "timeline-slow.png"} <= names

@@ -15,6 +15,7 @@ import json
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -34,19 +35,20 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-def flag_help(text: str, group: str | None = None, flag: str | None = None) -> dict[str, Any]:
+def flag_help(text: str, group: str | None = None, flag: str | None = None,
+              parse: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Field metadata that `add_cli_args` turns into the flag's help text.
 
     A field whose default is None must say in `text` what None means ("default: ...",
     "none = ..."), since "(default: None)" tells a user nothing. `group` files the flag under
     another `--help` heading than its class's; `flag` names it when the field's name is not
-    what a user types (`duration_s` -> `--duration`).
+    what a user types (`duration_s` -> `--duration`); `parse` reads a value the field's type
+    alone cannot (a rate that may be 'inf').
     """
     meta: dict[str, Any] = {"help": text}
-    if group:
-        meta["group"] = group
-    if flag:
-        meta["flag"] = flag
+    for key, value in (("group", group), ("flag", flag), ("parse", parse)):
+        if value is not None:
+            meta[key] = value
     return meta
 
 
@@ -230,11 +232,12 @@ def _field_type(cls: type, name: str) -> type:
 
 
 def _flag_type(hint: Any) -> tuple[Any, list[Any] | None]:
-    """(argparse type, choices) for a field's type hint."""
+    """(argparse type, choices) for a field's type hint (`X | None` is X; a wider union needs
+    its own `parse`)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _flag_type(inner)
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _flag_type(inner[0]) if len(inner) == 1 else (str, None)
     if origin is Literal:
         choices = list(typing.get_args(hint))
         return type(choices[0]), choices
@@ -262,17 +265,22 @@ def default_text(value: Any) -> str:
     return str(value).replace("%", "%%")
 
 
-def add_cli_args(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per dataclass field, named after it, with the field's help and its default.
+def add_cli_args(parser: argparse.ArgumentParser, cls: type,
+                 only: tuple[str, ...] | None = None) -> None:
+    """One flag per dataclass field (or per field named in `only`), named after it, with the
+    field's help and its default; a field without a default is a required flag.
 
     Flags default to argparse.SUPPRESS, so `from_cli_args` sees only those a user gave and
     the dataclass keeps the one copy of each default."""
     title = getattr(cls, "CLI_GROUP", cls.__name__.removesuffix("Config"))
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
         group = help_group(parser, f.metadata.get("group", title))
         help_text = f.metadata.get("help", "")
-        if f.default is not None and f.default is not dataclasses.MISSING:
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if f.default is not None and not required and f.default is not dataclasses.MISSING:
             help_text += f" (default: {default_text(f.default)})"
         hint = hints[f.name]
         if hint is bool:
@@ -280,12 +288,14 @@ def add_cli_args(parser: argparse.ArgumentParser, cls: type) -> None:
                                default=argparse.SUPPRESS, help=help_text)
             continue
         arg_type, choices = _flag_type(hint)
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"required": True} if required else {"default": argparse.SUPPRESS}
         if typing.get_origin(arg_type) is list:  # a repeatable flag: --stop a --stop b
             (arg_type,) = typing.get_args(arg_type)
             extra["action"] = "append"
-        group.add_argument(flag_name(f), dest=f.name, type=arg_type, choices=choices,
-                           default=argparse.SUPPRESS, help=help_text, **extra)
+        group.add_argument(flag_name(f), dest=f.name, type=f.metadata.get("parse", arg_type),
+                           choices=choices, help=help_text,
+                           metavar=None if choices else flag_name(f)[2:].upper().replace("-", "_"),
+                           **extra)
 
 
 def from_cli_args(cls: type[T], args: argparse.Namespace) -> T:

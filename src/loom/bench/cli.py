@@ -1,7 +1,9 @@
 """`loom bench trace | run | sweep | compare | scorecard` and `loom diagnose`.
 
 Options shared by several sub-commands live in one parent parser each, so every option is
-spelled once; defaults come from the dataclasses that use them.
+spelled once. The options of the load (`Load`), the server under test (`Target`) and a
+sweep (`Limits`, `AutoSearch`) are generated from those dataclasses, as the engine's flags
+are from its config; the rest read their defaults from the dataclasses that use them.
 """
 
 from __future__ import annotations
@@ -10,14 +12,14 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loom.bench.replay import Load, Target
 from loom.bench.results import run_label
+from loom.config import add_cli_args, from_cli_args
 
 if TYPE_CHECKING:
     from loom.bench.results import Slo
@@ -26,15 +28,6 @@ if TYPE_CHECKING:
 
 _MIX = "chat=0.6,long=0.15,rag=0.25"
 _DEFAULT_TRACE_SIZE = 500
-
-
-def _rate(text: str) -> float | str:
-    if text in ("trace", "inf"):
-        return text if text == "trace" else math.inf
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("rate must be > 0, 'inf' or 'trace'")
-    return value
 
 
 def _floats(text: str) -> list[float]:
@@ -82,30 +75,14 @@ def _common_parent() -> argparse.ArgumentParser:
 def _replay_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--trace", required=True, help="JSONL trace (see loom bench trace)")
-    p.add_argument("--burstiness", type=float, default=Load.burstiness,
-                   help="gamma shape of inter-arrival gaps: 1 = Poisson, < 1 burstier")
-    p.add_argument("--max-concurrency", type=int, default=None,
-                   help="requests in flight at most; alone (rate inf): closed loop of N "
-                        "users; default: no cap")
-    p.add_argument("--duration", type=float, default=None,
-                   help="seconds to keep sending (cycling the trace); in-flight ones "
-                        "finish; default: send the trace (or -n requests) once")
-    p.add_argument("--scrape-interval", type=float, default=Target.scrape_interval_s,
-                   help="seconds between /metrics samples for the timeline")
-    p.add_argument("--request-timeout", type=float, default=Target.request_timeout_s,
-                   help="seconds before a request counts as failed")
+    add_cli_args(p, Load, only=("burstiness", "max_concurrency", "duration_s"))
+    add_cli_args(p, Target, only=("scrape_interval_s", "request_timeout_s"))
     return p
 
 
 def _target_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--base-url", required=True,
-                   help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
-    p.add_argument("--server-pid", type=int, default=None,
-                   help="pid of a local server, to record its peak memory and command "
-                        "line; default: none recorded")
-    p.add_argument("--model", default=None, help="model name to request (default: the first "
-                                                 "of the server's /v1/models)")
+    add_cli_args(p, Target, only=("base_url", "model", "server_pid"))
     return p
 
 
@@ -140,16 +117,8 @@ def _sweep_parent() -> argparse.ArgumentParser:
                         help="find the knee: double the rate until a limit is crossed, bisect")
     points.add_argument("--overlap", type=_ints,
                         help="closed loop at these concurrencies, e.g. 1,2,4,8")
-    p.add_argument("--start-rate", type=float, default=AutoSearch.start_rate,
-                   help="--auto: first rate")
-    p.add_argument("--max-rate", type=float, default=AutoSearch.max_rate,
-                   help="--auto: highest rate to try")
-    p.add_argument("--bisect-steps", type=int, default=AutoSearch.bisect_steps,
-                   help="--auto: bisections after the limit is crossed")
-    p.add_argument("--max-p95-queue", type=float, default=Limits.max_p95_queue_s,
-                   help="limit: p95 queue time in seconds (server metric; else p95 TTFT)")
-    p.add_argument("--max-error-rate", type=float, default=Limits.max_error_rate,
-                   help="limit: failed / sent")
+    add_cli_args(p, AutoSearch)
+    add_cli_args(p, Limits)
     return p
 
 
@@ -174,10 +143,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                              description="Replay a trace once. Give --rate (open loop), "
                                          "--max-concurrency (closed loop of N users), or both "
                                          "(open loop, at most N in flight): one is required.")
-    p.add_argument("--rate", type=_rate, default=None,
-                   help="offered req/s, 'inf' (all at once) or 'trace' (arrival_s as recorded); "
-                        "default: inf with --max-concurrency (this or --max-concurrency is "
-                        "required)")
+    add_cli_args(p, Load, only=("rate",))
     p.add_argument("--label", default=None, help="name of the run in tables and plots; "
                                                  "default: its offered load")
     p.add_argument("--out", default=None, help="write the result JSON here; default: only "
@@ -294,9 +260,9 @@ def _load_trace(args: argparse.Namespace) -> Trace:
     return trace
 
 
-def _load(args: argparse.Namespace, rate: float | str = math.inf) -> Load:
-    return Load(rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-                duration_s=args.duration, num_requests=args.num_requests, seed=args.seed)
+def _load(args: argparse.Namespace) -> Load:
+    """The load the flags give (-n and --seed included); the rest as Load has them."""
+    return from_cli_args(Load, args)
 
 
 def _quiet_http_log() -> None:
@@ -316,12 +282,12 @@ def _run(args: argparse.Namespace) -> int:
     from loom.bench.results import save_json
     from loom.bench.scorecard import print_scorecard
 
-    if args.rate is None and args.max_concurrency is None:
+    load = _load(args)
+    if not hasattr(args, "rate") and load.max_concurrency is None:
         raise ValueError("give --rate (open loop) or --max-concurrency (closed loop)")
     target = _target(args)
     slo = _slo(args)
-    result = asyncio.run(replay(_load_trace(args), _load(args, args.rate or math.inf), target,
-                                slo, args.label))
+    result = asyncio.run(replay(_load_trace(args), load, target, slo, args.label))
     if args.out:
         save_json(result, args.out)
     print_scorecard([result], slo, args.gpu_cost_per_hour, wide=args.wide)
@@ -332,8 +298,7 @@ def _target(args: argparse.Namespace) -> Target:
     """The server to test, once it is known to listen (see check_reachable)."""
     from loom.bench.replay import check_reachable
 
-    target = Target(args.base_url, args.model, args.server_pid, args.scrape_interval,
-                    args.request_timeout)
+    target = from_cli_args(Target, args)
     check_reachable(target)
     return target
 
@@ -352,14 +317,14 @@ def _status(runs: list[dict[str, Any]]) -> int:
 def _sweep_points(args: argparse.Namespace) -> dict[str, Any]:
     from loom.bench.sweep import AutoSearch
 
-    auto = AutoSearch(args.start_rate, args.max_rate, args.bisect_steps) if args.auto else None
+    auto = from_cli_args(AutoSearch, args) if args.auto else None
     return {"rates": args.rates, "concurrencies": args.overlap, "auto": auto}
 
 
 def _limits(args: argparse.Namespace) -> Limits:
     from loom.bench.sweep import Limits
 
-    return Limits(args.max_p95_queue, args.max_error_rate)
+    return from_cli_args(Limits, args)
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -393,12 +358,18 @@ def _compare(args: argparse.Namespace) -> int:
     result = compare(_load_trace(args), configs, out_dir, _load(args), _limits(args),
                      args.server_cmd or LOOM_SERVE, args.server_flags, slo=slo,
                      gpu_cost_per_hour=args.gpu_cost_per_hour,
-                     scrape_interval_s=args.scrape_interval,
+                     scrape_interval_s=_target_option(args, "scrape_interval_s"),
                      health_timeout_s=args.health_timeout, **_sweep_points(args))
     print_scorecard([r for s in result["sweeps"] for r in s["runs"]], slo,
                     args.gpu_cost_per_hour, wide=args.wide)
     print(f"results, scorecard.md and plots in {out_dir}")
     return 0
+
+
+def _target_option(args: argparse.Namespace, name: str) -> Any:
+    """A Target option of a command that builds no Target itself (compare): the flag's value,
+    else the dataclass default."""
+    return getattr(args, name, next(f.default for f in fields(Target) if f.name == name))
 
 
 def _scorecard(args: argparse.Namespace) -> int:

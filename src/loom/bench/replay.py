@@ -8,6 +8,7 @@ timeline the plots and `loom diagnose` read.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import datetime
 import gc
@@ -15,7 +16,7 @@ import math
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -28,6 +29,17 @@ from loom.bench.client import RequestResult, send
 from loom.bench.scrape import Snapshot, parse_metrics
 from loom.bench.sysinfo import hardware, process_memory
 from loom.bench.trace import Trace, TraceRequest
+from loom.config import flag_help
+
+
+def parse_rate(text: str) -> float | str:
+    """A --rate: requests/s > 0, 'inf' (all at once) or 'trace' (as recorded)."""
+    if text in (TRACE_RATE, "inf"):
+        return text if text == TRACE_RATE else math.inf
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("rate must be > 0, 'inf' or 'trace'")
+    return value
 
 
 @dataclass(frozen=True)
@@ -39,12 +51,21 @@ class Load:
     or num_requests the trace is sent once; with them it is cycled as far as needed.
     """
 
-    rate: float | str = math.inf
-    burstiness: float = 1.0
-    max_concurrency: int | None = None
-    duration_s: float | None = None
-    num_requests: int | None = None
-    seed: int = 0
+    CLI_GROUP = "Load"
+
+    rate: float | str = field(default=math.inf, metadata=flag_help(
+        "offered req/s, 'inf' (all at once) or 'trace' (arrival_s as recorded); give it, "
+        "--max-concurrency, or both", parse=parse_rate))
+    burstiness: float = field(default=1.0, metadata=flag_help(
+        "gamma shape of inter-arrival gaps: 1 = Poisson, < 1 burstier"))
+    max_concurrency: int | None = field(default=None, metadata=flag_help(
+        "requests in flight at most; alone (rate inf): closed loop of N users; default: no "
+        "cap"))
+    duration_s: float | None = field(default=None, metadata=flag_help(
+        "seconds to keep sending (cycling the trace); in-flight ones finish; default: send "
+        "the trace (or -n requests) once", flag="--duration"))
+    num_requests: int | None = None  # flag shared with `loom bench trace`: see bench/cli.py
+    seed: int = 0  # likewise
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -61,11 +82,19 @@ class Load:
 class Target:
     """The server under test and how to watch it."""
 
-    base_url: str
-    model: str | None = None
-    server_pid: int | None = None
-    scrape_interval_s: float = 1.0
-    request_timeout_s: float = 600.0
+    CLI_GROUP = "Server under test"
+
+    base_url: str = field(metadata=flag_help(
+        "server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)"))
+    model: str | None = field(default=None, metadata=flag_help(
+        "model name to request; default: the first of the server's /v1/models"))
+    server_pid: int | None = field(default=None, metadata=flag_help(
+        "pid of a local server, to record its peak memory and command line; default: none "
+        "recorded"))
+    scrape_interval_s: float = field(default=1.0, metadata=flag_help(
+        "seconds between /metrics samples for the timeline", flag="--scrape-interval"))
+    request_timeout_s: float = field(default=600.0, metadata=flag_help(
+        "seconds before a request counts as failed", flag="--request-timeout"))
 
     @property
     def root(self) -> str:

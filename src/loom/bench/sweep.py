@@ -9,20 +9,24 @@ crossed, then bisect between the last rate within the limits and the first beyon
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from loom.bench.replay import Load, Target, replay
 from loom.bench.results import Slo
 from loom.bench.trace import Trace
+from loom.config import flag_help
 
 
 @dataclass(frozen=True)
 class Limits:
     """What "unacceptable" means for a sweep."""
 
-    max_p95_queue_s: float = 2.0
-    max_error_rate: float = 0.05
+    CLI_GROUP = "Sweep limits"
+
+    max_p95_queue_s: float = field(default=2.0, metadata=flag_help(
+        "p95 queue time in seconds (server metric; else p95 TTFT)", flag="--max-p95-queue"))
+    max_error_rate: float = field(default=0.05, metadata=flag_help("failed / sent"))
 
     def crossed(self, run: dict[str, Any]) -> list[str]:
         """Why `run` is beyond the limits (empty: within them). Queue time is the server's
@@ -42,9 +46,12 @@ class Limits:
 
 @dataclass(frozen=True)
 class AutoSearch:
-    start_rate: float = 0.5
-    max_rate: float = 64.0
-    bisect_steps: int = 2
+    CLI_GROUP = "Knee search (--auto)"
+
+    start_rate: float = field(default=0.5, metadata=flag_help("first rate"))
+    max_rate: float = field(default=64.0, metadata=flag_help("highest rate to try"))
+    bisect_steps: int = field(default=2, metadata=flag_help(
+        "bisections after a limit is crossed"))
 
 
 async def sweep(trace: Trace, base: Load, target: Target, limits: Limits,
