@@ -11,6 +11,12 @@ if TYPE_CHECKING:
     from loom.sampling import SamplingParams
 
 __version__ = "0.1.0"
+
+# Before anything loads torch: libgomp reads its wait policy only then (loom/threads.py: why).
+from loom.threads import default_wait_policy as _default_wait_policy  # noqa: E402
+
+_default_wait_policy()
+
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 # Public names -> the module that defines them. They are imported on first use, so that
