@@ -9,8 +9,9 @@ fair share would cost).
 
     flock /tmp/loom-bench.lock .venv/bin/python benchmarks/busy_machine.py
 
-Policies: `spin` = libgomp's default (threads spin-wait for their peers), `passive` =
-OMP_WAIT_POLICY=PASSIVE (they sleep), `one-thread` = num_threads=1. Prints a Markdown table.
+Policies: `spin` = libgomp's default spin count (threads spin-wait for their peers before
+sleeping), `passive` = OMP_WAIT_POLICY=PASSIVE (loom's default: they sleep at once),
+`one-thread` = num_threads=1. Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import sys
 import time
 
 LOADS = (0, 1, 2, 4)
-POLICIES = {"spin": ({"OMP_WAIT_POLICY": "ACTIVE"}, None),
+# libgomp: with OMP_WAIT_POLICY unset a waiting thread spins 300,000 times before it sleeps
+# (GOMP_SPINCOUNT, which takes precedence), what loom ran with before it set PASSIVE.
+POLICIES = {"spin": ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300000"}, None),
             "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, None),
             "one-thread": ({"OMP_WAIT_POLICY": "PASSIVE"}, 1)}
 COMPETITOR = ("import torch; torch.set_num_threads(2); a = torch.randn(384, 384)\n"
@@ -32,6 +35,7 @@ COMPETITOR_THREADS = 2
 
 
 def competitors(n: int) -> list[subprocess.Popen]:
+    """Other programs: libgomp's defaults, as any torch program has them."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
     return [subprocess.Popen([sys.executable, "-c", COMPETITOR], env=env) for _ in range(n)]
 
