@@ -87,10 +87,10 @@ def _parsers(parser: argparse.ArgumentParser, name: str = "loom"):
                 yield from _parsers(child, f"{name} {child_name}")
 
 
-@pytest.mark.parametrize("command", ["generate", "bench", "diagnose"])
+@pytest.mark.parametrize("command", ["generate", "serve", "bench", "diagnose"])
 def test_every_flag_states_its_default(command: str) -> None:
-    """Each option's help says its default (or what happens without it), on/off switches
-    included, and never the meaningless "(default: None)"."""
+    """Each option's help says its default (or, "none = ...", what happens without it), on/off
+    switches included, and never the meaningless "(default: None)"."""
     for name, parser in _parsers(build_parser([command])):
         if f"loom {command}" not in name:
             continue
@@ -101,7 +101,8 @@ def test_every_flag_states_its_default(command: str) -> None:
                     or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
                 continue
             text = parser._get_formatter()._expand_help(action)
-            assert "default" in text, f"{name} {action.option_strings[0]}: {text!r}"
+            assert "default" in text or "none = " in text, \
+                f"{name} {action.option_strings[0]}: {text!r}"
             assert "(default: None)" not in text, f"{name} {action.option_strings[0]}"
 
 
@@ -114,6 +115,13 @@ def test_generate_help_is_grouped_by_what_a_user_tunes() -> None:
     assert "--enable-prefix-caching, --no-enable-prefix-caching" in help_text
     assert "(default: on)" in help_text and "(default: off)" in help_text
     assert "ModelConfig" not in help_text
+
+
+def test_serve_help_has_server_and_admission_sections() -> None:
+    parser = build_parser(["serve"])
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    titles = {group.title for group in serve._action_groups}
+    assert {"Server", "Admission", "Model", "KV cache", "Scheduling"} <= titles
 
 
 def test_bench_run_help_says_rate_or_concurrency_is_required(capsys) -> None:
