@@ -192,7 +192,7 @@ def test_bad_requests_fail_alone_with_clear_errors(any_llm: LLM) -> None:
     engine.add_request("good", "Hello", greedy(3))
     with pytest.raises(ValueError, match="max_model_len is 2048"):
         engine.add_request("too-long", [5] * 2048, greedy(3))
-    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="prompt is empty"):
         engine.add_request("empty", [], greedy(3))

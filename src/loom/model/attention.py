@@ -10,8 +10,10 @@ cached context before it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -57,6 +59,9 @@ class AttentionMetadata:
     paged_decodes: PagedDecodes | None = None
 
 
+_ALIGN = 64
+
+
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's K and V caches, both indexed [block, position in block, kv head, dim].
@@ -64,9 +69,22 @@ def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: 
     K is stored [block, kv head, dim, position] and handed out as a permuted view: the
     native kernel then scores a whole block with vector FMAs across its positions (no
     horizontal sums), while every torch op still sees the common indexing."""
-    k = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
-    v = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    k = zeros((num_blocks, num_kv_heads, head_dim, block_size), dtype, device)
+    v = zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
     return k.permute(0, 3, 1, 2), v
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose CPU pages are zeroed by the OS on first touch (calloc) rather than
+    written now: a cache of gigabytes then costs nothing at start-up, and memory is taken as
+    blocks are used. (Masked attention reads unused slots, so they must hold zeros, not
+    whatever the allocator last kept there.)"""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)  # calloc: lazily zeroed pages
+    start = -raw.ctypes.data % _ALIGN  # cache-line aligned, as torch's own allocator
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
