@@ -82,8 +82,10 @@ def test_batch_composition_does_not_change_greedy_output(any_llm: LLM, reference
     dict(speculative_config=NGRAM),
     dict(speculative_config=NGRAM, num_kv_blocks=12, max_num_seqs=6,
          enable_prefix_caching=False),
+    dict(speculative_config=NGRAM, attention_backend="torch"),
 ], ids=["static", "chunked", "preemption", "no-chunking", "async-chunked", "async-preemption",
-        "async-static", "torch-attention", "ngram-speculation", "ngram-preemption"])
+        "async-static", "torch-attention", "ngram-speculation", "ngram-preemption",
+        "ngram-torch-attention"])
 def test_scheduler_settings_do_not_change_greedy_output(options, reference) -> None:
     llm = LLM(max_model_len=2048, kv_cache_memory="128MiB", dtype="float32", **options)
     outs = llm.generate(PROMPTS, greedy())

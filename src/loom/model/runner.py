@@ -175,10 +175,11 @@ class ModelRunner:
     def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[
             list[ScheduledRequest], torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten the step into token ids, positions and attention metadata. Returns the
-        requests in the order their tokens take in the flat batch: single-token requests
+        requests in the order their tokens take in the flat batch: decode-like requests
         first, shortest context first, so their attention batches in groups of similar
-        length."""
-        items = sorted(scheduled, key=lambda s: (len(s.token_ids) != 1, s.start_position))
+        length. A decode with draft tokens is decode-like: each of its tokens is a query of
+        its own over the request's blocks, up to its own position (no context gathered)."""
+        items = sorted(scheduled, key=lambda s: (not _decode_like(s), s.start_position))
         bs = self.block_size
         device = self.device
         ids: list[int] = []
@@ -187,6 +188,7 @@ class ModelRunner:
         slot_offsets: list[int] = []
         prefills: list[PrefillSpan] = []
         decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         for item in items:
             start, n = item.start_position, len(item.token_ids)
             ids.extend(item.token_ids)
@@ -195,14 +197,15 @@ class ModelRunner:
             slot_blocks.extend([self.scratch_block] * n if item.padding
                                else (item.block_ids[p // bs] for p in span))
             slot_offsets.extend(p % bs for p in span)
-            num_blocks = -(-(start + n) // bs)
-            if n == 1:
-                decode_tables.append(item.block_ids[:num_blocks])
+            if _decode_like(item):
+                for p in span:
+                    decode_tables.append(item.block_ids[:p // bs + 1])
+                    decode_lens.append(p + 1)
             else:
                 prefills.append(PrefillSpan(
                     query_start=len(ids) - n, query_len=n, context_len=start + n,
-                    block_ids=torch.tensor(item.block_ids[:num_blocks], device=device)))
-        decode_lens = [item.start_position + 1 for item in items[:len(decode_tables)]]
+                    block_ids=torch.tensor(item.block_ids[:-(-(start + n) // bs)],
+                                           device=device)))
         slots = (torch.tensor(slot_blocks, dtype=torch.long, device=device),
                  torch.tensor(slot_offsets, dtype=torch.long, device=device))
         if self.native_decode:
@@ -235,7 +238,7 @@ class ModelRunner:
             bounds.append((start, len(lens)))
         groups = []
         for lo, hi in bounds:
-            max_blocks = len(tables[hi - 1])
+            max_blocks = max(len(t) for t in tables[lo:hi])  # a draft's queries interleave
             block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[lo:hi]],
                                         dtype=torch.long, device=self.device)
             ctx = torch.arange(max_blocks * self.block_size, device=self.device)
@@ -243,6 +246,10 @@ class ModelRunner:
             groups.append(DecodeGroup(lo, hi - lo, block_tables,
                                       mask.view(hi - lo, 1, 1, max_blocks * self.block_size)))
         return groups
+
+
+def _decode_like(item: ScheduledRequest) -> bool:
+    return len(item.token_ids) == 1 or item.num_draft_tokens > 0
 
 
 def _logit_rows(items: list[ScheduledRequest]
