@@ -163,3 +163,16 @@ def test_the_engine_accepts_and_rejects_drafts_and_keeps_exact_outputs() -> None
     assert steps < 40  # one prefill step, then more than one token a step on average
     assert metrics["loom:generation_tokens_total"] == 3 * 40
     assert engine.kv_cache.pool.usage == 0.0
+
+
+def test_the_stats_line_reports_the_draft_acceptance_rate(caplog) -> None:
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
+                             speculative_config=spec(k=4, low=1, high=3))
+    engine = make_engine(config, num_blocks=64, block_size=4)
+    engine.metrics.log_interval_s = 0.0
+    engine.add_request("r", list(range(20, 32)), SamplingParams(max_tokens=30, ignore_eos=True))
+    with caplog.at_level("INFO", logger="loom.stats"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    rates = [r.getMessage() for r in caplog.records if "Draft acceptance rate" in r.getMessage()]
+    assert rates and any("Draft acceptance rate: 0.0%" not in line for line in rates)

@@ -67,7 +67,8 @@ class EngineMetrics:
         self._abort_is_rejection = False
         self.log_interval_s = log_interval_s
         self._last_log = time.monotonic()
-        self._logged = {"prompt": 0.0, "generation": 0.0, "queries": 0.0, "hits": 0.0}
+        self._logged = {"prompt": 0.0, "generation": 0.0, "queries": 0.0, "hits": 0.0,
+                        "drafted": 0.0, "accepted": 0.0}
 
     def finished(self, reason: str) -> None:
         if reason == "abort" and self._abort_is_rejection:
@@ -113,17 +114,23 @@ class EngineMetrics:
         current = {"prompt": values["loom:prompt_tokens_total"],
                    "generation": values["loom:generation_tokens_total"],
                    "queries": values["loom:prefix_cache_queries_total"],
-                   "hits": values["loom:prefix_cache_hits_total"]}
+                   "hits": values["loom:prefix_cache_hits_total"],
+                   "drafted": values.get("loom:spec_decode_num_draft_tokens_total", 0.0),
+                   "accepted": values.get("loom:spec_decode_num_accepted_tokens_total", 0.0)}
         delta = {k: current[k] - self._logged[k] for k in current}
         self._last_log, self._logged = now, current
         if not busy and not delta["prompt"] and not delta["generation"]:
             return
         hit_rate = 100.0 * delta["hits"] / delta["queries"] if delta["queries"] else 0.0
+        drafts = ""  # speculative decoding's share of draft tokens kept, where it is on
+        if "loom:spec_decode_num_draft_tokens_total" in values:
+            rate = 100.0 * delta["accepted"] / delta["drafted"] if delta["drafted"] else 0.0
+            drafts = f", Draft acceptance rate: {rate:.1f}%"
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d, "
-            "Prefix cache hit rate: %.1f%%",
+            "Prefix cache hit rate: %.1f%%%s",
             delta["prompt"] / elapsed, delta["generation"] / elapsed,
             values["loom:num_requests_running"], values["loom:num_requests_waiting"],
             100.0 * values["loom:kv_cache_usage_perc"], values["loom:num_preemptions_total"],
-            hit_rate)
+            hit_rate, drafts)
