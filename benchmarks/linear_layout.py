@@ -9,20 +9,32 @@ then lm_head (only for M <= 256: a prefill computes logits for a few rows, not a
 rows, so weights stream from memory as in a real step. Layouts alternate within each round;
 each figure is the best of --rounds. A second table shows the packed layout's batch hint. A
 third puts loom's native kernel on the GGUF's own Q4_1/Q8_0 blocks (`--linear-backend native`,
-auto on CPU float32) next to the prepacked layout, at every row count.
+auto on CPU float32) next to the prepacked layout, at every row count, by path: int8
+activations (what the engine runs up to `INT8_MAX_ROWS` rows) and fp32, with the GB/s of panel
+bytes each streams. With --against REV, the kernel and layout of git revision REV are built too
+and timed in the same rounds, for a before/after ratio:
+
+    python benchmarks/linear_layout.py --native-only --against 2bb86b4
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import tempfile
 import time
+import types
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from torch.utils.cpp_extension import load
 
 from loom import LLM
 from loom.bench.sysinfo import hardware
-from loom.model.linear import Linear
+from loom.model.linear import INT8_MAX_ROWS, Linear
+from loom.model.loader import load_model
+from loom.model.weights import BlockQuantWeight
 
 
 def chain_ms(linears: list[Linear], m: int, rounds: int) -> float:
@@ -49,12 +61,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,8,32,64,256,512,1024,2048")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--native-rows", default="1,2,4,8,16,24,32,64,128,512,2048")
+    parser.add_argument("--native-rows", default="1,2,4,8,16,24,32,64,128,512")
     parser.add_argument("--native-only", action="store_true", help="only the third table")
+    parser.add_argument("--against", help="also time the native kernel of this git revision")
     args = parser.parse_args()
     if args.native_only:
         with torch.inference_mode():
-            native_table(args.native_rows, args.rounds)
+            native_table(args.native_rows, args.rounds, args.against)
         return
     model = LLM(dtype="float32", linear_backend="torch").engine.runner.model
     weights = [lin.weight for layer in model.layers
@@ -85,24 +98,91 @@ def main() -> None:
         for m in (8, 64, 512):
             row = [chain_ms(linears(True, hint), m, args.rounds) for hint in (1, 32, 512)]
             print(f"| {m} | " + " | ".join(f"{t:.1f}" for t in row) + " |")
-        native_table(args.native_rows, args.rounds)
+        native_table(args.native_rows, args.rounds, args.against)
 
 
-def native_table(rows: str, rounds: int) -> None:
-    def chain(backend: str) -> list[Linear]:
-        model = LLM(dtype="float32", linear_backend=backend).engine.runner.model
-        return [lin for layer in model.layers
-                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]
+def model_chain(model) -> list[Linear]:
+    return [lin for layer in model.layers
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]
 
-    layers, packed = chain("native"), chain("onednn")
-    print("\nNative kernel on the GGUF's blocks against the prepacked layout (ms per chain):\n")
-    print("| M | prepacked ms | native ms | speed-up |\n|--:|--:|--:|--:|")
+
+class OnPath:
+    """A native Linear's kernel call with the path forced: int8 activations up to int8_rows
+    rows, fp32 above."""
+
+    def __init__(self, linear: Linear, int8_rows: int) -> None:
+        self.linear, self.int8_rows, self.in_features = linear, int8_rows, linear.in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lin = self.linear
+        return lin._block_quant_ops.block_quant_linear(x, lin.panels, lin.bias, self.int8_rows)
+
+
+def linears_at(rev: str) -> list[Linear]:
+    """The bundled model's chain on the native kernel and layout (model/linear.py) of git
+    revision `rev`, each compiled or imported from that revision's source."""
+    def show(path: str) -> str:
+        return subprocess.run(["git", "show", f"{rev}:{path}"], check=True,
+                              capture_output=True, text=True).stdout
+
+    folder = Path(tempfile.mkdtemp())
+    for name in ("block_quant_linear.cpp", "parallel_dynamic.h"):
+        (folder / name).write_text(show(f"src/loom/model/csrc/{name}"))
+    ops = load(name=f"loom_block_quant_linear_{rev}",
+               sources=[str(folder / "block_quant_linear.cpp")],
+               extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+               extra_ldflags=["-fopenmp"])
+    old = types.ModuleType(f"linear_{rev}")
+    exec(compile(show("src/loom/model/linear.py"), f"{rev}:linear.py", "exec"), old.__dict__)
+    loaded = load_model(None)
+    bq = loaded.block_quant
+    names = []
+    for i in range(loaded.arch.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        names += [[attn + f"{x}_proj.weight" for x in "qkv"], [attn + "o_proj.weight"],
+                  [mlp + "gate_proj.weight", mlp + "up_proj.weight"], [mlp + "down_proj.weight"]]
+    head = "model.embed_tokens.weight" if loaded.arch.tie_word_embeddings else "lm_head.weight"
+    return [old.Linear(None, None, False, BlockQuantWeight.cat([bq[n] for n in group]), ops)
+            for group in names + [[head]]]
+
+
+def panel_bytes(linears: list) -> int:
+    return sum(t.numel() * t.element_size()
+               for lin in linears for t in (lin.panels if isinstance(lin.panels, tuple)
+                                           else (lin.panels,)))
+
+
+def native_table(rows: str, rounds: int, against: str | None) -> None:
+    layers = model_chain(LLM(dtype="float32", linear_backend="native").engine.runner.model)
+    packed = model_chain(LLM(dtype="float32", linear_backend="onednn").engine.runner.model)
+    old = linears_at(against) if against else None
+    paths = {"int8": [OnPath(lin, 1 << 30) for lin in layers],
+             "fp32": [OnPath(lin, 0) for lin in layers]}
+    new_gb = panel_bytes(layers) / 1e9
+    print(f"\nNative kernel on the GGUF's blocks ({new_gb * 1e3:.0f} MB of panels) by path, "
+          f"against the prepacked layout (ms per chain; the engine takes int8 up to "
+          f"{INT8_MAX_ROWS} rows):\n")
+    extra = ""
+    if old is not None:
+        old_gb = panel_bytes(old) / 1e9
+        print(f"{against}: its kernel and layout ({old_gb * 1e3:.0f} MB of panels).\n")
+        extra = f" {against} ms | {against} GB/s | speed-up vs {against} |"
+    print(f"| M | prepacked ms | int8 ms | int8 GB/s | fp32 ms | engine vs prepacked |{extra}\n"
+          "|--:|--:|--:|--:|--:|--:|" + ("--:|--:|--:|" if old else ""))
     for m in map(int, rows.split(",")):
-        t_packed = t_native = float("inf")
-        for _ in range(rounds):
-            t_packed = min(t_packed, chain_ms(packed, m, 1))
-            t_native = min(t_native, chain_ms(layers, m, 1))
-        print(f"| {m} | {t_packed:.1f} | {t_native:.1f} | {t_packed / t_native:.2f}x |")
+        chains = {"prepacked": packed, **paths, **({"old": old} if old else {})}
+        best = dict.fromkeys(chains, float("inf"))
+        for _ in range(rounds):  # the chains alternate within each round
+            for name, chain in chains.items():
+                best[name] = min(best[name], chain_ms(chain, m, 1))
+        t_new = best["int8" if m <= INT8_MAX_ROWS else "fp32"]
+        row = (f"| {m} | {best['prepacked']:.1f} | {best['int8']:.1f} | "
+               f"{new_gb / best['int8'] * 1e3:.1f} | {best['fp32']:.1f} | "
+               f"{best['prepacked'] / t_new:.2f}x |")
+        if old is not None:
+            row += (f" {best['old']:.1f} | {old_gb / best['old'] * 1e3:.1f} | "
+                    f"{best['old'] / t_new:.2f}x |")
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -14,16 +14,17 @@ Measures, with the thread count loom uses (torch's default is every core this pr
   warm-up steps, then N decode-only steps are timed.
 
 Roofline per dtype and batch size B: one decode step must read every weight once (in the form
-the engine reads at that B: the GGUF's int8 codes plus block scales and offsets where the
-native block-quantized kernel runs, i.e. at every B with `--linear-backend native`, else the
-fp32 weights) plus the KV cache of every sequence (context tokens x layers x 2 x kv_heads x
-head_dim x dtype bytes), and do 2 x matmul params x B FLOPs plus attention (4 x q_size x context per
-token per layer). memory time = bytes / best read bandwidth; compute time = FLOPs / the best
-GFLOP/s measured at M = B over the model's shapes; bound = max of the two; roofline tok/s = B /
-bound. The table also gives the bound with the square-matmul peak as compute ceiling ("ideal"),
-and the time of just the step's matmuls on the model's own weights ("matmul ms"; the per-shape
-microbenchmarks reuse one weight, so every shape but lm_head runs from cache there, while this
-streams every weight from memory as a real step does). Run from the repository root:
+the engine reads at that B: the native block-quantized kernel's panels, the GGUF's codes at
+their own size plus fp16 block scales and offsets, where it runs, i.e. at every B with
+`--linear-backend native`, else the fp32 weights) plus the KV cache of every sequence (context
+tokens x layers x 2 x kv_heads x head_dim x dtype bytes), and do 2 x matmul params x B FLOPs
+plus attention (4 x q_size x context per token per layer). memory time = bytes / best read
+bandwidth; compute time = FLOPs / the best GFLOP/s measured at M = B over the model's shapes;
+bound = max of the two; roofline tok/s = B / bound. The table also gives the bound with the
+square-matmul peak as compute ceiling ("ideal"), and the time of just the step's matmuls on the
+model's own weights ("matmul ms"; the per-shape microbenchmarks reuse one weight, so every
+shape but lm_head runs from cache there, while this streams every weight from memory as a real
+step does). Run from the repository root:
 
     python benchmarks/roofline.py            # about a minute on 2 idle cores
     python benchmarks/roofline.py --quick    # smoke run
@@ -149,9 +150,9 @@ def model_figures(model: LlamaModel) -> dict[str, Any]:
     matmul_params = sum(lin.num_params for lin in linears)
     itemsize = model.embed.element_size()
     norm_bytes = sum(w.numel() for w in norms) * itemsize
-    # The native kernel's bytes: codes, scales and offsets where a Linear has them.
+    # The native kernel's bytes: its panels (codes, scales and offsets) where a Linear has them.
     block_quant_bytes = sum(
-        sum(t.numel() * t.element_size() for t in lin.panels)
+        lin.panels.numel() * lin.panels.element_size()
         if lin.panels is not None else lin.num_params * itemsize
         for lin in linears)
     return {

@@ -1,6 +1,8 @@
 """The native matmul on a GGUF's block-quantized weights (csrc/block_quant_linear.cpp): the
-loader must hand over the file's own codes, scales and offsets, and the kernel must compute
-what F.linear computes on the dequantized weights, at every batch size it is given."""
+loader must hand over the file's own codes, scales and offsets; the kernel's fp32 path must
+compute what F.linear computes on the dequantized weights, and its int8 path what the same
+weights give on the activations quantized as the kernel says (two int8 parts per block of 32),
+at every batch size it is given."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from model_fixtures import TINY_SPECS, build_tiny_model, save_hf_folder, write_g
 
 from loom import LLM, SamplingParams
 from loom.model.kernels import block_quant_linear_ops
-from loom.model.linear import Linear, to_panels
+from loom.model.linear import INT8_MAX_ROWS, Linear, to_panels
 from loom.model.llama import LlamaModel
 from loom.model.loader import (
     _hf_name,
@@ -26,34 +28,81 @@ from loom.model.weights import BlockQuantWeight
 
 ops = block_quant_linear_ops()
 needs_kernel = pytest.mark.skipif(ops is None or not ops.supported(),
-                                  reason="no C++ compiler or no AVX2/FMA")
+                                  reason="no C++ compiler or no AVX2/FMA/F16C")
+INT8, FP32 = 1 << 30, 0  # the kernel's int8_rows argument that forces each path
+
+CODES = {"Q4_1": (0, 16), "Q4_0": (-8, 8), "Q8_0": (-128, 128)}
 
 
-def random_block_quant(out_features: int, in_features: int, seed: int) -> BlockQuantWeight:
-    """Q4_1-like: codes 0..15, a positive scale and a negative offset per block of 32."""
+def random_block_quant(out_features: int, in_features: int, seed: int,
+                       quant: str = "Q4_1") -> BlockQuantWeight:
+    """Codes in the format's range; fp16 scales (positive) and offsets (negative, Q4_1 only),
+    as a GGUF holds them."""
     gen = torch.Generator().manual_seed(seed)
     blocks = (out_features, in_features // 32)
+    low, high = CODES[quant]
+    offset = -torch.rand(blocks, generator=gen) * 0.15 if quant == "Q4_1" else torch.zeros(blocks)
     return BlockQuantWeight(
-        codes=torch.randint(0, 16, (out_features, in_features), generator=gen,
+        codes=torch.randint(low, high, (out_features, in_features), generator=gen,
                             dtype=torch.int8),
-        scale=torch.rand(blocks, generator=gen) * 0.02 + 0.001,
-        offset=-torch.rand(blocks, generator=gen) * 0.15)
+        scale=(torch.rand(blocks, generator=gen) * 0.02 + 0.001).half().float(),
+        offset=offset.half().float())
+
+
+def two_part_reference(x: torch.Tensor, bq: BlockQuantWeight) -> torch.Tensor:
+    """What the int8 path computes, in float64: per row and block of 32, t = x * 127 / max|x|,
+    q1 = round(t), q2 = round(256 (t - q1)) clipped to +-127, x ~ (256 q1 + q2) max|x| / 32512;
+    the codes' part with those, the offset's with the exact sum of x. 4-bit codes count from 8
+    (q - 8 with offset + 8 * scale: the same weights)."""
+    blocks = x.view(x.shape[0], x.shape[1] // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    t = blocks * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q1 = torch.round(t)
+    q2 = torch.round((t - q1) * 256).clamp(-127, 127)
+    xq = (256 * q1.double() + q2.double()) * (amax.double() / (127 * 256))
+    codes, offset, scale = bq.codes.double(), bq.offset.double(), bq.scale.double()
+    if int(bq.codes.min()) >= -8 and int(bq.codes.max()) <= 15:
+        shift = 8.0 if int(bq.codes.min()) >= 0 else 0.0  # Q4_0's are signed already
+        codes, offset = codes - shift, offset + shift * scale
+    weights = codes.view(codes.shape[0], -1, 32) * scale[..., None]
+    return (torch.einsum("rbk,nbk->rn", xq, weights)
+            + blocks.double().sum(-1) @ offset.T).float()
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 24, 40])
+@pytest.mark.parametrize("quant", list(CODES))
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 40])
 @pytest.mark.parametrize(("out_features", "in_features"), [(16, 64), (48, 96)])
-def test_kernel_matches_f_linear_on_dequantized_weights(rows: int, out_features: int,
-                                                        in_features: int) -> None:
-    """Up to 6 rows the kernel decodes in registers, past that into an fp32 panel under a
-    6-row tile with a remainder: every path, with and without bias."""
-    bq = random_block_quant(out_features, in_features, seed=rows)
+def test_kernel_paths_match_their_references(quant: str, rows: int, out_features: int,
+                                             in_features: int) -> None:
+    """Every row tile and remainder of both paths, with and without bias: the fp32 path is
+    F.linear on the dequantized weights, the int8 path the two-part reference, each to fp32
+    rounding; and the int8 path is within int16-like precision of the fp32 product."""
+    bq = random_block_quant(out_features, in_features, seed=rows, quant=quant)
     gen = torch.Generator().manual_seed(100 + rows)
     x = torch.randn(rows, in_features, generator=gen)
+    x[:, 5] *= 30  # an outlier channel, as real activations have
     bias = torch.randn(out_features, generator=gen)
+    panels = to_panels(bq)
+    exact = F.linear(x, bq.dequantize())
+    scale = exact.abs().amax().item() if rows else 1.0  # fp32 rounding is relative to it
     for b in (None, bias):
-        out = ops.block_quant_linear(x, *to_panels(bq), b)
-        torch.testing.assert_close(out, F.linear(x, bq.dequantize(), b), rtol=1e-5, atol=1e-5)
+        extra = 0 if b is None else b
+        fp32 = ops.block_quant_linear(x, panels, b, FP32)
+        int8 = ops.block_quant_linear(x, panels, b, INT8)
+        torch.testing.assert_close(fp32, exact + extra, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(int8, two_part_reference(x, bq) + extra, rtol=1e-5,
+                                   atol=3e-6 * scale)
+        torch.testing.assert_close(int8, exact + extra, rtol=0, atol=2e-4 * scale)
+
+
+@needs_kernel
+def test_panels_keep_the_files_sizes() -> None:
+    """4-bit codes two to a byte and fp16 scales and offsets: Q4_0 and Q4_1 take 20 bytes per
+    32 weights (Q4_0 the 4 of its implied offset as well), Q8_0 36."""
+    for quant, record in (("Q4_1", 160), ("Q4_0", 160), ("Q8_0", 288)):
+        panels = to_panels(random_block_quant(32, 64, seed=1, quant=quant))
+        assert panels.dtype == torch.uint8 and panels.shape == (4, 2, record)
 
 
 @needs_kernel
@@ -62,40 +111,49 @@ def test_kernel_takes_strided_rows_and_refuses_bad_shapes() -> None:
     panels = to_panels(bq)
     for rows in (5, 9):
         strided = torch.randn(64, rows).t()
-        torch.testing.assert_close(ops.block_quant_linear(strided, *panels, None),
-                                   F.linear(strided, bq.dequantize()), rtol=1e-5, atol=1e-5)
+        for path in (INT8, FP32):
+            torch.testing.assert_close(ops.block_quant_linear(strided, panels, None, path),
+                                       ops.block_quant_linear(strided.contiguous(), panels,
+                                                              None, path))
     with pytest.raises(RuntimeError, match="panels"):
-        ops.block_quant_linear(torch.randn(2, 64), bq.codes, *panels[1:], None)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.block_quant_linear(torch.randn(2, 48), panels[0][:, :48].contiguous(),
-                               *panels[1:], None)
+        ops.block_quant_linear(torch.randn(2, 64), bq.codes, None, INT8)
+    with pytest.raises(RuntimeError, match="panels"):
+        ops.block_quant_linear(torch.randn(2, 64), panels[:1].contiguous(), None, INT8)
+    with pytest.raises(RuntimeError, match="K = 32"):
+        ops.block_quant_linear(torch.randn(2, 48), panels, None, INT8)
     with pytest.raises(RuntimeError, match="float32"):
-        ops.block_quant_linear(torch.randn(2, 64).double(), *panels, None)
+        ops.block_quant_linear(torch.randn(2, 64).double(), panels, None, INT8)
     with pytest.raises(RuntimeError, match="bias"):
-        ops.block_quant_linear(torch.randn(2, 64), *panels, torch.randn(8))
+        ops.block_quant_linear(torch.randn(2, 64), panels, torch.randn(8), INT8)
 
 
 @needs_kernel
 def test_linear_uses_the_kernel_at_every_batch_size() -> None:
     """A block-quantized form that deliberately differs from the fp32 weight shows which path
-    each call took; the fp32 weight is not kept. Channels that do not fill whole panels, or
-    no compiled kernel, leave the layer on the fp32 weight."""
+    each call took: int8 up to INT8_MAX_ROWS rows, fp32 above; the fp32 weight is not kept.
+    Channels that do not fill whole panel pairs, scales fp16 cannot hold, or no compiled
+    kernel, leave the layer on the fp32 weight."""
     bq = random_block_quant(32, 64, seed=2)
     other = torch.randn(32, 64)
     linear = Linear(other, None, prepack=False, block_quant=bq, block_quant_ops=ops)
     assert linear.weight is None
-    for rows in (1, 6, 7, 300):
+    for rows in (1, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 300):
         x = torch.randn(rows, 64)
-        torch.testing.assert_close(linear(x), F.linear(x, bq.dequantize()), rtol=1e-5,
-                                   atol=1e-5)
+        path = INT8 if rows <= INT8_MAX_ROWS else FP32
+        torch.testing.assert_close(linear(x), ops.block_quant_linear(x, linear.panels, None,
+                                                                     path), rtol=0, atol=0)
+        torch.testing.assert_close(linear(x), F.linear(x, bq.dequantize()), rtol=1e-3,
+                                   atol=1e-3)
     x3 = torch.randn(2, 3, 64)
-    torch.testing.assert_close(linear(x3), F.linear(x3, bq.dequantize()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x3), F.linear(x3, bq.dequantize()), rtol=1e-3, atol=1e-3)
     assert Linear(other, None, block_quant=bq, block_quant_ops=None).panels is None
     odd = random_block_quant(24, 64, seed=3)
     fallback = Linear(other[:24], None, block_quant=odd, block_quant_ops=ops)
     assert fallback.panels is None
     x = torch.randn(4, 64)
     torch.testing.assert_close(fallback(x), F.linear(x, other[:24]))
+    fine = BlockQuantWeight(bq.codes, bq.scale + 1e-6, bq.offset)
+    assert Linear(other, None, block_quant=fine, block_quant_ops=ops).panels is None
 
 
 @pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])

@@ -8,10 +8,13 @@ projections, a 30-layer chain of them ran 1.5-2.2x faster prepacked at 1-64 rows
 or slightly faster at 512-2,048 (`benchmarks/linear_layout.py`).
 
 When the weight came from a GGUF in a block-quantized format, every batch goes to loom's
-native kernel instead (csrc/block_quant_linear.cpp), which computes in fp32 from the file's
-int8 codes, re-laid out in panels of 16 output channels. It reads a quarter of the fp32 bytes
-and keeps a register tile busy: 1.5-2.1x the prepacked layout at 1-16 rows, 1.2-1.4x at
-24-128, and within 6% of it at prefill sizes. The fp32 weight is then not kept at all.
+native kernel instead (csrc/block_quant_linear.cpp), on the file's own codes at the file's own
+size (4-bit codes two to a byte, fp16 scales), re-laid out in panels of 8 output channels; no
+fp32 weight is kept. Up to INT8_MAX_ROWS rows (decode steps) it quantizes the activations to
+int8 per block of 32, as llama.cpp does, and streams the weight through integer dot products;
+above that (prefill) it decodes each panel to fp32 once and computes the fp32 product with the
+file's weights. `benchmarks/linear_layout.py --native-only` measures both, and
+`benchmarks/native_accuracy.py` what the int8 activations cost in accuracy.
 """
 
 from __future__ import annotations
@@ -28,8 +31,13 @@ from loom.model.weights import BlockQuantWeight
 # to F.linear on prefill-sized batches (benchmarks/linear_layout.py).
 _PACK_BATCH_HINT = 512
 
-# Output channels per panel of the native kernel's weight layout.
-PANEL_CHANNELS = 16
+# Output channels per panel of the native kernel's weight layout; the kernel's fp32 path takes
+# two panels at a time, so a layer runs on it only with whole pairs.
+PANEL_CHANNELS = 8
+
+# Rows up to which the native kernel computes with int8 activations; above it, in fp32. Both
+# paths read the same panels, so the choice is per call (benchmarks/linear_layout.py).
+INT8_MAX_ROWS = 0
 
 
 def onednn_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -38,12 +46,40 @@ def onednn_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def to_panels(bq: BlockQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The native kernel's layout of a [N, K] block-quantized weight: codes [N/16, K, 16] and
-    scale/offset [N/16, K/32, 16], so that one k of a panel is 16 adjacent bytes."""
-    n = bq.codes.shape[0] // PANEL_CHANNELS
-    return tuple(t.view(n, PANEL_CHANNELS, t.shape[1]).transpose(1, 2).contiguous()
-                 for t in (bq.codes, bq.scale, bq.offset))
+def _unsigned_4bit(bq: BlockQuantWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes 0..15, offset) of a weight whose codes fit 4 bits: Q4_1's as they are, Q4_0's
+    signed ones shifted by 8 into the offset (-8 * scale: exact, also in fp16)."""
+    lo, hi = int(bq.codes.min()), int(bq.codes.max())
+    if 0 <= lo and hi <= 15:
+        return bq.codes, bq.offset
+    if -8 <= lo and hi <= 7:
+        return bq.codes + 8, bq.offset - 8 * bq.scale
+    return None
+
+
+def _fp16_exact(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.half().float(), t))
+
+
+def to_panels(bq: BlockQuantWeight) -> torch.Tensor:
+    """The native kernel's layout of a [N, K] block-quantized weight (uint8 [N/8, K/32,
+    record]): per panel of 8 channels and block of 32 inputs, the codes as 8 groups of
+    8 channels x 4 inputs (4-bit codes: groups 2t and 2t+1 in the low and high nibbles of
+    32 bytes), then the 8 scales and the 8 offsets in fp16 (see csrc/block_quant_linear.cpp)."""
+    four_bit = _unsigned_4bit(bq)
+    codes, offset = four_bit if four_bit is not None else (bq.codes, bq.offset)
+    n, k = codes.shape
+    panels, blocks = n // PANEL_CHANNELS, k // 32
+    # [panel, block, group, channel, input in group]
+    groups = codes.view(panels, PANEL_CHANNELS, blocks, 8, 4).permute(0, 2, 3, 1, 4)
+    if four_bit is not None:
+        pairs = groups.reshape(panels, blocks, 4, 2, 32).to(torch.uint8)
+        code_bytes = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)
+    else:
+        code_bytes = groups.contiguous().view(torch.uint8)
+    halves = [t.view(panels, PANEL_CHANNELS, blocks).transpose(1, 2).half().contiguous()
+              .view(torch.uint8) for t in (bq.scale, offset)]
+    return torch.cat([code_bytes.reshape(panels, blocks, -1), *halves], dim=-1).contiguous()
 
 
 class Linear:
@@ -54,7 +90,7 @@ class Linear:
         format; when `uses_panels` says so, every matmul uses it and `weight` is not kept
         (it may then be None)."""
         self.bias = bias
-        self.panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.panels: torch.Tensor | None = None
         if self.uses_panels(block_quant, block_quant_ops):
             self.out_features, self.in_features = block_quant.codes.shape
             self.panels = to_panels(block_quant)
@@ -71,14 +107,16 @@ class Linear:
     @staticmethod
     def uses_panels(block_quant: BlockQuantWeight | None,
                     block_quant_ops: ModuleType | None) -> bool:
-        """Whether the native kernel takes this weight: compiled, and whole panels."""
+        """Whether the native kernel takes this weight: compiled, whole pairs of panels, and
+        scales and offsets that fp16 holds exactly (a GGUF's are fp16)."""
         return (block_quant is not None and block_quant_ops is not None
-                and block_quant.codes.shape[0] % PANEL_CHANNELS == 0)
+                and block_quant.codes.shape[0] % (2 * PANEL_CHANNELS) == 0
+                and _fp16_exact(block_quant.scale) and _fp16_exact(block_quant.offset))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
             out = self._block_quant_ops.block_quant_linear(
-                x.reshape(-1, self.in_features), *self.panels, self.bias)
+                x.reshape(-1, self.in_features), self.panels, self.bias, INT8_MAX_ROWS)
             return out.view(*x.shape[:-1], self.out_features)
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")

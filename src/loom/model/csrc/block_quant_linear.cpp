@@ -1,32 +1,51 @@
-// loom: y = x W^T (+ b) for fp32 x, with W held as the GGUF holds it: int8 codes q with one
-// scale d and one offset m per block of 32 along a row, w = q * d + m (Q4_0, Q4_1 and Q8_0 all
-// have this form). The codes are the file's own numbers, so the result is the fp32 product with
-// the file's weights, not an approximation of it (only the summation order differs), and a
-// decode step streams 1-byte codes instead of 4-byte floats.
+// loom: y = x W^T (+ b) for fp32 x, with W held as the GGUF holds it: codes q with one scale d
+// and one offset m per block of 32 along a row, w = q * d + m (Q4_0, Q4_1 and Q8_0 all have
+// this form), 4-bit codes packed two to a byte and d, m in fp16, the file's own sizes.
 //
-// The weight is laid out once, at load time, in panels of 16 output channels: codes
-// [N/16, K, 16] and scale/offset [N/16, K/32, 16], so that row k of a panel is 16 consecutive
-// codes that decode into two AVX2 registers. Threads take panels one at a time
-// (parallel_dynamic.h). Per panel:
-// - up to 6 rows: each row k of codes is decoded into registers and used at once by a tile of
-//   R rows x 16 channels;
-// - more rows: the panel is decoded once to fp32 (K x 16 floats, at most ~100 KB, so it stays
-//   in L2) and a 6 x 16 register tile runs over it, per k two panel loads, six broadcasts and
-//   twelve FMAs, the classic AVX2 sgemm micro-kernel. The decode is amortised over every row.
-// On the bundled model this beat oneDNN's prepacked fp32 matmul from 1 to 512 rows and came
-// within 6% of it at 2,048 (benchmarks/linear_layout.py --native-only). Needs AVX2 + FMA.
+// The weight is laid out once, at load time (loom.model.linear.to_panels), in panels of 8
+// output channels; a panel's block b of 32 inputs is one record:
+// - 4-bit: 128 bytes of codes, then d[8] and m[8] as fp16. Byte i of 32-byte chunk t holds,
+//   low nibble first, byte i of the 4 x 8 code groups 2t and 2t + 1, where code group g is the
+//   32 codes of inputs 32b + 4g .. 32b + 4g + 3, channel-major: byte 4c + j = channel c,
+//   input 32b + 4g + j. 0 <= q <= 15 (Q4_0's signed codes come shifted by 8, m = -8d).
+// - 8-bit: the 8 code groups as signed bytes (256 bytes), then d[8] and m[8].
+// A code group is one AVX2 register: 8 channels x 4 inputs, which is what _mm256_maddubs_epi16
+// + _mm256_madd_epi16 sum into 8 int32 lanes, one per channel.
+//
+// Two ways to compute, chosen by the row count:
+// - up to `int8_rows` rows (decode steps): x is quantized once per call to int8 per block of 32
+//   (scale max|x| / 127; as llama.cpp's Q8_1), and every code group is an integer dot product
+//   (no decode of the weight to floats at all); per block, in fp32, y += d * dx * sum(q * qx)
+//   + m * sum(x), with the exact sum of x, so that the offset term carries no rounding of x.
+//   The weight streams at its packed size, with about a third of the instructions of fp32.
+// - more rows (prefill): two panels are decoded once to fp32 (K x 16 floats, at most ~100 KB,
+//   so it stays in L2) and a 6 x 16 register tile runs over it, per k two panel loads, six
+//   broadcasts and twelve FMAs, the classic AVX2 sgemm micro-kernel: the fp32 product with the
+//   file's weights (only the summation order differs from F.linear), the decode amortised over
+//   every row.
+// Threads take work units of a few panels from a shared counter (parallel_dynamic.h). Needs
+// AVX2, FMA and F16C.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <vector>
 
 #include "parallel_dynamic.h"
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define LOOM_HAVE_AVX2 1
 #endif
 
 constexpr int64_t kQuantBlock = 32;
+constexpr int64_t kPanel = 8;                      // output channels per packed panel
+constexpr int64_t kScaleBytes = 2 * kPanel * 2;    // d[8] and m[8], fp16
+constexpr int64_t kRecord4 = 128 + kScaleBytes;    // one 4-bit block of a panel
+constexpr int64_t kRecord8 = 256 + kScaleBytes;    // one 8-bit block of a panel
+constexpr int kTileRows = 6;                       // rows per fp32 register tile
+constexpr int kIntTileRows = 4;                    // rows per integer register tile
+constexpr int64_t kUnitWeights = 16384;            // weights per work unit of the int8 path
 
 bool supported() {
 #ifdef LOOM_HAVE_AVX2
@@ -36,51 +55,231 @@ bool supported() {
 #endif
 }
 
-constexpr int64_t kPanel = 16;
-constexpr int kTileRows = 6;  // rows per register tile; also the most decoded in registers
-
 #ifdef LOOM_HAVE_AVX2
 // Always inlined (and, in the tiles, with the row loops unrolled) so that everything stays in
 // registers: without the unrolling GCC kept the tile's accumulators on the stack, ten stores
 // per k, at half the speed.
 #define LOOM_INLINE inline __attribute__((always_inline))
 
-// One k of a panel: 16 int8 codes -> 16 floats code * scale + offset, in two vectors. d and m
-// point at the 16 scales and offsets of the codes' block.
-static LOOM_INLINE void decode16(const int8_t* q, const float* d, const float* m, __m256& w0,
-                                 __m256& w1) {
-  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), _mm256_loadu_ps(d),
-                       _mm256_loadu_ps(m));
-  w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))),
-                       _mm256_loadu_ps(d + 8), _mm256_loadu_ps(m + 8));
+static LOOM_INLINE __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
 }
 
-static void decode_panel(const int8_t* q, const float* s, const float* o, int64_t K, float* w) {
-  for (int64_t k = 0; k < K; ++k) {
-    const int64_t b = k / kQuantBlock;
-    __m256 w0, w1;
-    decode16(q + k * kPanel, s + b * kPanel, o + b * kPanel, w0, w1);
-    _mm256_store_ps(w + k * kPanel, w0);
-    _mm256_store_ps(w + k * kPanel + 8, w1);
+static LOOM_INLINE float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static LOOM_INLINE float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// One row of x, per block of 32, as two int8 parts: x ~ dx * (q1 + q2 / 256), q1 = round(x / dx)
+// with dx = max|x| / 127 and q2 the rounded rest in 1/256ths, both in [-127, 127] (127 keeps
+// the sign trick of 8-bit codes exact), which is int16 precision. Per block: the scale dx / 256,
+// the exact sum of x, and the centring term 8 * (sum x - sum of its quantized values) for
+// 4-bit codes (see int_tile). The two parts' 32 codes are stored one after the other.
+static void quantize_row(const float* x, int64_t K, int8_t* qx, float* scale, float* sum,
+                         float* centre) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / kQuantBlock; ++b) {
+    const float* xb = x + b * kQuantBlock;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    const __m256 amax = _mm256_max_ps(
+        _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    const float m = hmax(amax);
+    const __m256 inv = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+    __m256i q1[4], q2[4];
+    __m256 total = _mm256_setzero_ps();  // sum of 256 q1 + q2, exact in fp32
+    for (int i = 0; i < 4; ++i) {
+      const __m256 t = _mm256_mul_ps(v[i], inv);
+      const __m256 r1 = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256 r2 = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_round_ps(
+          _mm256_mul_ps(_mm256_sub_ps(t, r1), _mm256_set1_ps(256.0f)),
+          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+      total = _mm256_add_ps(total, _mm256_fmadd_ps(r1, _mm256_set1_ps(256.0f), r2));
+      q1[i] = _mm256_cvtps_epi32(r1);
+      q2[i] = _mm256_cvtps_epi32(r2);
+    }
+    const float s = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    scale[b] = m / (127.0f * 256.0f);
+    sum[b] = s;
+    centre[b] = 8.0f * (s - scale[b] * hsum(total));
+    // the packs interleave 128-bit lanes; the permute puts the 32 codes back in order
+    for (int part = 0; part < 2; ++part) {
+      const __m256i* q = part == 0 ? q1 : q2;
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                                _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + (2 * b + part) * kQuantBlock),
+                          _mm256_permutevar8x32_epi32(packed, order));
+    }
   }
 }
 
-// The register tile shared by both paths: 16 channels (two vectors) x R rows of accumulators.
-template <int R>
-static LOOM_INLINE void tile_fma(const float* x, int64_t K, int64_t k, __m256 w0, __m256 w1,
-                                 __m256 (&a0)[R], __m256 (&a1)[R]) {
-#pragma GCC unroll 6
+static LOOM_INLINE __m256 load_half8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Code group g of a block record: 32 codes, byte 4c + j = channel c, input 4g + j.
+template <int Bits>
+static LOOM_INLINE __m256i code_group(const uint8_t* rec, int g) {
+  if (Bits == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * g));
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * (g / 2)));
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  return _mm256_and_si256(g % 2 == 0 ? v : _mm256_srli_epi16(v, 4), low4);
+}
+
+// s += sum over one code group of codes * qx, per channel: 16-bit pair sums for 4-bit codes
+// (at most 2 * 15 * 127 each, so eight groups' worth fit in int16), 32-bit for 8-bit codes
+// (signed, so the sign moves onto qx for maddubs' unsigned operand).
+template <int Bits>
+static LOOM_INLINE __m256i dot_group(__m256i codes, __m256i xq, __m256i s) {
+  if (Bits == 4) return _mm256_add_epi16(s, _mm256_maddubs_epi16(codes, xq));
+  const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(codes),
+                                         _mm256_sign_epi8(xq, codes));
+  return _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+// y[r, 0..7] = x[r] . panel (+ bias) for R <= 4 rows, from the two-part int8 activations.
+// Per block, with the integer dot products t1 = sum(q * q1), t2 = sum(q * q2) and a = dx / 256:
+// y += d * (a * (256 t1 + t2) + centre) + m * sum(x). For 4-bit codes the centring term moves
+// the rounding error of x onto q - 8 instead of q (0..15), half the size on average; 8-bit
+// codes are signed already and take no centring.
+template <int Bits, int R>
+static inline void int_tile(const uint8_t* panel, int64_t nb, const int8_t* qx,
+                            const float* scale, const float* sum, const float* centre,
+                            int64_t K, float* y, int64_t N, const float* bias) {
+  constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rec = panel + b * record;
+    __m256i s1[R], s2[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m256i codes = code_group<Bits>(rec, g);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = qx + r * 2 * K + 2 * b * kQuantBlock + 4 * g;
+        s1[r] = dot_group<Bits>(codes, broadcast4(q), s1[r]);
+        s2[r] = dot_group<Bits>(codes, broadcast4(q + kQuantBlock), s2[r]);
+      }
+    }
+    const __m256 d = load_half8(rec + record - kScaleBytes);
+    const __m256 m = load_half8(rec + record - kScaleBytes / 2);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i t1 = Bits == 4 ? _mm256_madd_epi16(s1[r], ones) : s1[r];
+      const __m256i t2 = Bits == 4 ? _mm256_madd_epi16(s2[r], ones) : s2[r];
+      const __m256 t = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(t1, 8), t2));
+      const int64_t i = r * nb + b;
+      const __m256 dot = Bits == 4 ? _mm256_fmadd_ps(t, _mm256_set1_ps(scale[i]),
+                                                     _mm256_set1_ps(centre[i]))
+                                   : _mm256_mul_ps(t, _mm256_set1_ps(scale[i]));
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum[i]), _mm256_fmadd_ps(dot, d, acc[r]));
+    }
+  }
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
-    a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);
-    a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);
+    if (bias != nullptr) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(bias));
+    _mm256_storeu_ps(y + r * N, acc[r]);
   }
 }
 
+template <int Bits>
+static void int8_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P,
+                      const float* bp, float* yp) {
+  constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
+  const int64_t nb = K / kQuantBlock, N = P * kPanel;
+  std::vector<int8_t> qx(M * 2 * K);
+  std::vector<float> scale(M * nb), sum(M * nb), centre(M * nb);
+  for (int64_t r = 0; r < M; ++r)
+    quantize_row(xp + r * K, K, qx.data() + r * 2 * K, scale.data() + r * nb,
+                 sum.data() + r * nb, centre.data() + r * nb);
+  // a few panels per unit: fewer trips to the shared counter, still enough units to balance
+  const int64_t per_unit = std::max<int64_t>(1, kUnitWeights / (kPanel * K));
+  const int64_t units = (P + per_unit - 1) / per_unit;
+  parallel_dynamic(units, [&](std::atomic<int64_t>& next) {
+    for (int64_t u; (u = next++) < units;) {
+      for (int64_t p = u * per_unit; p < std::min(P, (u + 1) * per_unit); ++p) {
+        const uint8_t* panel = wp + p * nb * record;
+        const float* pb = bp == nullptr ? nullptr : bp + p * kPanel;
+        for (int64_t r = 0; r < M; r += kIntTileRows) {
+          const int64_t i = r * nb;
+          const int8_t* q = qx.data() + r * 2 * K;
+          float* y = yp + r * N + p * kPanel;
+#define LOOM_TILE(R) \
+  int_tile<Bits, R>(panel, nb, q, scale.data() + i, sum.data() + i, centre.data() + i, K, y, N, pb)
+          switch (std::min<int64_t>(kIntTileRows, M - r)) {
+            case 4: LOOM_TILE(4); break;
+            case 3: LOOM_TILE(3); break;
+            case 2: LOOM_TILE(2); break;
+            default: LOOM_TILE(1); break;
+          }
+#undef LOOM_TILE
+        }
+      }
+    }
+  });
+}
+
+// One 8-channel panel to fp32, into columns half * 8 .. half * 8 + 7 of w [K, 16].
+template <int Bits>
+static void decode_panel(const uint8_t* panel, int64_t nb, int half, float* w) {
+  constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
+  // within each 128-bit lane, bytes (channel, input) -> (input, channel); then the dwords so
+  // that each 64 bits hold the 8 channels of one input
+  const __m256i by_input = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11,
+                                            15, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7,
+                                            11, 15);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rec = panel + b * record;
+    const __m256 d = load_half8(rec + record - kScaleBytes);
+    const __m256 m = load_half8(rec + record - kScaleBytes / 2);
+    for (int g = 0; g < 8; ++g) {
+      const __m256i c = _mm256_permutevar8x32_epi32(
+          _mm256_shuffle_epi8(code_group<Bits>(rec, g), by_input), order);
+      for (int j = 0; j < 4; ++j) {
+        const __m128i lane = j < 2 ? _mm256_castsi256_si128(c) : _mm256_extracti128_si256(c, 1);
+        const __m128i bytes = j % 2 == 0 ? lane : _mm_srli_si128(lane, 8);
+        const __m256i ints = Bits == 4 ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
+        _mm256_store_ps(w + (b * kQuantBlock + 4 * g + j) * 16 + 8 * half,
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), d, m));
+      }
+    }
+  }
+}
+
+// y[r, 0..15] = x[r] . w (+ bias) for R <= 6 rows, from the decoded fp32 panel pair w.
 template <int R>
-static LOOM_INLINE void tile_store(__m256 (&a0)[R], __m256 (&a1)[R], float* y, int64_t N,
-                                   const float* bias) {
+static inline void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N,
+                              const float* bias) {
+  __m256 a0[R], a1[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_load_ps(w + k * 16), w1 = _mm256_load_ps(w + k * 16 + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
+      a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);
+    }
+  }
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
     if (bias != nullptr) {
@@ -92,93 +291,64 @@ static LOOM_INLINE void tile_store(__m256 (&a0)[R], __m256 (&a1)[R], float* y, i
   }
 }
 
-// y[r, 0..15] = x[r] . panel (+ bias) for R <= 6 rows, from the decoded fp32 panel w.
-template <int R>
-static inline void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N,
-                              const float* bias) {
-  __m256 a0[R], a1[R];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k)
-    tile_fma<R>(x, K, k, _mm256_load_ps(w + k * kPanel), _mm256_load_ps(w + k * kPanel + 8),
-                a0, a1);
-  tile_store<R>(a0, a1, y, N, bias);
-}
-
-// The same product for a batch of at most 6 rows, without the fp32 panel: each row k of codes
-// is decoded into registers and used at once. With so few rows per decoded weight, writing the
-// panel out and reading it back costs more than it saves.
-template <int R>
-static inline void decoding_tile(const float* x, int64_t K, const int8_t* q, const float* s,
-                                 const float* o, float* y, int64_t N, const float* bias) {
-  __m256 a0[R], a1[R];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    // scale and offset are re-read from L1 at each k, as memory operands of the FMAs: held in
-    // registers they would leave too few for six rows of accumulators
-    const int64_t b = k / kQuantBlock;
-    __m256 w0, w1;
-    decode16(q + k * kPanel, s + b * kPanel, o + b * kPanel, w0, w1);
-    tile_fma<R>(x, K, k, w0, w1, a0, a1);
-  }
-  tile_store<R>(a0, a1, y, N, bias);
+template <int Bits>
+static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P,
+                      const float* bp, float* yp) {
+  constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
+  const int64_t nb = K / kQuantBlock, N = P * kPanel, pairs = P / 2;
+  parallel_dynamic(pairs, [&](std::atomic<int64_t>& next) {
+    float* w = static_cast<float*>(std::aligned_alloc(64, K * 16 * 4));
+    for (int64_t p; (p = next++) < pairs;) {
+      decode_panel<Bits>(wp + 2 * p * nb * record, nb, 0, w);
+      decode_panel<Bits>(wp + (2 * p + 1) * nb * record, nb, 1, w);
+      const float* pb = bp == nullptr ? nullptr : bp + p * 16;
+      for (int64_t r = 0; r < M; r += kTileRows) {
+        const float* xr = xp + r * K;
+        float* yr = yp + r * N + p * 16;
+        switch (std::min<int64_t>(kTileRows, M - r)) {
+          case 6: panel_tile<6>(xr, K, w, yr, N, pb); break;
+          case 5: panel_tile<5>(xr, K, w, yr, N, pb); break;
+          case 4: panel_tile<4>(xr, K, w, yr, N, pb); break;
+          case 3: panel_tile<3>(xr, K, w, yr, N, pb); break;
+          case 2: panel_tile<2>(xr, K, w, yr, N, pb); break;
+          default: panel_tile<1>(xr, K, w, yr, N, pb); break;
+        }
+      }
+    }
+    std::free(w);
+  });
 }
 #endif
 
-torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
-                                 torch::Tensor offset, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(supported(), "block_quant_linear needs a CPU with AVX2 and FMA");
+// x [M, K] float32; panels uint8 [N / 8, K / 32, record] (4-bit or 8-bit records, told apart by
+// their size); up to int8_rows rows take the int8 path, more the fp32 one.
+torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor panels,
+                                 c10::optional<torch::Tensor> bias, int64_t int8_rows) {
+  TORCH_CHECK(supported(), "block_quant_linear needs a CPU with AVX2, FMA and F16C");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
-  TORCH_CHECK(q.dim() == 3 && q.size(2) == kPanel && q.scalar_type() == at::kChar &&
-                  q.is_contiguous(), "q must be contiguous int8 panels [N / 16, K, 16]");
-  const int64_t M = x.size(0), P = q.size(0), K = q.size(1), N = P * kPanel;
-  TORCH_CHECK(x.size(1) == K && K % kQuantBlock == 0, "x [rows, K] with K a multiple of 32");
-  TORCH_CHECK(scale.sizes() == offset.sizes() && scale.dim() == 3 && scale.size(0) == P &&
-                  scale.size(1) == K / kQuantBlock && scale.size(2) == kPanel &&
-                  scale.scalar_type() == at::kFloat && offset.scalar_type() == at::kFloat &&
-                  scale.is_contiguous() && offset.is_contiguous(),
-              "scale and offset must be contiguous float32 [N / 16, K / 32, 16]");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
+                  (panels.size(2) == kRecord4 || panels.size(2) == kRecord8) &&
+                  panels.size(0) % 2 == 0,
+              "panels must be contiguous uint8 [N / 8, K / 32, record], N a multiple of 16");
+  const int64_t M = x.size(0), P = panels.size(0), K = panels.size(1) * kQuantBlock;
+  const int64_t N = P * kPanel;
+  TORCH_CHECK(x.size(1) == K, "x must be [rows, K] with K = 32 * the panels' blocks");
   TORCH_CHECK(!bias.has_value() || (bias->numel() == N && bias->scalar_type() == at::kFloat),
               "bias must be float32 [N]");
   x = x.contiguous();
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
 #ifdef LOOM_HAVE_AVX2
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* op = offset.data_ptr<float>();
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = panels.data_ptr<uint8_t>();
   float* yp = out.data_ptr<float>();
-  const int64_t nb = K / kQuantBlock;
-  parallel_dynamic(P, [&](std::atomic<int64_t>& next) {
-    float* w = M > kTileRows ? static_cast<float*>(std::aligned_alloc(64, K * kPanel * 4))
-                             : nullptr;
-    for (int64_t p; (p = next++) < P;) {
-      const int8_t* pq = qp + p * K * kPanel;
-      const float *ps = sp + p * nb * kPanel, *po = op + p * nb * kPanel;
-      const float* pb = bp == nullptr ? nullptr : bp + p * kPanel;
-      if (w != nullptr) decode_panel(pq, ps, po, K, w);
-      for (int64_t r = 0; r < M; r += kTileRows) {
-        const float* xr = xp + r * K;
-        float* yr = yp + r * N + p * kPanel;
-#define LOOM_TILE(R) \
-  w != nullptr ? panel_tile<R>(xr, K, w, yr, N, pb) : decoding_tile<R>(xr, K, pq, ps, po, yr, N, pb)
-        switch (std::min<int64_t>(kTileRows, M - r)) {
-          case 6: LOOM_TILE(6); break;
-          case 5: LOOM_TILE(5); break;
-          case 4: LOOM_TILE(4); break;
-          case 3: LOOM_TILE(3); break;
-          case 2: LOOM_TILE(2); break;
-          default: LOOM_TILE(1); break;
-        }
-#undef LOOM_TILE
-      }
-    }
-    std::free(w);
-  });
+  const bool four = panels.size(2) == kRecord4;
+  if (M <= int8_rows)
+    (four ? int8_path<4> : int8_path<8>)(xp, M, K, wp, P, bp, yp);
+  else
+    (four ? fp32_path<4> : fp32_path<8>)(xp, M, K, wp, P, bp, yp);
 #endif
   return out;
 }
