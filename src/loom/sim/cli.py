@@ -7,6 +7,7 @@ the command, so `loom --help` stays fast. Only `calibrate` loads torch and the m
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                       "of prefill tokens x decode sequences x context, fit the "
                                       "roofline-shaped step model and report its held-out "
                                       "error.")
-    cal.add_argument("--output", required=True, dest="calibrate_output",
+    cal.add_argument("--output", required=True, dest="calibrate_output", metavar="PROFILE",
                      help="profile JSON to write")
     cal.add_argument("--grid", choices=["quick", "default"], default="default",
                      help="quick: a smoke run in seconds; default: a few minutes on 2 cores")
@@ -94,6 +95,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     if not args.trace:
         raise ValueError("loom simulate needs --trace (or the calibrate sub-command)")
+    # the scheduler warns on every preemption; a simulation counts them in its results
+    logging.getLogger("loom.core.scheduler").setLevel(logging.ERROR)
     points = _points(args)
     configs, skipped = _configs(args)
     trace, token_ids = _trace(args)
