@@ -1,11 +1,13 @@
 """The native block-quantized matmul (`--linear-backend native`) against oneDNN on the same
-fp32 weights: both compute with the GGUF's own numbers, so only the summation order differs,
-and this measures how much that shows.
+fp32 weights, once per kernel path: fp32 (the exact product with the GGUF's numbers; only the
+summation order differs) and int8 (activations quantized per block of 32 into two int8 parts,
+int16-like precision), each forced at every batch size. The engine takes the int8 path up to
+`INT8_MAX_ROWS` rows and fp32 above, so a decode step runs what the int8 rows show.
 
-Teacher-forced: dtype_accuracy.py's six passages, every position's next-token distribution,
-every projection on the native kernel as the engine runs it (prefill-sized batches).
+Teacher-forced: dtype_accuracy.py's six passages, every position's next-token distribution.
 Free-running: greedy completions of its ten prompts, up to 64 tokens, one prompt at a time
-(then 1-row decode steps), token for token. Run from the repository root:
+(then 1-row decode steps), token for token, and the logprobs of the tokens both chose up to
+the first difference. Run from the repository root:
 
     python benchmarks/native_accuracy.py
 """
@@ -21,38 +23,64 @@ sys.path.insert(0, "benchmarks")
 from dtype_accuracy import PASSAGES, PROMPTS, compare_logits, encode, passage_logits  # noqa: E402
 
 from loom import LLM, SamplingParams  # noqa: E402
+from loom.bench.sysinfo import hardware  # noqa: E402
+from loom.model import linear  # noqa: E402
+
+PATHS = {"fp32": 0, "int8": 1 << 30}  # linear.INT8_MAX_ROWS that forces each path
 
 
-def main() -> None:
-    llms = {b: LLM(dtype="float32", linear_backend=b, kv_cache_memory="128MiB")
-            for b in ("onednn", "native")}
-    tokenizer = llms["onednn"].tokenizer
+def teacher_forced(ref: LLM, test: LLM) -> dict[str, float]:
+    tokenizer = ref.tokenizer
     positions = agree = 0
-    kl_sum, kl_max, max_lp_diff, nll = 0.0, 0.0, 0.0, {"onednn": 0.0, "native": 0.0}
+    kl_sum, kl_max, max_lp_diff, nll_ref, nll_test = 0.0, 0.0, 0.0, 0.0, 0.0
     for passage in PASSAGES.values():
         ids = encode(tokenizer, passage, generation=False)
-        logits = {b: passage_logits(llm.engine.runner.model, ids) for b, llm in llms.items()}
-        r = compare_logits(logits["onednn"], logits["native"], ids)
+        logits = [passage_logits(llm.engine.runner.model, ids) for llm in (ref, test)]
+        r = compare_logits(*logits, ids)
         positions += r["positions"]
         agree += r["top1_agree"]
         kl_sum, kl_max = kl_sum + r["kl_sum"], max(kl_max, r["kl_max"])
-        nll["onednn"] += r["nll_ref"]
-        nll["native"] += r["nll_test"]
-        diff = (logits["onednn"].log_softmax(-1) - logits["native"].log_softmax(-1)).abs()
+        nll_ref, nll_test = nll_ref + r["nll_ref"], nll_test + r["nll_test"]
+        diff = (logits[0].log_softmax(-1) - logits[1].log_softmax(-1)).abs()
         max_lp_diff = max(max_lp_diff, float(diff.max()))
-    print(f"Teacher-forced, {positions} positions:")
-    print(f"- top-1 agreement {100 * agree / positions:.2f}%, mean KL {kl_sum / positions:.2e}, "
-          f"max KL {kl_max:.2e}, max |logprob difference| {max_lp_diff:.2e}")
-    print(f"- perplexity onednn {math.exp(nll['onednn'] / positions):.4f}, "
-          f"native {math.exp(nll['native'] / positions):.4f}")
-    params = SamplingParams(max_tokens=64, temperature=0)
-    same = 0
+    return {"positions": positions, "top1": 100 * agree / positions,
+            "kl_mean": kl_sum / positions, "kl_max": kl_max, "lp_diff": max_lp_diff,
+            "ppl_ref": math.exp(nll_ref / positions), "ppl_test": math.exp(nll_test / positions)}
+
+
+def free_running(ref: LLM, test: LLM) -> dict[str, float]:
+    params = SamplingParams(max_tokens=64, temperature=0, logprobs=0)
+    same, max_lp_diff = 0, 0.0
     for prompt in PROMPTS:
-        ids = encode(tokenizer, prompt, generation=True)
-        outs = [llm.generate(ids, params)[0].outputs[0].token_ids for llm in llms.values()]
-        same += outs[0] == outs[1]
-    print(f"Free-running greedy, one prompt at a time: {same}/{len(PROMPTS)} completions "
-          "identical token for token")
+        ids = encode(ref.tokenizer, prompt, generation=True)
+        a, b = (llm.generate(ids, params)[0].outputs[0] for llm in (ref, test))
+        same += a.token_ids == b.token_ids
+        for x, y, lx, ly in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
+            if x != y:
+                break
+            max_lp_diff = max(max_lp_diff, abs(lx.logprob - ly.logprob))
+    return {"identical": same, "prompts": len(PROMPTS), "lp_diff": max_lp_diff}
+
+
+def main() -> None:
+    ref, native = (LLM(dtype="float32", linear_backend=b, kv_cache_memory="128MiB")
+                   for b in ("onednn", "native"))
+    hw = hardware()
+    print(f"{hw['cpu_model']}, {hw['cpus_usable']} CPUs, torch {torch.__version__}\n")
+    print("| native path | top-1 agree | mean KL | max KL | max abs logprob diff | ppl onednn "
+          "| ppl native | greedy identical | max abs logprob diff, greedy tokens |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+    engine_rows = linear.INT8_MAX_ROWS
+    try:
+        for name, rows in PATHS.items():
+            linear.INT8_MAX_ROWS = rows
+            tf, fr = teacher_forced(ref, native), free_running(ref, native)
+            print(f"| {name} | {tf['top1']:.2f}% of {tf['positions']} | {tf['kl_mean']:.1e} | "
+                  f"{tf['kl_max']:.1e} | {tf['lp_diff']:.1e} | {tf['ppl_ref']:.4f} | "
+                  f"{tf['ppl_test']:.4f} | {fr['identical']}/{fr['prompts']} | "
+                  f"{fr['lp_diff']:.1e} |", flush=True)
+    finally:
+        linear.INT8_MAX_ROWS = engine_rows
 
 
 if __name__ == "__main__":

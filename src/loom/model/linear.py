@@ -10,11 +10,12 @@ or slightly faster at 512-2,048 (`benchmarks/linear_layout.py`).
 When the weight came from a GGUF in a block-quantized format, every batch goes to loom's
 native kernel instead (csrc/block_quant_linear.cpp), on the file's own codes at the file's own
 size (4-bit codes two to a byte, fp16 scales), re-laid out in panels of 8 output channels; no
-fp32 weight is kept. Up to INT8_MAX_ROWS rows (decode steps) it quantizes the activations to
-int8 per block of 32, as llama.cpp does, and streams the weight through integer dot products;
-above that (prefill) it decodes each panel to fp32 once and computes the fp32 product with the
-file's weights. `benchmarks/linear_layout.py --native-only` measures both, and
-`benchmarks/native_accuracy.py` what the int8 activations cost in accuracy.
+fp32 weight is kept. Up to INT8_MAX_ROWS rows (decode steps) it quantizes the activations per
+block of 32 into two int8 parts (int16 precision; one part, as llama.cpp does, changed this
+model's greedy tokens) and streams the weight through integer dot products; above that
+(prefill) it decodes each panel to fp32 once and computes the fp32 product with the file's
+weights. `benchmarks/linear_layout.py --native-only` times both paths and
+`benchmarks/native_accuracy.py` measures what the int8 one costs in accuracy.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ _PACK_BATCH_HINT = 512
 # two panels at a time, so a layer runs on it only with whole pairs.
 PANEL_CHANNELS = 8
 
-# Rows up to which the native kernel computes with int8 activations; above it, in fp32. Both
-# paths read the same panels, so the choice is per call (benchmarks/linear_layout.py).
-INT8_MAX_ROWS = 0
+# Rows up to which the native kernel computes with int8 activations (decode steps); above it,
+# in fp32 (prefill), where its register tile beat the integer one (benchmarks/linear_layout.py).
+# Both paths read the same panels, so the choice is per call. Not batch-invariant: a decode row
+# in a step of more rows takes the fp32 path and can round differently.
+INT8_MAX_ROWS = 16
 
 
 def onednn_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:

@@ -13,11 +13,13 @@
 // + _mm256_madd_epi16 sum into 8 int32 lanes, one per channel.
 //
 // Two ways to compute, chosen by the row count:
-// - up to `int8_rows` rows (decode steps): x is quantized once per call to int8 per block of 32
-//   (scale max|x| / 127; as llama.cpp's Q8_1), and every code group is an integer dot product
-//   (no decode of the weight to floats at all); per block, in fp32, y += d * dx * sum(q * qx)
-//   + m * sum(x), with the exact sum of x, so that the offset term carries no rounding of x.
-//   The weight streams at its packed size, with about a third of the instructions of fp32.
+// - up to `int8_rows` rows (decode steps): x is quantized once per call, per block of 32, into
+//   two int8 parts, x ~ dx * (q1 + q2 / 256) with dx = max|x| / 127 (llama.cpp's Q8_1 is q1
+//   alone: on the bundled model that changed most greedy completions; with q2 they stay
+//   fp32's, benchmarks/native_accuracy.py), and every code group is an integer dot product (_mm256_maddubs_epi16), with
+//   no decode of the weight to floats; per block, in fp32, y += d * dx * sum(q * qx) + m *
+//   sum(x), with the exact sum of x, so that the offset term carries no rounding of x. The
+//   weight streams at its packed size.
 // - more rows (prefill): two panels are decoded once to fp32 (K x 16 floats, at most ~100 KB,
 //   so it stays in L2) and a 6 x 16 register tile runs over it, per k two panel loads, six
 //   broadcasts and twelve FMAs, the classic AVX2 sgemm micro-kernel: the fp32 product with the
@@ -81,7 +83,7 @@ static LOOM_INLINE float hmax(__m256 v) {
 
 // One row of x, per block of 32, as two int8 parts: x ~ dx * (q1 + q2 / 256), q1 = round(x / dx)
 // with dx = max|x| / 127 and q2 the rounded rest in 1/256ths, both in [-127, 127] (127 keeps
-// the sign trick of 8-bit codes exact), which is int16 precision. Per block: the scale dx / 256,
+// the sign trick of 8-bit codes exact): int16 precision. Per block: the scale dx / 256,
 // the exact sum of x, and the centring term 8 * (sum x - sum of its quantized values) for
 // 4-bit codes (see int_tile). The two parts' 32 codes are stored one after the other.
 static void quantize_row(const float* x, int64_t K, int8_t* qx, float* scale, float* sum,
@@ -151,9 +153,9 @@ static LOOM_INLINE __m256i dot_group(__m256i codes, __m256i xq, __m256i s) {
 
 // y[r, 0..7] = x[r] . panel (+ bias) for R <= 4 rows, from the two-part int8 activations.
 // Per block, with the integer dot products t1 = sum(q * q1), t2 = sum(q * q2) and a = dx / 256:
-// y += d * (a * (256 t1 + t2) + centre) + m * sum(x). For 4-bit codes the centring term moves
-// the rounding error of x onto q - 8 instead of q (0..15), half the size on average; 8-bit
-// codes are signed already and take no centring.
+// y += d * (a * (256 t1 + t2) + centre) + m * sum(x). For 4-bit codes the centring term
+// weighs the rounding error of x by q - 8 instead of q (0..15), a smaller weight; 8-bit codes
+// are signed already and take no centring.
 template <int Bits, int R>
 static inline void int_tile(const uint8_t* panel, int64_t nb, const int8_t* qx,
                             const float* scale, const float* sum, const float* centre,
@@ -168,14 +170,17 @@ static inline void int_tile(const uint8_t* panel, int64_t nb, const int8_t* qx,
     __m256i s1[R], s2[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int g = 0; g < 8; ++g) {
-      const __m256i codes = code_group<Bits>(rec, g);
+    // two code groups (one 32-byte load of 4-bit codes) per iteration, not unrolled further:
+    // fully unrolled, GCC computed every group's products first and spilled them
+#pragma GCC unroll 1
+    for (int g = 0; g < 8; g += 2) {
+      const __m256i c0 = code_group<Bits>(rec, g), c1 = code_group<Bits>(rec, g + 1);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int8_t* q = qx + r * 2 * K + 2 * b * kQuantBlock + 4 * g;
-        s1[r] = dot_group<Bits>(codes, broadcast4(q), s1[r]);
-        s2[r] = dot_group<Bits>(codes, broadcast4(q + kQuantBlock), s2[r]);
+        s1[r] = dot_group<Bits>(c1, broadcast4(q + 4), dot_group<Bits>(c0, broadcast4(q), s1[r]));
+        s2[r] = dot_group<Bits>(c1, broadcast4(q + kQuantBlock + 4),
+                                dot_group<Bits>(c0, broadcast4(q + kQuantBlock), s2[r]));
       }
     }
     const __m256 d = load_half8(rec + record - kScaleBytes);
