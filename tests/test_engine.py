@@ -263,3 +263,11 @@ def test_a_request_that_shared_a_failed_requests_prefix_is_recomputed(
     # The sharer found the owner's blocks in the failed step, which never wrote them.
     assert finished["sharer"].outputs[0].token_ids == expected
     assert engine.kv_cache.pool.usage == 0.0
+
+
+def test_sampling_values_beyond_the_vocabulary_are_refused_offline_too(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="top_k"):
+        llm.generate("Hi", SamplingParams(top_k=10**6))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate("Hi", SamplingParams(stop_token_ids=[10**6]))
+    assert llm.generate("Hi", greedy(2))[0].outputs[0].finish_reason == "length"

@@ -263,3 +263,37 @@ def test_chat_template_renders_smollm2_format(loom_tok, hf_tok, messages, add_ge
                                                   add_generation_prompt=add_generation_prompt)
     ids = loom_tok.encode(rendered, add_special_tokens=False)
     assert ids == hf_tok.encode(rendered, add_special_tokens=False)
+
+
+@pytest.mark.integration
+def test_encoding_a_long_prompt_lets_other_threads_run() -> None:
+    """The server tokenizes big prompts on a worker thread; that frees its event loop only if
+    encoding releases the GIL while it works: another thread must keep running throughout,
+    not wait for the whole encode."""
+    import threading
+    import time
+
+    tokenizer = smollm_loaded().tokenizer
+    text = "the quick brown fox jumps over the lazy dog " * 40_000  # ~1.8 MB
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        start = time.monotonic()
+        ids = tokenizer.encode(text)
+        end = time.monotonic()
+    finally:
+        done.set()
+        ticker.join()
+    assert len(ids) > 100_000
+    during = [start] + [t for t in ticks if start <= t <= end] + [end]
+    longest_gap = max(b - a for a, b in zip(during, during[1:]))
+    assert longest_gap < 0.5 * (end - start), (
+        f"another thread stalled {longest_gap:.2f}s of a {end - start:.2f}s encode")

@@ -143,6 +143,7 @@ class EngineCore:
         vocab = max(self.tokenizer.vocab_size, self.runner.info.vocab_size)
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        params.check_vocab(vocab)
         request = Request(request_id, token_ids, params,
                           eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
                           priority=priority)

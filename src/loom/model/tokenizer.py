@@ -85,7 +85,9 @@ class Tokenizer:
         # The backend's post-processor adds what the model expects (Llama-3's tokenizer.json adds
         # <|begin_of_text|> there, with no add_bos_token in tokenizer_config.json), as in
         # transformers; GGUF-built tokenizers have none and rely on add_bos_token below.
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not): the server then
+        # keeps streaming while a worker thread tokenizes a long prompt.
+        ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
