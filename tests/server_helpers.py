@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import shlex
 import tempfile
 from collections.abc import Iterator
@@ -30,15 +29,3 @@ def serve(*flags: str, env: dict[str, str] | None = None,
     """`serve_process`, yielding only the base URL."""
     with serve_process(*flags, env=env, startup_timeout=startup_timeout) as server:
         yield server.url
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample of Prometheus text (labels other than those given ignored)."""
-    for line in text.splitlines():
-        match = re.match(r"^([^{\s]+)(?:\{(.*)\})? (\S+)$", line)
-        if not match or match.group(1) != name:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            return float(match.group(3))
-    raise KeyError(f"{name} {labels} not in /metrics")

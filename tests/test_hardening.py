@@ -12,7 +12,9 @@ import sys
 import httpx
 import openai
 import pytest
-from server_helpers import metric, serve_process
+from server_helpers import serve_process
+
+from loom.bench.scrape import sample_value as metric
 
 pytestmark = pytest.mark.integration
 

@@ -10,9 +10,10 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import metric, serve
+from server_helpers import serve
 
 from loom import LLM, SamplingParams
+from loom.bench.scrape import sample_value as metric
 
 pytestmark = pytest.mark.integration
 
