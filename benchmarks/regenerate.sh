@@ -13,7 +13,7 @@ OUT=benchmarks/results/head
 NGRAM='{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'
 mkdir -p "$OUT"
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(host startup roofline static http prefix spec peers)
+[ ${#parts[@]} -gt 0 ] || parts=(host startup roofline static http prefix spec peers)  # spec-http: by HTTP too
 
 run() {  # name, command...: one benchmark, its output kept, under the shared lock
     local name=$1; shift
@@ -34,7 +34,8 @@ for part in "${parts[@]}"; do
                 --rates 0.5 --output-dir "$OUT/prefix-cache" --config prefix-cache= \
                 --config no-prefix-cache=--no-enable-prefix-caching \
                 --server-flags '--kv-cache-memory 1GiB' ;;
-        spec) run spec-quote $LOOM bench compare --trace benchmarks/traces/quote-16.jsonl \
+        spec) run spec-decode $PY benchmarks/spec_decode.py --rounds 3 ;;
+        spec-http) run spec-quote $LOOM bench compare --trace benchmarks/traces/quote-16.jsonl \
                 --overlap 1,8 --output-dir "$OUT/spec-quote" --config plain= \
                 --config ngram="--speculative-config $NGRAM"
               run spec-mixed $LOOM bench compare --trace benchmarks/traces/mixed-40.jsonl \
