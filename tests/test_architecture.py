@@ -58,12 +58,12 @@ def test_the_rule_checker_sees_function_level_imports(tmp_path: Path) -> None:
 
 
 def test_the_scheduler_and_engine_loop_load_without_the_model_code() -> None:
-    """core/ and engine/ never pull in the model runner: a stand-in runner (tests, the
-    simulator) can drive them."""
-    code = ("import sys, loom.engine.core, loom.core.scheduler; "
+    """core/, engine/ and the simulator never pull in the model runner, nor torch: a stand-in
+    runner (tests, `loom simulate`) can drive them on a machine without either."""
+    code = ("import sys, loom.engine.core, loom.core.scheduler, loom.sim.engine; "
             "print(any(m.startswith('loom.model.') and m not in "
             "('loom.model.arch', 'loom.model.tokenizer', 'loom.model.gguf_file') "
-            "for m in sys.modules))")
+            "for m in sys.modules), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.split() == ["False", "False"]

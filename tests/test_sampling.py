@@ -8,20 +8,15 @@ import pytest
 import torch
 
 from loom.engine.detokenizer import IncrementalDetokenizer
-from loom.sampling import (
-    Sampler,
-    SamplingParams,
-    SamplingParamsError,
-    _apply_top_k_top_p,
-    valid_unicode,
-)
+from loom.model.sampler import Sampler, apply_top_k_top_p
+from loom.sampling import SamplingParams, SamplingParamsError, valid_unicode
 
 pytestmark = pytest.mark.unit
 
 
 def test_top_k_and_top_p_keep_only_the_allowed_tokens() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
-    masked = _apply_top_k_top_p(logits, top_k=[2, -1], top_p=[1.0, 0.7])
+    masked = apply_top_k_top_p(logits, top_k=[2, -1], top_p=[1.0, 0.7])
     assert torch.isfinite(masked[0]).tolist() == [True, True, False, False]
     # top_p=0.7: 0.5 alone is below 0.7, 0.5 + 0.3 reaches it, so two tokens stay
     assert torch.isfinite(masked[1]).tolist() == [True, True, False, False]

@@ -1,11 +1,10 @@
-"""Per-request sampling parameters and the batched sampler that applies them in one pass."""
+"""Per-request sampling parameters, validated once (torch-free: the scheduler, the simulator
+and the HTTP layer read them; the batched sampler is model/sampler.py)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-import torch
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: a 64-bit value
 _MAX_INT32 = 2**31 - 1  # counts (tokens, top-k) beyond this are no request, only a bug
@@ -96,44 +95,6 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-class Sampler:
-    """Samples one token per row of a logits matrix, each row with its own parameters.
-
-    Random rows use inverse-CDF sampling: one uniform draw per row, located in the row's
-    cumulative distribution. A per-request `torch.Generator` therefore produces one number per
-    step, so seeded requests stay reproducible whatever else shares the batch. (The
-    exponential-race trick needs a random number per vocabulary entry; torch's CPU
-    `exponential_` made that 25 ms for 32 rows of a 49k vocabulary, against 1.5 ms here:
-    benchmarks/op_costs.py.)
-    """
-
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> torch.Tensor:
-        logits = logits.float()
-        greedy_ids = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not random_rows:
-            return greedy_ids
-        device = logits.device
-        rows = torch.tensor(random_rows, device=device)
-        temps = torch.tensor([params[i].temperature for i in random_rows], device=device)
-        sub = _apply_top_k_top_p(logits[rows] / temps.unsqueeze(1),
-                                 [params[i].top_k for i in random_rows],
-                                 [params[i].top_p for i in random_rows])
-        cdf = sub.softmax(dim=-1).cumsum(dim=-1)
-        uniform = torch.rand(len(random_rows), 1, device=device)
-        for j, i in enumerate(random_rows):
-            if generators[i] is not None:
-                uniform[j] = torch.rand(1, device=device, generator=generators[i])
-        # right=True: the first token whose cumulative mass exceeds the draw, so a token of
-        # zero probability (flat cdf) is never chosen.
-        drawn = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
-        # Rounding can put the draw at the very top: take the last token with mass.
-        drawn = torch.where(drawn < cdf.shape[-1], drawn, cdf.argmax(dim=-1))
-        greedy_ids[rows] = drawn
-        return greedy_ids
-
-
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -150,20 +111,3 @@ def valid_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask logits outside each row's top-k and nucleus (top-p) set with -inf."""
-    if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p):
-        return logits
-    vocab = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    drop = ranks >= ks.unsqueeze(1)
-    ps = torch.tensor(top_p, device=logits.device, dtype=logits.dtype).unsqueeze(1)
-    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= mass_before >= ps
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)

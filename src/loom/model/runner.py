@@ -27,9 +27,9 @@ from loom.model.backends import Backends, resolve_backends
 from loom.model.llama import LlamaModel
 from loom.model.loader import load_model
 from loom.model.memory import KVCacheSpec
+from loom.model.sampler import Sampler
 from loom.model.spec_verify import verify_drafts
 from loom.outputs import TokenLogprob
-from loom.sampling import Sampler
 
 logger = logging.getLogger(__name__)
 

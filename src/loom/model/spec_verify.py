@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from loom.sampling import SamplingParams, _apply_top_k_top_p
+from loom.model.sampler import apply_top_k_top_p
+from loom.sampling import SamplingParams
 
 
 def verify_drafts(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
@@ -33,7 +34,7 @@ def verify_drafts(logits: torch.Tensor, drafts: list[int], params: SamplingParam
         return drafts[:accepted], choices[accepted]
     rows = len(drafts) + 1
     scaled = logits / params.temperature
-    probs = _apply_top_k_top_p(scaled, [params.top_k] * rows,
+    probs = apply_top_k_top_p(scaled, [params.top_k] * rows,
                                [params.top_p] * rows).softmax(dim=-1)
     draws = torch.rand(rows, device=logits.device, generator=generator)
     for i, draft in enumerate(drafts):
