@@ -62,7 +62,8 @@ def test_the_scheduler_and_engine_loop_load_without_the_model_code() -> None:
     runner (tests, `loom simulate`) can drive them on a machine without either."""
     code = ("import sys, loom.engine.core, loom.core.scheduler, loom.sim.engine; "
             "print(any(m.startswith('loom.model.') and m not in "
-            "('loom.model.arch', 'loom.model.tokenizer', 'loom.model.gguf_file') "
+            "('loom.model.arch', 'loom.model.tokenizer', 'loom.model.gguf_file', "
+            "'loom.model.memory') "
             "for m in sys.modules), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
