@@ -1,4 +1,4 @@
-"""`loom bench compare`: the seed's "change one setting at a time" on one trace.
+"""`loom bench compare`: change one setting at a time, on one trace.
 
 For each configuration a fresh server is started (loom by default; any command line with a
 {port} via --server-cmd), swept over the same offered loads on the same trace, and stopped;

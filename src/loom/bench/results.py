@@ -109,7 +109,7 @@ def request_figures(results: list[RequestResult], duration_s: float,
 
 def per_class(results: list[RequestResult], duration_s: float,
               slo: Slo | None) -> dict[str, dict[str, Any]]:
-    """The figures of each request class on its own: the seed's fairness check."""
+    """The figures of each request class on its own: does one class pay for another?"""
     keep = ("num_prompts", "completed", "failed", "rejected", "cancelled", "error_rate",
             "request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
             "p95_ttft_ms", "mean_tpot_ms", "p95_tpot_ms", "p95_itl_ms", "median_e2el_ms",
