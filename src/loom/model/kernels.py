@@ -4,11 +4,11 @@ Three places where torch has no good CPU primitive:
 - decode attention over the paged KV cache: gathering each request's blocks into a padded
   tensor for SDPA copies the whole context, twice, per layer and step.
   `csrc/paged_attention.cpp` reads K/V straight from the blocks instead.
-- small-batch matmuls with a GGUF's block-quantized weights: torch's int8/int4 weight-only
-  matmuls have no AVX2 path (far slower than fp32 here), and its dynamic int8 matmul
-  quantizes activations per tensor, which cost this model half its top-1 agreement.
-  `csrc/block_quant_linear.cpp` computes with the file's own codes, in fp32, at every batch
-  size.
+- matmuls with a GGUF's block-quantized weights: torch's int8/int4 weight-only matmuls have no
+  AVX2 path (far slower than fp32 here), and its dynamic int8 matmul quantizes activations per
+  tensor, which cost this model half its top-1 agreement. `csrc/block_quant_linear.cpp`
+  computes with the file's own codes: decode-sized steps with activations split into two int8
+  parts per block of 32 (integer dot products), larger ones in fp32.
 - the elementwise glue between matmuls (residual add + RMSNorm, SiLU * up): torch runs an
   RMSNorm as about eight ops. `csrc/fused_ops.cpp` makes each one pass.
 If one cannot be built (no compiler), the engine falls back to the torch path and says so once.

@@ -3,9 +3,8 @@
 On CPU, torch's `F.linear` hands an fp32 matmul to MKL, which re-packs the weight into its
 own panel layout on every call. At the narrow batches of decode steps (1-64 rows) that
 re-pack costs about as much as the arithmetic. oneDNN can take the weight packed once, at
-load time, as vLLM's CPU backend and inductor's freezing pass do. On this model's
-projections, a 30-layer chain of them ran 1.5-2.2x faster prepacked at 1-64 rows and as fast
-or slightly faster at 512-2,048 (`benchmarks/linear_layout.py`).
+load time, as vLLM's CPU backend and inductor's freezing pass do (how much that buys at each
+batch size: `benchmarks/linear_layout.py`).
 
 When the weight came from a GGUF in a block-quantized format, every batch goes to loom's
 native kernel instead (csrc/block_quant_linear.cpp), on the file's own codes at the file's own
@@ -28,8 +27,8 @@ import torch.nn.functional as F
 from loom.model.weights import BlockQuantWeight
 
 # oneDNN picks its packed layout for a typical batch; one layout serves every batch size. A
-# hint of 512 rows was as fast as 1 or 32 from 8 to 512 rows, and unlike 32 it does not lose
-# to F.linear on prefill-sized batches (benchmarks/linear_layout.py).
+# 512-row hint was as fast as small ones at decode sizes and, unlike them, does not lose to
+# F.linear on prefill-sized batches (benchmarks/linear_layout.py).
 _PACK_BATCH_HINT = 512
 
 # Output channels per panel of the native kernel's weight layout; the kernel's fp32 path takes
