@@ -120,10 +120,10 @@ def _status(code: int, text: str) -> str:
 
 
 def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+    from loom.bench.sysinfo import process_memory
+
+    mem = process_memory(pid)
+    return mem["rss_bytes"] // 1024 if mem else 0
 
 
 async def soak(url: str, num_requests: int, server_pid: int | None = None,

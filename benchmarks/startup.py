@@ -18,15 +18,13 @@ import tempfile
 from pathlib import Path
 
 from loom.bench.server import LocalServer
+from loom.bench.sysinfo import process_memory
 
 
 def memory_mib(pid: int) -> dict[str, float]:
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmHWM", "VmRSS"):
-            fields[key] = int(value.split()[0]) / 1024
-    return fields
+    """The server's peak (VmHWM) and current (VmRSS) resident memory, MiB."""
+    mem = process_memory(pid) or {"hwm_bytes": 0, "rss_bytes": 0}
+    return {"VmHWM": mem["hwm_bytes"] / 2**20, "VmRSS": mem["rss_bytes"] / 2**20}
 
 
 def main() -> None:
