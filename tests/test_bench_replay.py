@@ -55,7 +55,7 @@ def _replay(trace: Trace, load: Load, url: str, model: str | None = None) -> dic
 def test_timing_is_measured_from_the_client_side(fake_url: str) -> None:
     """The fake server sends each token at a fixed time after the request arrives, so the
     client never sees the first or the last one sooner: TTFT and E2E are at least the
-    server's, and the figures agree with each other exactly. (How much later depends on the
+    server's, and the figures agree with each other. (How much later depends on the
     machine's load, so no upper bound is asserted.)"""
     result = _replay(_trace(8), Load(max_concurrency=4), fake_url)
     assert result["completed"] == 8 and result["failed"] == 0
@@ -63,7 +63,8 @@ def test_timing_is_measured_from_the_client_side(fake_url: str) -> None:
     for r in result["requests"]:
         assert r["ttft_s"] >= TTFT and r["e2e_s"] >= e2e
         assert len(r["itls_s"]) == TOKENS - 1 and r["output_tokens"] == TOKENS
-        assert r["e2e_s"] == pytest.approx(r["ttft_s"] + sum(r["itls_s"]), abs=1e-3)
+        # the last token arrives before the stream ends (usage chunk, [DONE]): no later
+        assert r["ttft_s"] + sum(r["itls_s"]) <= r["e2e_s"]
         assert r["tpot_s"] == pytest.approx((r["e2e_s"] - r["ttft_s"]) / (TOKENS - 1))
     assert result["median_ttft_ms"] >= 1000 * TTFT
     itls = [gap for r in result["requests"] for gap in r["itls_s"]]
