@@ -259,9 +259,12 @@ def help_group(parser: argparse.ArgumentParser, title: str) -> argparse._Argumen
 
 
 def default_text(value: Any) -> str:
-    """A default as `--help` states it: on/off for switches, the value otherwise."""
+    """A default as `--help` states it: on/off for switches, LOW-HIGH for a range, the value
+    otherwise."""
     if isinstance(value, bool):
         return "on" if value else "off"
+    if isinstance(value, tuple):
+        return "-".join(str(v) for v in value)
     return str(value).replace("%", "%%")
 
 

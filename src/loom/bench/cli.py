@@ -38,11 +38,6 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _range(text: str) -> tuple[float, float]:
-    low, _, high = text.partition("-")
-    return float(low), float(high or low)
-
-
 class _ShowDefaults(argparse.HelpFormatter):
     """Help that states each option's default: a switch's as off, 0 as 0; an option without
     one (None) says in its own help what it does when not given."""
@@ -204,18 +199,8 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
     source.add_argument("--from-sharegpt", default=None, metavar="FILE",
                         help="import ShareGPT-style conversations (JSON list or JSONL); "
                              "default: generate requests from --mix")
-    p.add_argument("--arrival-rate", type=float, default=ArrivalSpec.rate,
-                   help="recorded arrivals: mean requests/s, bursts included")
-    p.add_argument("--burst-prob", type=float, default=ArrivalSpec.burst_prob,
-                   help="chance that an arrival is a burst")
-    p.add_argument("--burst-size", type=_range, default=ArrivalSpec.burst_size,
-                   help="requests in a burst, LOW-HIGH")
-    p.add_argument("--burst-window", type=float, default=ArrivalSpec.burst_window_s,
-                   help="seconds a burst is spread over")
-    p.add_argument("--cancel-fraction", type=float, default=CancelSpec.fraction,
-                   help="share of requests the client walks away from")
-    p.add_argument("--cancel-after", type=_range, default=(CancelSpec.low_s, CancelSpec.high_s),
-                   help="seconds before walking away, LOW-HIGH")
+    add_cli_args(p, ArrivalSpec)
+    add_cli_args(p, CancelSpec)
 
 
 def _trace(args: argparse.Namespace) -> int:
@@ -231,9 +216,7 @@ def _trace(args: argparse.Namespace) -> int:
 
     path = tokenizer_path(args.tokenizer)
     synth, tokenizer_name = PromptSynth(load_tokenizer(path)), path.name
-    arrivals = ArrivalSpec(args.arrival_rate, args.burst_prob,
-                           tuple(int(x) for x in args.burst_size), args.burst_window)
-    cancels = CancelSpec(args.cancel_fraction, *args.cancel_after)
+    arrivals, cancels = from_cli_args(ArrivalSpec, args), from_cli_args(CancelSpec, args)
     if args.from_sharegpt:
         trace = import_sharegpt(args.from_sharegpt, args.num_requests, args.seed, synth,
                                 arrivals, cancels, tokenizer_name)

@@ -16,6 +16,7 @@ result, covers the distributions it was drawn from too.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import random
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loom.bench.tokens import PromptSynth
+from loom.config import flag_help
 
 TRACE_VERSION = 1
 
@@ -176,10 +178,16 @@ class ArrivalSpec:
     probability `burst_prob`, a burst of `burst_size` requests spread over `burst_window_s`.
     `rate` is requests (not events) per second, bursts included."""
 
-    rate: float = 2.0
-    burst_prob: float = 0.1
-    burst_size: tuple[int, int] = (4, 12)
-    burst_window_s: float = 0.5
+    CLI_GROUP = "Arrivals (recorded in the trace)"
+
+    rate: float = field(default=2.0, metadata=flag_help(
+        "recorded arrivals: mean requests/s, bursts included", flag="--arrival-rate"))
+    burst_prob: float = field(default=0.1, metadata=flag_help(
+        "chance that an arrival is a burst"))
+    burst_size: tuple[int, int] = field(default=(4, 12), metadata=flag_help(
+        "requests in a burst, LOW-HIGH", parse=lambda text: _range(text, int)))
+    burst_window_s: float = field(default=0.5, metadata=flag_help(
+        "seconds a burst is spread over", flag="--burst-window"))
 
     def times(self, n: int, rng: random.Random) -> list[float]:
         mean_event = 1 + self.burst_prob * ((self.burst_size[0] + self.burst_size[1]) / 2 - 1)
@@ -198,16 +206,33 @@ class ArrivalSpec:
 
 @dataclass(frozen=True)
 class CancelSpec:
-    """A `fraction` of requests whose client walks away after uniform[low_s, high_s] seconds."""
+    """A `fraction` of requests whose client walks away after uniform[after_s] seconds."""
 
-    fraction: float = 0.05
-    low_s: float = 0.5
-    high_s: float = 5.0
+    CLI_GROUP = "Cancellations (recorded in the trace)"
+
+    fraction: float = field(default=0.05, metadata=flag_help(
+        "share of requests the client walks away from", flag="--cancel-fraction"))
+    after_s: tuple[float, float] = field(default=(0.5, 5.0), metadata=flag_help(
+        "seconds before walking away, LOW-HIGH", flag="--cancel-after",
+        parse=lambda text: _range(text, float)))
 
     def draw(self, rng: random.Random) -> float | None:
         if rng.random() >= self.fraction:
             return None
-        return round(rng.uniform(self.low_s, self.high_s), 3)
+        return round(rng.uniform(*self.after_s), 3)
+
+    def to_json(self) -> dict[str, float]:
+        low, high = self.after_s
+        return {"fraction": self.fraction, "low_s": low, "high_s": high}
+
+
+def _range(text: str, kind: type) -> tuple[Any, Any]:
+    """'4-12' -> (4, 12); '3' -> (3, 3)."""
+    low, _, high = text.partition("-")
+    try:
+        return kind(low), kind(high or low)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH, got {text!r}") from e
 
 
 def parse_mix(text: str) -> dict[str, float]:
@@ -296,7 +321,7 @@ def _header(kind: str, seed: int, n: int, tokenizer_name: str, arrivals: Arrival
     return {"format": "loom-trace", "version": TRACE_VERSION, "kind": kind, "seed": seed,
             "num_requests": n, "tokenizer": tokenizer_name,
             "token_counts": "prompt_len/max_tokens in the tokenizer's tokens, no special tokens",
-            "arrivals": asdict(arrivals), "cancellations": asdict(cancels)}
+            "arrivals": asdict(arrivals), "cancellations": cancels.to_json()}
 
 
 def _read_conversations(path: str | Path) -> Iterable[Any]:
