@@ -31,7 +31,7 @@ def prompt_predictions(llm: LLM) -> tuple[list[int], list[float]]:
 def test_auto_dtype_is_bf16_exactly_where_the_cpu_has_it(llm: LLM) -> None:
     auto = LLM(kv_cache_memory="64MiB", max_model_len=1024)
     expected = torch.bfloat16 if has_native_bf16() else torch.float32
-    assert auto.engine.dtype == expected
+    assert auto.engine.runner.backends.dtype == expected
     answer = auto.chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(max_tokens=24, temperature=0))[0].outputs[0].text
     assert "Paris" in answer
