@@ -32,18 +32,23 @@ class Sampler:
         sub = apply_top_k_top_p(logits[rows] / temps.unsqueeze(1),
                                  [params[i].top_k for i in random_rows],
                                  [params[i].top_p for i in random_rows])
-        cdf = sub.softmax(dim=-1).cumsum(dim=-1)
         uniform = torch.rand(len(random_rows), 1, device=device)
         for j, i in enumerate(random_rows):
             if generators[i] is not None:
                 uniform[j] = torch.rand(1, device=device, generator=generators[i])
-        # right=True: the first token whose cumulative mass exceeds the draw, so a token of
-        # zero probability (flat cdf) is never chosen.
-        drawn = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
-        # Rounding can put the draw at the very top: take the last token with mass.
-        drawn = torch.where(drawn < cdf.shape[-1], drawn, cdf.argmax(dim=-1))
-        greedy_ids[rows] = drawn
+        greedy_ids[rows] = inverse_cdf(sub.softmax(dim=-1), uniform)
         return greedy_ids
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of (unnormalised) probabilities, located by that row's uniform draw
+    ([rows, 1]) in its cumulative distribution."""
+    cdf = probs.cumsum(dim=-1)
+    # right=True: the first token whose cumulative mass exceeds the draw, so a token of zero
+    # probability (flat cdf) is never chosen.
+    drawn = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+    # Rounding can put the draw at the very top: take the last token with mass.
+    return torch.where(drawn < cdf.shape[-1], drawn, cdf.argmax(dim=-1))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from loom.model.sampler import apply_top_k_top_p
+from loom.model.sampler import apply_top_k_top_p, inverse_cdf
 from loom.sampling import SamplingParams
 
 
@@ -47,8 +47,6 @@ def verify_drafts(logits: torch.Tensor, drafts: list[int], params: SamplingParam
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from an unnormalised distribution, by its inverse CDF."""
-    cdf = probs.cumsum(dim=-1)
-    uniform = torch.rand(1, device=probs.device, generator=generator) * cdf[-1]
-    index = int(torch.searchsorted(cdf, uniform, right=True))
-    return min(index, int(cdf.argmax()))  # a draw rounded to the very top: last token with mass
+    """One token from an unnormalised distribution, by the sampler's inverse CDF."""
+    uniform = torch.rand(1, 1, device=probs.device, generator=generator)
+    return int(inverse_cdf(probs.unsqueeze(0), uniform)[0])
