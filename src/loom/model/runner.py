@@ -43,7 +43,6 @@ class ModelRunner:
                  info: ModelInfo | None = None) -> None:
         self.model = model
         self.backends = backends
-        self.native_decode = backends.native_decode  # decodes through the C++ kernel
         self.block_size = block_size
         self.device = backends.device
         self.info = info
@@ -51,6 +50,11 @@ class ModelRunner:
         self.scratch_block = 0
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+
+    @property
+    def native_decode(self) -> bool:
+        """Decodes go through the C++ paged-attention kernel."""
+        return self.backends.native_decode
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ModelRunner:
