@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from loom.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from loom.structured.state import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +53,14 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # What ended it, once finished by a stop: the stop string or stop token id; None for EOS.
     stop_reason: str | int | None = None
+    # Structured outputs: the request's matcher; it is scheduled only once that is compiled.
+    grammar: GrammarState | None = None
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """Its grammar is still compiling (or failed to: the engine ends it)."""
+        return self.grammar is not None and (not self.grammar.ready
+                                             or self.grammar.error is not None)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,8 +3,10 @@ and the HTTP layer read them; the batched sampler is model/sampler.py)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: a 64-bit value
 _MAX_INT32 = 2**31 - 1  # counts (tokens, top-k) beyond this are no request, only a bug
@@ -17,6 +19,52 @@ class SamplingParamsError(ValueError):
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field} {reason}")
         self.field, self.reason = field, reason
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output, with vLLM's names: a JSON schema (`json`, a dict or its
+    text), a `regex`, one of a `choice` of strings, a Lark / GBNF `grammar`, or any JSON object
+    (`json_object`). Exactly one is set. Plain data, so it travels wherever SamplingParams do
+    (to an engine in another process); the grammar is compiled where the engine runs."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs", f"must set exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                f"got {', '.join(given) or 'none'}")
+        if self.choice is not None and (
+                not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise SamplingParamsError("structured_outputs",
+                                      "choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec as text): what compiled grammars are cached by, so the same schema
+        sent as a dict or as its JSON text compiles once."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return self.kind, value  # left for the compiler to refuse, naming the problem
+        if not isinstance(value, str):
+            value = json.dumps(value, sort_keys=True)
+        return self.kind, value
 
 
 @dataclass
@@ -35,6 +83,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from loom.outputs import TokenLogprob
 from loom.sampling import SamplingParams
@@ -37,12 +38,23 @@ class ScheduledRequest:
 
 
 @dataclass
+class GrammarBitmask:
+    """The tokens each constrained request may sample this step (structured outputs): row i
+    of `bitmask` (int32 [n, ceil(vocab / 32)], bit j of word w allowing token 32 w + j) is
+    request_ids[i]'s. Requests without a constraint have no row."""
+
+    request_ids: list[str]
+    bitmask: Any  # a numpy array: plain data, no torch on the scheduler's side
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that ended since the previous non-empty step: the runner drops their
     # per-request state when it runs this one.
     finished_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -181,8 +181,9 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_pending_tokens, budget)
-            if num_new <= 0 or self._last_token_in_flight(request):
-                continue
+            if num_new <= 0 or self._last_token_in_flight(request) or (
+                    request.grammar is not None and request.num_output_placeholders):
+                continue  # a constrained request's next mask needs the token being sampled
             drafts = self._drafts(request, budget - 1) if num_new == 1 else []
             if drafts and self.kv_cache.allocate_slots(request, 1 + len(drafts)):
                 scheduled[request.request_id] = self._scheduled(request, 1, drafts)
@@ -226,7 +227,7 @@ class Scheduler:
         remaining budget and the request's own limits; none where they could not be used."""
         params = request.sampling_params
         if (self.proposer is None or request.num_output_placeholders
-                or params.logprobs is not None):
+                or params.logprobs is not None or request.grammar is not None):
             return []
         room = min(room, params.max_tokens - len(request.output_token_ids) - 1,
                    self.max_model_len - request.num_tokens - 1)
@@ -237,6 +238,8 @@ class Scheduler:
             if (budget <= 0 or len(self.running) + self._num_padding_slots()
                     >= self.config.max_num_seqs):
                 break
+            if request.waiting_for_grammar:
+                continue
             cached_blocks = self.kv_cache.find_cached_prefix(request)
             num_cached = len(cached_blocks) * self.kv_cache.block_size
             num_new = request.num_tokens - num_cached
@@ -344,7 +347,15 @@ class Scheduler:
     def _token_stop(self, request: Request, token_id: int
                     ) -> tuple[RequestStatus, int | None] | None:
         """(status, stop reason) if this token ends the request: a stop token (its id is the
-        reason), EOS (no reason, as OpenAI and vLLM report it) or the length limit."""
+        reason), EOS (no reason, as OpenAI and vLLM report it), a grammar completed (as EOS)
+        or the length limit. A constrained request's matcher advances here, by final tokens
+        only."""
+        grammar = request.grammar
+        if grammar is not None:
+            if not grammar.accept(token_id):
+                return RequestStatus.FINISHED_ERROR, None
+            if grammar.terminated:
+                return RequestStatus.FINISHED_STOPPED, None
         params = request.sampling_params
         num_output = len(request.output_token_ids)
         if num_output >= params.min_tokens:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from loom.config import CacheConfig, EngineConfig
-from loom.core.batch import ModelRunnerOutput, SchedulerOutput
+from loom.core.batch import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from loom.core.kv_cache import KVCacheManager
 from loom.core.scheduler import RequestUpdate, Scheduler
 from loom.core.static import StaticScheduler
@@ -31,8 +31,11 @@ from loom.model.arch import ModelInfo
 from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from loom.request import Request, RequestStatus
 from loom.sampling import SamplingParams
+from loom.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+_COMPILE_WAIT_S = 0.05  # an idle engine waiting for a grammar still looks at its inbox this often
 
 
 class Runner(Protocol):
@@ -99,6 +102,9 @@ class EngineCore:
         self.spec_metrics = (SpecDecodeMetrics(self.metrics.registry, self.model_name,
                                                spec.num_speculative_tokens) if spec else None)
         self.states: dict[str, _RequestState] = {}
+        self.vocab_size = max(self.tokenizer.vocab_size, info.vocab_size)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size)
+        self._compiling: dict[str, Request] = {}  # constrained requests not yet schedulable
         # Async scheduling: one worker thread runs the model; at most one step is in flight.
         self._executor = (ThreadPoolExecutor(1, thread_name_prefix="loom-model")
                           if sc.async_scheduling else None)
@@ -140,14 +146,18 @@ class EngineCore:
             text, token_ids = None, list(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
-        vocab = max(self.tokenizer.vocab_size, self.runner.info.vocab_size)
+        vocab = self.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         params.check_vocab(vocab)
+        spec = params.structured_outputs  # checked here (a ValueError naming the problem),
+        grammar = self.structured.start(request_id, spec) if spec else None  # compiled later
         request = Request(request_id, token_ids, params,
                           eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
-                          priority=priority)
+                          priority=priority, grammar=grammar)
         self.scheduler.add_request(request)
+        if grammar is not None:
+            self._compiling[request_id] = request
         self.states[request_id] = _RequestState(
             request=request, prompt=text,
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
@@ -168,22 +178,59 @@ class EngineCore:
              ) -> tuple[list[RequestOutput], InFlightStep | None]:
         """One iteration: (an output for every request that progressed or finished, the step
         left in flight). Pass the returned step back in on the next call."""
+        failed = self._end_failed_compiles()
         batch = self.scheduler.schedule()
+        self._attach_grammar_bitmask(batch)
         self._note_scheduled(batch, time.monotonic())
         if self._executor is None:  # plain loop: this step runs and is processed now
             if batch.is_empty:
-                self.update_gauges()
-                return [], None
-            return self._finish_step(batch, self._collect(self._launch(batch))), None
+                self._idle()
+                return failed, None
+            return failed + self._finish_step(batch, self._collect(self._launch(batch))), None
         previous_output = None
         if previous is not None:  # overlapped loop: N+1 needs N's sampled tokens first
             previous_output = self._collect(previous)
             batch.fill_placeholders(previous_output)
         in_flight = self._launch(batch) if not batch.is_empty else None
         if previous is None:
-            self.update_gauges()
-            return [], in_flight
-        return self._finish_step(previous.batch, previous_output), in_flight
+            if in_flight is None:
+                self._idle()
+            else:
+                self.update_gauges()
+            return failed, in_flight
+        return failed + self._finish_step(previous.batch, previous_output), in_flight
+
+    def _idle(self) -> None:
+        """Nothing to run: only requests whose grammar is compiling, or none. Wait a little
+        for a compile rather than spin."""
+        if self._compiling:
+            self.structured.wait_for_compiles(_COMPILE_WAIT_S)
+        self.update_gauges()
+
+    def _end_failed_compiles(self) -> list[RequestOutput]:
+        """Forget requests whose grammar is compiled; end those whose grammar failed to."""
+        outputs = []
+        for request_id, request in list(self._compiling.items()):
+            if request.status.finished or request.grammar.ready:
+                del self._compiling[request_id]
+                if not request.status.finished and request.grammar.error is not None:
+                    self.states[request_id].error = request.grammar.error
+                    self.scheduler.fail_request(request_id)
+                    outputs.append(self._finish_output(request_id))
+        return outputs
+
+    def _attach_grammar_bitmask(self, batch: SchedulerOutput) -> None:
+        """The allowed tokens of every constrained request that samples in this step. Its
+        matcher is up to date: such a request is never scheduled while a token of its is
+        being sampled."""
+        constrained = [(item.request_id, request.grammar) for item in batch.scheduled
+                       if item.sample and not item.padding
+                       and (request := self.scheduler.requests.get(item.request_id)) is not None
+                       and request.grammar is not None]
+        if constrained:
+            batch.grammar_bitmask = GrammarBitmask(
+                [request_id for request_id, _ in constrained],
+                self.structured.fill_bitmask([grammar for _, grammar in constrained]))
 
     def _launch(self, batch: SchedulerOutput) -> InFlightStep:
         """Hand the batch to the model: on the model thread with async scheduling, else run it
@@ -233,7 +280,8 @@ class EngineCore:
             if item.padding or request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished, or sent back to the queue by a failure before it
             try:
-                single = self.runner.execute(SchedulerOutput(scheduled=[item]))
+                single = self.runner.execute(SchedulerOutput(
+                    scheduled=[item], grammar_bitmask=step.batch.grammar_bitmask))
             except Exception as e:  # noqa: BLE001 - any failure ends this request only
                 logger.exception("request %s failed", item.request_id)
                 self.states[item.request_id].error = f"{type(e).__name__}: {e}"
@@ -272,6 +320,8 @@ class EngineCore:
         outputs = []
         for update in updates:
             request, state = update.request, self.states[update.request.request_id]
+            if request.status == RequestStatus.FINISHED_ERROR:  # a token its grammar refused
+                state.error = "structured_outputs: the grammar refused a sampled token"
             if state.logprobs is not None:  # such requests get no drafts: one token a step
                 state.logprobs.append(runner_output.logprobs[request.request_id])
             new_token_ids = update.new_token_ids

@@ -14,7 +14,12 @@ import torch
 
 from loom import host
 from loom.config import CacheConfig, EngineConfig, parse_size
-from loom.core.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from loom.core.batch import (
+    GrammarBitmask,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from loom.model.arch import ModelInfo
 from loom.model.attention import (
     AttentionMetadata,
@@ -27,7 +32,7 @@ from loom.model.backends import Backends, resolve_backends
 from loom.model.llama import LlamaModel
 from loom.model.loader import load_model
 from loom.model.memory import KVCacheSpec
-from loom.model.sampler import Sampler
+from loom.model.sampler import Sampler, apply_token_bitmask
 from loom.model.spec_verify import verify_drafts
 from loom.outputs import TokenLogprob
 
@@ -129,18 +134,21 @@ class ModelRunner:
         if rows:
             logits = self.model.compute_logits(
                 hidden[torch.tensor(rows, device=self.device)]).float()
-            self._sample(items, logits, sample_rows, output)
+            self._sample(items, logits, sample_rows, batch.grammar_bitmask, output)
             self._score_prompts(items, logits, prompt_rows, output)
         return output
 
     def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor,
-                sample_rows: dict[str, int], output: ModelRunnerOutput) -> None:
+                sample_rows: dict[str, int], bitmask: GrammarBitmask | None,
+                output: ModelRunnerOutput) -> None:
         """One token per sampling request, in one batched call; requests with drafts verify
-        them first (their rows start at sample_rows[id], one per draft, then one more)."""
+        them first (their rows start at sample_rows[id], one per draft, then one more).
+        Logprobs are the model's own, before any grammar's mask."""
         plain = [s for s in items if s.sample and not s.num_draft_tokens]
         if plain:
             rows = torch.tensor([sample_rows[s.request_id] for s in plain], device=self.device)
-            token_ids = self.sampler(logits[rows], [s.sampling_params for s in plain],
+            token_ids = self.sampler(self._constrain(logits[rows], plain, bitmask),
+                                     [s.sampling_params for s in plain],
                                      [self._generator(s) for s in plain]).tolist()
             for s, token_id in zip(plain, token_ids):
                 output.sampled_token_ids[s.request_id] = token_id
@@ -156,6 +164,21 @@ class ModelRunner:
                     s.token_ids[-s.num_draft_tokens:], s.sampling_params, self._generator(s))
                 output.accepted_draft_ids[s.request_id] = accepted
                 output.sampled_token_ids[s.request_id] = token_id
+
+    def _constrain(self, logits: torch.Tensor, plain: list[ScheduledRequest],
+                   bitmask: GrammarBitmask | None) -> torch.Tensor:
+        """Mask the rows of constrained requests (structured outputs); the others, and batches
+        with none, pass untouched."""
+        if bitmask is None:
+            return logits
+        mask_row = {request_id: i for i, request_id in enumerate(bitmask.request_ids)}
+        rows = [j for j, s in enumerate(plain) if s.request_id in mask_row]
+        if rows:
+            masks = torch.from_numpy(bitmask.bitmask[[mask_row[plain[j].request_id]
+                                                      for j in rows]])
+            index = torch.tensor(rows, device=self.device)
+            logits[index] = apply_token_bitmask(logits[index], masks)
+        return logits
 
     def _score_prompts(self, items: list[ScheduledRequest], logits: torch.Tensor,
                        prompt_rows: dict[str, tuple[int, int]],

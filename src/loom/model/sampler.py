@@ -66,3 +66,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     drop |= mass_before >= ps
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` with -inf wherever the row's bitmask (int32 [rows, ceil(vocab / 32)], bit j of
+    word w for token 32 w + j) disallows the token (structured outputs)."""
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> bits) & 1).bool().flatten(1)
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:  # logits padded past the tokenizer's vocabulary
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return logits.masked_fill(~allowed[:, :vocab], float("-inf"))

@@ -1,0 +1,8 @@
+"""Structured outputs: output constrained to a JSON schema, a regex, a choice of strings or a
+grammar, with llguidance as the grammar engine.
+
+`grammar` turns a request's StructuredOutputsParams into a checked llguidance grammar (cached
+by kind and spec); `manager` compiles it against the model's tokenizer off the step loop and
+fills the token bitmask of each step; `state` is one request's matcher. Torch-free: the
+scheduler and the engine loop use it; the batched sampler applies the bitmask.
+"""

@@ -1,0 +1,59 @@
+"""One request's grammar matcher: compiled off the step loop, then advanced token by token.
+
+The scheduler sees only `ready`, `accept` and `terminated`; the manager fills the request's
+row of a step's bitmask. Tokens are accepted only once they are final (constrained requests
+take no draft tokens and no async-scheduling placeholder), so there is never anything to roll
+back, and preemption (recompute) leaves the matcher as it is: it re-feeds tokens already
+accepted, it does not sample them again.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarState:
+    """The matcher of one request, once its compile (a Future of an llguidance LLMatcher) is
+    done."""
+
+    def __init__(self, request_id: str, compiled: Future[Any]) -> None:
+        self.request_id = request_id
+        self._compiled = compiled
+        self._matcher: Any = None
+        self.error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Compiled (or failed: `error` says why); only then may the request be scheduled."""
+        if self._matcher is None and self.error is None and self._compiled.done():
+            try:
+                self._matcher = self._compiled.result()
+            except Exception as e:  # noqa: BLE001 - the request fails alone, with the reason
+                self.error = f"structured_outputs: {e}"
+        return self._matcher is not None or self.error is not None
+
+    @property
+    def future(self) -> Future[Any]:
+        return self._compiled
+
+    @property
+    def matcher(self) -> Any:
+        return self._matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False if the grammar refuses it (the mask allowed it,
+        so this is a bug), which leaves the matcher in its error state."""
+        if self._matcher.consume_token(token_id):
+            return True
+        logger.error("request %s: the grammar refused token %d: %s", self.request_id, token_id,
+                     self._matcher.get_error())
+        return False
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and took its end (EOS): the request must stop."""
+        return self._matcher.is_stopped()
