@@ -190,15 +190,33 @@ def add_diagnose_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _trace_args(p: argparse.ArgumentParser) -> None:
+    from loom.bench.importers import DEFAULT_RULES, FORMATS, MOONCAKE_BLOCK_SIZE
     from loom.bench.trace import ArrivalSpec, CancelSpec
 
     p.add_argument("-o", "--output", required=True, help="trace file to write (JSONL)")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--mix", default=_MIX, help=f"class weights (default {_MIX}); "
-                                                    "classes: chat, long, rag")
+                                                    "classes: chat, long, rag, session")
     source.add_argument("--from-sharegpt", default=None, metavar="FILE",
                         help="import ShareGPT-style conversations (JSON list or JSONL); "
                              "default: generate requests from --mix")
+    source.add_argument("--from-log", default=None, metavar="FILE",
+                        help="import a request log, keeping its arrival times (see --format); "
+                             "default: generate requests from --mix")
+    p.add_argument("--format", choices=FORMATS, default="openai",
+                   help="--from-log's format: openai (JSONL of logged requests), azure (the "
+                        "Azure LLM inference trace CSV), mooncake (Mooncake JSONL with hash_ids)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="--from-log: multiply the logged inter-arrival times (0.5: twice as "
+                        "fast)")
+    p.add_argument("--classify", default=DEFAULT_RULES,
+                   help="--from-log: class rules CLASS:COND[&COND],..., first match wins; "
+                        "COND compares prompt_len, output_len, prefix_len or tenant")
+    p.add_argument("--hash-block-size", type=int, default=MOONCAKE_BLOCK_SIZE,
+                   help="--format mooncake: tokens per hash_ids block")
+    p.add_argument("--anonymize", action="store_true",
+                   help="replace every text by synthetic tokens of the same lengths and prefix "
+                        "sharing, and rename ids, tenants and sessions: a trace to share")
     add_cli_args(p, ArrivalSpec)
     add_cli_args(p, CancelSpec)
 
@@ -217,12 +235,22 @@ def _trace(args: argparse.Namespace) -> int:
     path = tokenizer_path(args.tokenizer)
     synth, tokenizer_name = PromptSynth(load_tokenizer(path)), path.name
     arrivals, cancels = from_cli_args(ArrivalSpec, args), from_cli_args(CancelSpec, args)
-    if args.from_sharegpt:
+    if args.from_log:
+        from loom.bench.importers import Classifier, import_log
+
+        trace = import_log(args.from_log, args.format, synth, Classifier(args.classify),
+                           args.time_scale, args.num_requests, args.seed, args.hash_block_size,
+                           tokenizer_name)
+    elif args.from_sharegpt:
         trace = import_sharegpt(args.from_sharegpt, args.num_requests, args.seed, synth,
                                 arrivals, cancels, tokenizer_name)
     else:
         trace = generate_mix(parse_mix(args.mix), args.num_requests or _DEFAULT_TRACE_SIZE,
                              args.seed, synth, arrivals, cancels, tokenizer_name)
+    if args.anonymize:
+        from loom.bench.anonymize import anonymize
+
+        trace = anonymize(trace, synth, args.seed)
     sha = write_trace(trace, args.output)
     counts: dict[str, int] = {}
     for r in trace.requests:

@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -50,7 +50,9 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
+        """A shallow dict (asdict deep-copies every field: the bulk of writing a large
+        simulated run); `itls_s` is shared with the result, not copied."""
+        out = dict(self.__dict__)
         out["class"] = out.pop("cls")
         out["tpot_s"] = self.tpot_s
         return out

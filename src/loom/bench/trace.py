@@ -33,6 +33,10 @@ TRACE_VERSION = 1
 
 @dataclass
 class TraceRequest:
+    """One request. `tenant` names who sent it (fairness per tenant); a session's turns name
+    the turn before them in `after`: the client sends a turn `think_s` seconds after the
+    previous one's answer ends, as a user or an agent would."""
+
     max_tokens: int
     prompt: str | None = None
     prompt_len: int | None = None
@@ -41,6 +45,10 @@ class TraceRequest:
     cancel_after_s: float | None = None
     priority: int | None = None
     id: str | None = None
+    tenant: str | None = None
+    session: str | None = None
+    after: str | None = None
+    think_s: float | None = None
 
     @classmethod
     def from_json(cls, obj: dict[str, Any], where: str) -> TraceRequest:
@@ -50,20 +58,24 @@ class TraceRequest:
         prompt, prompt_len = obj.get("prompt"), obj.get("prompt_len")
         if not isinstance(prompt, str) and not (isinstance(prompt_len, int) and prompt_len > 0):
             raise ValueError(f"{where}: needs prompt (text) or prompt_len (positive integer)")
-        for key in ("arrival_s", "cancel_after_s"):
+        for key in ("arrival_s", "cancel_after_s", "think_s"):
             value = obj.get(key)
             if value is not None and (not isinstance(value, (int, float)) or value < 0):
                 raise ValueError(f"{where}: {key} must be a number >= 0")
         return cls(max_tokens=max_tokens, prompt=prompt if isinstance(prompt, str) else None,
                    prompt_len=prompt_len, cls=str(obj.get("class", "default")),
                    arrival_s=obj.get("arrival_s"), cancel_after_s=obj.get("cancel_after_s"),
-                   priority=obj.get("priority"), id=obj.get("id"))
+                   priority=obj.get("priority"), id=obj.get("id"), tenant=obj.get("tenant"),
+                   session=obj.get("session"), after=obj.get("after"),
+                   think_s=obj.get("think_s"))
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "class": self.cls, "prompt": self.prompt,
                                "prompt_len": self.prompt_len, "max_tokens": self.max_tokens,
                                "arrival_s": self.arrival_s, "cancel_after_s": self.cancel_after_s,
-                               "priority": self.priority}
+                               "priority": self.priority, "tenant": self.tenant,
+                               "session": self.session, "after": self.after,
+                               "think_s": self.think_s}
         return {k: v for k, v in out.items() if v is not None}
 
 
@@ -235,14 +247,54 @@ def _range(text: str, kind: type) -> tuple[Any, Any]:
         raise argparse.ArgumentTypeError(f"expected LOW-HIGH, got {text!r}") from e
 
 
+@dataclass(frozen=True)
+class SessionSpec:
+    """Multi-turn chat or an agent loop: each turn's prompt is the whole conversation so far
+    (every earlier prompt and answer) plus a new message; the next turn is sent `think_s`
+    after the answer ends. Answers are synthetic text of the turn's output length, standing
+    in for what the server will write."""
+
+    turns: LengthDist = LengthDist("uniform", 2, 6)
+    message_len: LengthDist = LengthDist("normal", 10, 60, mean=30, std=12)
+    reply_len: LengthDist = LengthDist("uniform", 16, 96)
+    think_s: tuple[float, float] = (1.0, 5.0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"turns": self.turns.to_json(), "message_len": self.message_len.to_json(),
+                "reply_len": self.reply_len.to_json(),
+                "think_s": {"low": self.think_s[0], "high": self.think_s[1]}}
+
+    def conversation(self, sid: str, turns: int, start_s: float, synth: PromptSynth,
+                     rng: random.Random) -> list[TraceRequest]:
+        out: list[TraceRequest] = []
+        history, t = "", start_s
+        for k in range(turns):
+            think = round(rng.uniform(*self.think_s), 3) if k else None
+            t += think or 0.0
+            prompt = history + synth.text(self.message_len.sample(rng), rng, prefix=history)
+            request = TraceRequest(
+                max_tokens=self.reply_len.sample(rng), prompt=prompt,
+                prompt_len=synth.count(prompt), cls=SESSION, arrival_s=round(t, 4),
+                id=f"{sid}-t{k}", session=sid, after=out[-1].id if out else None,
+                think_s=think)
+            history = prompt + synth.text(request.max_tokens, rng, prefix=prompt)
+            out.append(request)
+        return out
+
+
+SESSION = "session"
+SESSIONS = SessionSpec()
+
+
 def parse_mix(text: str) -> dict[str, float]:
     """'chat=0.6,long=0.15,rag=0.25' -> weights normalised to sum to 1."""
     mix = {}
     for part in text.split(","):
         name, _, weight = part.partition("=")
         name = name.strip()
-        if name not in CLASSES:
-            raise ValueError(f"unknown request class {name!r}; known: {', '.join(CLASSES)}")
+        if name not in CLASSES and name != SESSION:
+            raise ValueError(f"unknown request class {name!r}; known: "
+                             f"{', '.join([*CLASSES, SESSION])}")
         mix[name] = float(weight) if weight else 1.0
         if mix[name] < 0:
             raise ValueError(f"weight of {name!r} must be >= 0")
@@ -254,13 +306,24 @@ def parse_mix(text: str) -> dict[str, float]:
 
 def generate_mix(mix: dict[str, float], n: int, seed: int, synth: PromptSynth,
                  arrivals: ArrivalSpec, cancels: CancelSpec, tokenizer_name: str) -> Trace:
-    """n requests of the given class mix; same seed + tokenizer -> byte-identical file."""
+    """n requests of the given class mix; same seed + tokenizer -> byte-identical file. A
+    session's turns take consecutive session slots of the mix; it starts at its first."""
     rng = random.Random(seed)
     prefixes = {name: synth.text(CLASSES[name].shared_prefix_len, rng)
-                for name in mix if CLASSES[name].shared_prefix_len}
+                for name in mix if name in CLASSES and CLASSES[name].shared_prefix_len}
     times = arrivals.times(n, rng)
+    names = _class_sequence(mix, n, rng)
+    session_slots, skip = names.count(SESSION), 0
     requests = []
-    for i, (arrival, name) in enumerate(zip(times, _class_sequence(mix, n, rng))):
+    for i, (arrival, name) in enumerate(zip(times, names)):
+        if name == SESSION:
+            if skip:
+                skip -= 1
+                continue
+            turns = min(SESSIONS.turns.sample(rng), session_slots)
+            session_slots, skip = session_slots - turns, turns - 1
+            requests += SESSIONS.conversation(f"session-{i:05d}", turns, arrival, synth, rng)
+            continue
         spec = CLASSES[name]
         prefix = prefixes.get(name, "")
         prompt = prefix + synth.text(spec.prompt_len.sample(rng), rng, prefix=prefix)
@@ -268,9 +331,10 @@ def generate_mix(mix: dict[str, float], n: int, seed: int, synth: PromptSynth,
             max_tokens=spec.output_len.sample(rng), prompt=prompt,
             prompt_len=synth.count(prompt), cls=name, arrival_s=arrival,
             cancel_after_s=cancels.draw(rng), id=f"{name}-{i:05d}"))
+    requests.sort(key=lambda r: r.arrival_s)
     header = _header("mix", seed, n, tokenizer_name, arrivals, cancels)
     header["mix"] = {k: round(v, 6) for k, v in mix.items()}
-    header["classes"] = {k: CLASSES[k].to_json() for k in mix}
+    header["classes"] = {k: (CLASSES[k] if k in CLASSES else SESSIONS).to_json() for k in mix}
     return Trace(requests, header)
 
 
