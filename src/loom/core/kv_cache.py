@@ -38,9 +38,10 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
-        hashes = self._full_block_hashes(request, (request.num_tokens - 1) // self.block_size)
+        num_full_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._full_block_hashes(request, num_full_blocks)
         found = []
-        for block_hash in hashes:
+        for block_hash in hashes[:num_full_blocks]:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
@@ -98,12 +99,15 @@ class KVCacheManager:
         K/V before any request's attention reads it."""
         if not self.enable_prefix_caching:
             return
-        table = self.block_tables[request.request_id]
-        hashes = self._full_block_hashes(request, num_tokens // self.block_size)
+        num_full_blocks = num_tokens // self.block_size
         start = self.num_published_blocks.get(request.request_id, 0)
-        for i in range(start, len(hashes)):
+        if num_full_blocks <= start:  # most decode steps: no block filled up
+            return
+        table = self.block_tables[request.request_id]
+        hashes = self._full_block_hashes(request, num_full_blocks)
+        for i in range(start, num_full_blocks):
             self.pool.cache(table[i], hashes[i])
-        self.num_published_blocks[request.request_id] = max(start, len(hashes))
+        self.num_published_blocks[request.request_id] = num_full_blocks
 
     def withdraw_uncomputed_blocks(self, request: Request) -> list[int]:
         """Un-publish the blocks past the request's computed tokens, because the step that was
@@ -125,10 +129,13 @@ class KVCacheManager:
         self.pool.free(reversed(table))
 
     def _full_block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        """The chained hashes of the request's first `num_full_blocks` blocks, and perhaps of
+        more (computed once, kept until the request's blocks are freed): read only the first
+        `num_full_blocks`."""
         hashes = self.block_hashes.setdefault(request.request_id, [])
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, tuple(request.token_ids_slice(i * bs, (i + 1) * bs))))
-        return hashes[:num_full_blocks]
+        return hashes
