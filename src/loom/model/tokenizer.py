@@ -100,8 +100,19 @@ class Tokenizer:
         """A token's text as it reads on its own (byte-level pieces decoded)."""
         return self.backend.decode([token_id], skip_special_tokens=False)
 
+    @property
+    def template_has_tools(self) -> bool:
+        """The chat template renders tools itself (Llama-3.1, Qwen2.5, Mistral do; SmolLM2's
+        does not, and gets loom's hermes-style tool prompt instead)."""
+        return "tools" in (self.chat_template or "")
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """`messages` as transformers takes them (tool calls' arguments as dicts); `tools`
+        as OpenAI's request lists them."""
+        if not self.template_has_tools:
+            messages, tools = hermes_tool_messages(messages, tools), None
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         # The environment transformers renders chat templates in: loop controls ({% break %}),
@@ -123,5 +134,42 @@ class Tokenizer:
         template = env.from_string(self.chat_template)
         special = lambda i: self.backend.id_to_token(i) if i is not None else ""  # noqa: E731
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=special(self.bos_token_id),
+                               tools=tools, bos_token=special(self.bos_token_id),
                                eos_token=special(self.eos_token_id))
+
+
+_HERMES_TOOLS = (
+    "You may call one or more functions to assist with the user query. The functions you "
+    "can call are listed within <tools></tools>:\n<tools>\n{tools}\n</tools>\n\nFor each "
+    "function call, answer with a JSON object holding the function's name and arguments "
+    "within <tool_call></tool_call> tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+
+
+def hermes_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                         ) -> list[dict[str, Any]]:
+    """A conversation with tools for a template that knows none, in the hermes format Qwen2.5's
+    template writes: the tools in the system message, calls as <tool_call> blocks in the
+    assistant's text, tool results as <tool_response> blocks of a user turn."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            blocks = [json.dumps({"name": c["function"]["name"],
+                                  "arguments": c["function"]["arguments"]}, ensure_ascii=False)
+                      for c in m["tool_calls"]]
+            text = (m.get("content") or "") + "".join(
+                f"\n<tool_call>\n{b}\n</tool_call>" for b in blocks)
+            out.append({"role": m["role"], "content": text.lstrip("\n")})
+        elif m["role"] == "tool":
+            out.append({"role": "user",
+                        "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    if tools:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        prompt = _HERMES_TOOLS.format(tools=listed)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out

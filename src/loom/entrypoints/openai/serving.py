@@ -28,9 +28,15 @@ from loom.engine.async_engine import (
     RequestRejectedError,
 )
 from loom.entrypoints.openai.errors import INTERNAL_ERROR, APIError, error_body
-from loom.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from loom.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from loom.outputs import CompletionOutput, RequestOutput
-from loom.sampling import SEED_RANGE, SamplingParams, SamplingParamsError
+from loom.sampling import (
+    SEED_RANGE,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
+)
+from loom.structured.grammar import StructuredOutputsError, grammar_for
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +149,27 @@ class OpenAIServing:
                            max_tokens_param)
         return requested
 
+    async def structured_outputs(self, request: SamplingRequest
+                                 ) -> StructuredOutputsParams | None:
+        """The request's constraint, from whichever spelling it used (vLLM's
+        `structured_outputs`, a `guided_*` field, OpenAI's `response_format`), checked here
+        on a worker thread so a spec that cannot compile is a 400 naming the field; the engine
+        finds it in the same cache."""
+        found = _structured_spec(request)
+        if found is None:
+            return None
+        param, fields = found
+        try:
+            spec = StructuredOutputsParams(**fields)
+            await asyncio.to_thread(grammar_for, spec)
+        except StructuredOutputsError as e:
+            raise APIError(400, f"{param}: {e.reason}", param) from e
+        except SamplingParamsError as e:
+            raise APIError(400, f"{param} {e.reason}", param) from e
+        return spec
+
     def sampling_params(self, request: SamplingRequest, choice: int,
-                        api_names: Mapping[str, str], **kwargs: int | None) -> SamplingParams:
+                        api_names: Mapping[str, str], **kwargs: object) -> SamplingParams:
         """Choice `choice` of n draws with seed + choice, so seeded choices still differ.
         SamplingParams checks every range; its error names its own field, which `api_names`
         maps to the request's (e.g. chat's `top_logprobs` is SamplingParams' `logprobs`)."""
@@ -277,7 +302,32 @@ def check_failed(output: RequestOutput) -> None:
         raise APIError(500, INTERNAL_ERROR, type_="internal_server_error")
 
 
-def usage(finals: list[RequestOutput], num_prompt_tokens: int) -> UsageInfo:
+def usage(finals: list[RequestOutput], num_prompt_tokens: int, num_cached_tokens: int = 0
+          ) -> UsageInfo:
     completion = sum(len(o.outputs[0].token_ids) for o in finals)
     return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion,
-                     total_tokens=num_prompt_tokens + completion)
+                     total_tokens=num_prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
+
+
+def _structured_spec(request: SamplingRequest) -> tuple[str, dict[str, object]] | None:
+    """(the request field that asked, StructuredOutputsParams' fields), or None."""
+    so = request.structured_outputs
+    if so is not None:
+        return "structured_outputs", {"json": so.json_, "regex": so.regex,
+                                      "choice": so.choice, "grammar": so.grammar,
+                                      "json_object": bool(so.json_object)}
+    guided = {"json": request.guided_json, "regex": request.guided_regex,
+              "choice": request.guided_choice, "grammar": request.guided_grammar}
+    given = [kind for kind, value in guided.items() if value is not None]
+    if given:
+        return f"guided_{given[0]}", guided
+    fmt = request.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return "response_format", {"json_object": True}
+    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        raise APIError(400, "response_format: type json_schema needs json_schema.schema",
+                       "response_format")
+    return "response_format", {"json": fmt.json_schema.json_schema}

@@ -1,12 +1,23 @@
 """POST /v1/chat/completions: messages through the model's own chat template, n choices,
-streamed (a role chunk, then content deltas) or not, with per-token logprobs."""
+streamed (a role chunk, then content deltas) or not, with per-token logprobs, structured
+outputs and tool calls.
+
+Tool calls: with `tool_choice` auto the answer is parsed by the model family's tool-call
+parser (hermes, llama3_json, mistral); `required` and a named function constrain the answer
+with a JSON schema, so their arguments always parse. A streamed answer sends content as soon
+as it cannot be the start of a call, and each call, whole, once it is complete (a named
+function's arguments stream as they come).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import jinja2
 from fastapi import Request, Response
@@ -20,9 +31,14 @@ from loom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    ResponseFunctionCall,
+    ResponseToolCall,
     TopLogprob,
 )
 from loom.entrypoints.openai.serving import (
@@ -32,15 +48,41 @@ from loom.entrypoints.openai.serving import (
     sse,
     usage,
 )
+from loom.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    ParsedToolCall,
+    ToolParser,
+    parser_name_for_template,
+)
+from loom.entrypoints.openai.tool_parsers.base import ExtractedToolCalls
+from loom.entrypoints.openai.tool_parsers.tool_choice import ToolUse
 from loom.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from loom.sampling import StructuredOutputsParams
+
+
+@dataclass
+class _ChatChoice(Choice):
+    """A streamed chat choice also tracks the text it has sent as content, and its calls."""
+
+    content_sent: int = 0
+    named_call: ParsedToolCall | None = None  # a named function: its id, sent first
+    calls: list[ParsedToolCall] = field(default_factory=list)
 
 
 class ChatServing(OpenAIServing):
+    def __init__(self, *args: Any, tool_call_parser: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        name = tool_call_parser or parser_name_for_template(self.tokenizer.chat_template)
+        self.tool_parser: ToolParser = TOOL_PARSERS[name]()
+
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         chat_id = f"chatcmpl-{uuid.uuid4().hex}"
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
-        token_ids = await asyncio.to_thread(self._render, request)  # long chats take a while
+        tool_use = _tool_use(request)
+        structured = await self._structured(request, tool_use)
+        token_ids = await asyncio.to_thread(self.render, request.messages,
+                                            tool_use.tools)  # long chats take a while
         budget_param = ("max_completion_tokens" if request.max_completion_tokens is not None
                         else "max_tokens")
         budget = (request.max_tokens if request.max_completion_tokens is None
@@ -50,69 +92,145 @@ class ChatServing(OpenAIServing):
         api_names = {"max_tokens": budget_param, "logprobs": "top_logprobs"}
         requests = [EngineRequest(f"{chat_id}-{i}", token_ids,
                                   self.sampling_params(request, i, api_names,
-                                                       max_tokens=max_tokens, logprobs=logprobs),
+                                                       max_tokens=max_tokens, logprobs=logprobs,
+                                                       structured_outputs=structured),
                                   request.priority)
                     for i in range(request.n)]
-        choices = {r.request_id: Choice(i) for i, r in enumerate(requests)}
+        choices = {r.request_id: _ChatChoice(i) for i, r in enumerate(requests)}
         created = int(time.time())
 
         def events(stream: ClientStream, first: list[RequestOutput]) -> AsyncIterator[str]:
-            return self._events(request, chat_id, created, stream, first, choices,
+            return self._events(request, tool_use, chat_id, created, stream, first, choices,
                                 len(token_ids))
 
         def response(finals: dict[str, RequestOutput]) -> ChatCompletionResponse:
+            outputs = list(finals.values())
             return ChatCompletionResponse(
                 id=chat_id, created=created, model=self.model_name,
-                choices=[self._choice(request, finals[rid].outputs[0], choice.index)
+                choices=[self._choice(request, tool_use, finals[rid].outputs[0], choice.index)
                          for rid, choice in choices.items()],
-                usage=usage(list(finals.values()), len(token_ids)))
+                usage=usage(outputs, len(token_ids), outputs[0].num_cached_tokens))
 
         return await self.respond(raw_request, requests, "messages", request.stream, events,
                                   response)
 
-    def _render(self, request: ChatCompletionRequest) -> list[int]:
-        """The conversation through the model's chat template, as token ids."""
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+    async def _structured(self, request: ChatCompletionRequest, tool_use: ToolUse
+                          ) -> StructuredOutputsParams | None:
+        """The answer's constraint: the one tool_choice implies, or the request's own."""
+        asked = await self.structured_outputs(request)
+        schema = tool_use.schema()
+        if schema is None:
+            return asked
+        if asked is not None:
+            raise APIError(400, f"tool_choice {tool_use.mode!r} cannot be combined with "
+                           "response_format or structured outputs", "tool_choice")
+        return StructuredOutputsParams(json=schema)
+
+    def render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+               ) -> list[int]:
+        """The conversation (and tools) through the model's chat template, as token ids."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                [template_message(m) for m in messages], add_generation_prompt=True,
+                tools=tools or None)
         except (ValueError, jinja2.TemplateError) as e:
             raise APIError(400, f"messages: {e}", "messages") from e
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _choice(self, request: ChatCompletionRequest, completion: CompletionOutput,
-                index: int) -> ChatChoice:
-        return ChatChoice(
-            index=index, message=AssistantMessage(content=completion.text),
-            logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
-            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+    def _calls(self, tool_use: ToolUse, text: str) -> ExtractedToolCalls:
+        """The answer's tool calls and its remaining content."""
+        if tool_use.mode in ("required", "named"):
+            return ExtractedToolCalls(None, tool_use.enforced_calls(text))
+        if tool_use.mode == "auto":
+            return self.tool_parser.extract(text)
+        return ExtractedToolCalls(text, [])
 
-    async def _events(self, request: ChatCompletionRequest, chat_id: str, created: int,
-                      stream: ClientStream, first: list[RequestOutput],
-                      choices: dict[str, Choice], num_prompt_tokens: int
+    def _choice(self, request: ChatCompletionRequest, tool_use: ToolUse,
+                completion: CompletionOutput, index: int) -> ChatChoice:
+        found = self._calls(tool_use, completion.text)
+        return ChatChoice(
+            index=index,
+            message=AssistantMessage(content=found.content if found.calls else completion.text,
+                                     tool_calls=[_response_call(c) for c in found.calls]),
+            logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
+            finish_reason=_finish_reason(tool_use, completion, bool(found.calls)),
+            stop_reason=completion.stop_reason)
+
+    async def _events(self, request: ChatCompletionRequest, tool_use: ToolUse, chat_id: str,
+                      created: int, stream: ClientStream, first: list[RequestOutput],
+                      choices: dict[str, _ChatChoice], num_prompt_tokens: int
                       ) -> AsyncIterator[str]:
         def chunk(stream_choices: list[ChatStreamChoice], **extra: object) -> str:
             return sse(ChatCompletionChunk(id=chat_id, created=created, model=self.model_name,
                                            choices=stream_choices, **extra))
 
-        def delta(output: RequestOutput, choice: Choice) -> str | None:
+        def delta(output: RequestOutput, choice: _ChatChoice) -> str | None:
             completion = output.outputs[0]
-            text, start = choice.progress.advance(completion)
+            _, start = choice.progress.advance(completion)
             end = len(completion.token_ids)
             logprobs = self._logprobs(request, completion.token_ids[start:end],
                                       (completion.logprobs or [])[start:end])
-            if not output.finished and not text and logprobs is None:
+            message = self._delta_message(tool_use, choice, completion.text, output.finished)
+            if not output.finished and message is None and logprobs is None:
                 return None  # tokens that are no text yet (half a UTF-8 char, a stop prefix)
+            so_far = (usage([output], num_prompt_tokens, output.num_cached_tokens)
+                      if request.continuous_usage else None)
             return chunk([ChatStreamChoice(
-                index=choice.index, delta=DeltaMessage(content=text), logprobs=logprobs,
-                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)])
+                index=choice.index, delta=message or DeltaMessage(content=""),
+                logprobs=logprobs,
+                finish_reason=(_finish_reason(tool_use, completion, bool(choice.calls))
+                               if output.finished else None),
+                stop_reason=completion.stop_reason)], usage=so_far)
 
         for choice in choices.values():
             yield chunk([ChatStreamChoice(index=choice.index,
                                           delta=DeltaMessage(role="assistant", content=""))])
-        usage_chunk = ((lambda finals: chunk([], usage=usage(finals, num_prompt_tokens)))
-                       if request.include_usage else None)
-        async for event in self.stream_events(stream, first, choices, delta, usage_chunk):
+
+        def usage_chunk(finals: list[RequestOutput]) -> str:
+            return chunk([], usage=usage(finals, num_prompt_tokens, finals[0].num_cached_tokens))
+
+        async for event in self.stream_events(stream, first, choices, delta,
+                                              usage_chunk if request.include_usage else None):
             yield event
+
+    def _delta_message(self, tool_use: ToolUse, choice: _ChatChoice, text: str,
+                       finished: bool) -> DeltaMessage | None:
+        """What a streamed choice can send now of its answer `text` (None: nothing yet)."""
+        if tool_use.mode == "named":
+            return self._named_delta(tool_use, choice, text)
+        if tool_use.mode == "none":
+            return _content_delta(choice, text, len(text))
+        if not finished:
+            sure = 0 if tool_use.mode == "required" else self.tool_parser.content_prefix(text)
+            return _content_delta(choice, text, sure)
+        found = self._calls(tool_use, text)
+        if not found.calls:
+            return _content_delta(choice, text, len(text))
+        choice.calls = found.calls
+        content = found.content or ""
+        return DeltaMessage(
+            content=content[choice.content_sent:] or None,
+            tool_calls=[DeltaToolCall(index=i, id=c.id, type="function",
+                                      function=DeltaFunctionCall(name=c.name,
+                                                                 arguments=c.arguments))
+                        for i, c in enumerate(found.calls)])
+
+    @staticmethod
+    def _named_delta(tool_use: ToolUse, choice: _ChatChoice, text: str) -> DeltaMessage | None:
+        """A named function's arguments are the answer itself: they stream as they come,
+        after a first piece that carries the call's id and name."""
+        new = text[choice.content_sent:]
+        choice.content_sent = len(text)
+        if choice.named_call is None:
+            choice.named_call = ParsedToolCall(tool_use.named or "", "")
+            choice.calls = [choice.named_call]
+            piece = DeltaToolCall(index=0, id=choice.named_call.id, type="function",
+                                  function=DeltaFunctionCall(name=tool_use.named, arguments=new))
+        elif new:
+            piece = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=new))
+        else:
+            return None
+        return DeltaMessage(tool_calls=[piece])
 
     def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
                   entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
@@ -127,3 +245,58 @@ class ChatServing(OpenAIServing):
             ChatTokenLogprob(**top(token_id, entry.logprob).model_dump(),
                              top_logprobs=[top(t, lp) for t, lp in entry.top])
             for token_id, entry in zip(token_ids, entries)])
+
+
+def _tool_use(request: ChatCompletionRequest) -> ToolUse:
+    tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
+    choice = request.tool_choice
+    try:
+        return ToolUse.of(tools, choice if isinstance(choice, str) or choice is None
+                          else choice.model_dump(), request.parallel_tool_calls is not False)
+    except ValueError as e:
+        raise APIError(400, str(e), "tool_choice") from e
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it (transformers' convention: a tool call's arguments
+    as a dict, not JSON text)."""
+    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name,
+                                           "arguments": _arguments(c.function.arguments)}}
+                             for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise APIError(400, f"messages: tool call arguments are not JSON: {e}",
+                       "messages") from e
+
+
+def _content_delta(choice: _ChatChoice, text: str, sure: int) -> DeltaMessage | None:
+    new = text[choice.content_sent:sure]
+    if not new:
+        return None
+    choice.content_sent = sure
+    return DeltaMessage(content=new)
+
+
+def _response_call(call: ParsedToolCall) -> ResponseToolCall:
+    return ResponseToolCall(id=call.id, function=ResponseFunctionCall(name=call.name,
+                                                                     arguments=call.arguments))
+
+
+def _finish_reason(tool_use: ToolUse, completion: CompletionOutput, called: bool) -> str | None:
+    """"tool_calls" when the model chose to call (auto) or had to (required); a named function
+    keeps the answer's own reason, as OpenAI reports it."""
+    if called and tool_use.mode in ("auto", "required") and completion.finish_reason == "stop":
+        return "tool_calls"
+    return completion.finish_reason

@@ -24,6 +24,7 @@ from loom.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    UsageInfo,
 )
 from loom.entrypoints.openai.serving import (
     Choice,
@@ -40,6 +41,8 @@ class _Choice(Choice):
     """A completion choice also echoes its prompt and tracks legacy logprobs' text offsets."""
 
     prompt_text: str = ""
+    prompt_tokens: int = 0
+    first_of_prompt: bool = True  # the prompt's usage (cached tokens) is counted once
     echoed: bool = False
     text_offset: int = 0  # where the next token's text starts, for logprobs.text_offset
 
@@ -52,6 +55,7 @@ class CompletionServing(OpenAIServing):
             raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with "
                            "echo=true, to score the prompt)", "max_tokens")
         api_names = {"prompt_logprobs": "logprobs"}
+        structured = await self.structured_outputs(request)
         requests, choices, num_prompt_tokens = [], {}, 0
         for p, prompt in enumerate(request.prompts()):
             token_ids = await self._prompt_tokens(prompt)
@@ -63,24 +67,35 @@ class CompletionServing(OpenAIServing):
                 index = p * request.n + i
                 params = self.sampling_params(
                     request, i, api_names, max_tokens=max_tokens, logprobs=request.logprobs,
-                    prompt_logprobs=request.logprobs if request.echo else None)
+                    prompt_logprobs=request.logprobs if request.echo else None,
+                    structured_outputs=structured)
                 request_id = f"{completion_id}-{index}"
                 requests.append(EngineRequest(request_id, token_ids, params, request.priority))
-                choices[request_id] = _Choice(index, prompt_text=text)
+                choices[request_id] = _Choice(index, prompt_text=text,
+                                              prompt_tokens=len(token_ids),
+                                              first_of_prompt=i == 0)
         created = int(time.time())
+
+        def total_usage(finals: list[RequestOutput]) -> UsageInfo:
+            cached = sum(o.num_cached_tokens for o in finals
+                         if choices[o.request_id].first_of_prompt)
+            return usage([] if score_only else finals, num_prompt_tokens, cached)
 
         def events(stream: ClientStream, first: list[RequestOutput]) -> AsyncIterator[str]:
             def chunk(output: RequestOutput, choice: _Choice) -> str | None:
                 delta = self._delta(request, output, choice, score_only)
                 if not output.finished and not delta.text and delta.logprobs is None:
                     return None  # tokens that are no text yet (half a UTF-8 char, a stop prefix)
+                so_far = (usage([] if score_only else [output], choice.prompt_tokens,
+                                output.num_cached_tokens) if request.continuous_usage else None)
                 return sse(CompletionChunk(id=completion_id, created=created,
-                                           model=self.model_name, choices=[delta]))
+                                           model=self.model_name, choices=[delta],
+                                           usage=so_far))
 
             def usage_chunk(finals: list[RequestOutput]) -> str:
                 return sse(CompletionChunk(
                     id=completion_id, created=created, model=self.model_name, choices=[],
-                    usage=usage([] if score_only else finals, num_prompt_tokens)))
+                    usage=total_usage(finals)))
 
             return self.stream_events(stream, first, choices, chunk,
                                       usage_chunk if request.include_usage else None)
@@ -90,7 +105,7 @@ class CompletionServing(OpenAIServing):
                 id=completion_id, created=created, model=self.model_name,
                 choices=[self._delta(request, finals[rid], choice, score_only)
                          for rid, choice in choices.items()],
-                usage=usage([] if score_only else list(finals.values()), num_prompt_tokens))
+                usage=total_usage(list(finals.values())))
 
         return await self.respond(raw_request, requests, "prompt", request.stream, events,
                                   response)

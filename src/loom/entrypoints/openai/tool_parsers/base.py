@@ -1,0 +1,66 @@
+"""What every tool-call parser does: split a model's answer into content and tool calls, and
+say how much of a partial answer is surely content (so a stream can send it at once)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+
+
+@dataclass
+class ExtractedToolCalls:
+    content: str | None  # the text that is not a tool call (None when there is none)
+    calls: list[ParsedToolCall]
+
+
+class ToolParser:
+    """One model family's way of writing tool calls. `markers` are the texts that open a
+    call; a streamed answer holds back text that could be the start of one."""
+
+    markers: tuple[str, ...] = ()
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        raise NotImplementedError
+
+    def content_prefix(self, text: str) -> int:
+        """How many leading characters of a partial answer are content whatever follows."""
+        cut = len(text)
+        for marker in self.markers:
+            at = text.find(marker)
+            if at != -1:
+                cut = min(cut, at)
+                continue
+            for n in range(min(len(marker) - 1, len(text)), 0, -1):
+                if text.endswith(marker[:n]):
+                    cut = min(cut, len(text) - n)
+                    break
+        return cut
+
+
+def call_from_json(obj: Any, arguments_keys: tuple[str, ...] = ("arguments", "parameters")
+                   ) -> ParsedToolCall | None:
+    """{"name": ..., "arguments": {...}} (or "parameters", or arguments as JSON text) as a
+    call; None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = next((obj[k] for k in arguments_keys if k in obj), {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return ParsedToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def content_or_none(text: str) -> str | None:
+    """The text before the calls, as a stream sends it; None if it is only blanks."""
+    return text if text.strip() else None

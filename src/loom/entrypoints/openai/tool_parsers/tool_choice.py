@@ -1,0 +1,72 @@
+"""What a chat request's `tools` and `tool_choice` ask of the answer.
+
+`auto` lets the model choose and a parser finds its calls; `required` and a named function
+are enforced with a JSON schema (structured outputs), so the arguments always parse:
+`required` makes the answer a list of {"name", "parameters"} objects, one of the listed
+functions each, as vLLM does; a named function makes it that function's arguments.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from loom.entrypoints.openai.tool_parsers.base import ParsedToolCall
+
+Mode = Literal["none", "auto", "required", "named"]
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    mode: Mode
+    tools: list[dict[str, Any]]  # as the chat template gets them (OpenAI's shape)
+    named: str | None = None
+    parallel: bool = True  # `required` may make several calls
+
+    @classmethod
+    def of(cls, tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
+           parallel: bool = True) -> ToolUse:
+        """Raises ValueError (naming `tools` or `tool_choice`) for a choice that cannot
+        be met."""
+        if not tools:
+            if tool_choice not in (None, "none"):
+                raise ValueError("tool_choice: needs tools")
+            return cls("none", [])
+        if tool_choice is None or tool_choice in ("auto", "none", "required"):
+            return cls(tool_choice or "auto", tools if tool_choice != "none" else [],
+                       parallel=parallel)
+        name = tool_choice["function"]["name"]
+        if name not in {t["function"]["name"] for t in tools}:
+            raise ValueError(f"tool_choice: function {name!r} is not among the tools")
+        return cls("named", tools, name, parallel)
+
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema that enforces this choice (None: nothing to enforce)."""
+        if self.mode == "named":
+            return self._parameters(self.named)
+        if self.mode != "required":
+            return None
+        options = [{"type": "object",
+                    "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                   "parameters": self._parameters(t["function"]["name"])},
+                    "required": ["name", "parameters"], "additionalProperties": False}
+                   for t in self.tools]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
+        return schema if self.parallel else {**schema, "maxItems": 1}
+
+    def _parameters(self, name: str | None) -> dict[str, Any]:
+        function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
+        return function.get("parameters") or _ANY_OBJECT
+
+    def enforced_calls(self, text: str) -> list[ParsedToolCall]:
+        """The calls of an answer that `schema()` constrained (empty if it was cut short)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return []
+        if self.mode == "named":
+            return [ParsedToolCall(self.named, json.dumps(value, ensure_ascii=False))]
+        return [ParsedToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                for item in value]
