@@ -224,3 +224,63 @@ def test_cli_needs_a_trace_and_a_load(tmp_path):
         args = _cli(["simulate", "--profile", "p.json", "--trace", str(tmp_path / "t.jsonl")])
         args.func(args)
     assert math.isinf(_cli(["simulate", "--rate", "inf"]).rates[0])
+
+
+def _documents_trace(num_documents: int = 6, per_document: int = 16) -> Trace:
+    """RAG traffic over several documents: each prompt is a document's words and a question;
+    prompts of one document share their leading blocks."""
+    requests = []
+    for i in range(num_documents * per_document):
+        doc = i % num_documents
+        words = [f"doc{doc}word{w}" for w in range(320)] + [f"question{i}"] * 8
+        requests.append(TraceRequest(max_tokens=16, prompt=" ".join(words),
+                                     prompt_len=len(words), cls=f"doc{doc}",
+                                     arrival_s=0.05 * i, id=str(i)))
+    return Trace(requests, {"tokenizer": "test"}, sha256="0" * 64)
+
+
+def _fleet(trace: Trace, replicas: int, router: str, load: Load) -> dict:
+    config = SimConfig("fleet", _profile(), SchedulerConfig(), CacheConfig(),
+                       replicas=replicas, router=router)
+    return simulate_run(config, trace, prompt_token_ids(trace, None, 0), load)
+
+
+def test_prefix_routing_keeps_documents_together_and_beats_round_robin():
+    trace = _documents_trace()
+    prefix = _fleet(trace, 4, "prefix", Load(rate=20.0, seed=1))
+    round_robin = _fleet(trace, 4, "round-robin", Load(rate=20.0, seed=1))
+    for result in (prefix, round_robin):
+        assert result["completed"] == len(trace.requests)
+        assert sum(result["simulation"]["requests_per_replica"]) == len(trace.requests)
+    assert prefix["prefix_cache_hit_rate"] > round_robin["prefix_cache_hit_rate"]
+    decisions = prefix["simulation"]["router_decisions"]
+    # one miss per document (its first request), then its blocks are known
+    assert decisions.get("prefix", 0) >= len(trace.requests) - 6 - decisions.get("imbalanced", 0)
+    assert round_robin["simulation"]["requests_per_replica"] == [24, 24, 24, 24]
+    assert prefix["mean_ttft_ms"] < round_robin["mean_ttft_ms"]
+
+
+def test_a_fleet_serves_more_than_one_engine_and_is_deterministic():
+    trace = _trace(n=80)
+    one = _run(trace, Load(max_concurrency=64))
+    two = _fleet(trace, 2, "pow2", Load(max_concurrency=64, seed=2))
+    again = _fleet(trace, 2, "pow2", Load(max_concurrency=64, seed=2))
+    assert _stable(two) == _stable(again)
+    assert two["completed"] == one["completed"] == 80
+    assert two["duration"] < one["duration"]
+    assert two["simulation"]["replicas"] == 2 and two["simulation"]["num_gpus"] == 2
+    assert all(n > 0 for n in two["simulation"]["requests_per_replica"])
+    assert "--data-parallel-size 2 --router pow2" in " ".join(two["server"]["cmdline"])
+
+
+def test_cli_fleet_sizes_and_routers(tmp_path, capsys):
+    write_trace(_documents_trace(4, 6), tmp_path / "t.jsonl")
+    _profile().save(tmp_path / "p.json")
+    args = _cli(["simulate", "--profile", str(tmp_path / "p.json"), "--trace",
+                 str(tmp_path / "t.jsonl"), "--rate", "10", "--replicas", "1,3",
+                 "--router", "prefix,round-robin", "--output-dir", str(tmp_path / "fleet")])
+    assert args.func(args) == 0
+    names = [c["name"] for c in load_result(tmp_path / "fleet")["configs"]]
+    assert names == ["p", "p-x3-prefix", "p-x3-round-robin"]
+    with pytest.raises(SystemExit):
+        _cli(["simulate", "--router", "random"])

@@ -24,6 +24,17 @@ def _rates(text: str) -> list[float | str]:
     return out
 
 
+def _routers(text: str) -> list[str]:
+    from loom.cluster.routing import ROUTERS
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in ROUTERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown router {', '.join(unknown) or text!r}; "
+                                         f"choose from {', '.join(ROUTERS)}")
+    return names
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from loom.bench.cli import _common_parent, _slo_parent
 
@@ -58,6 +69,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-p95-queue", type=float, default=2.0,
                    help="sweep limit: p95 queue time in seconds (for the knee)")
     p.add_argument("--max-error-rate", type=float, default=0.05, help="sweep limit: failed/sent")
+    p.add_argument("--replicas", type=csv_ints, default=[1],
+                   help="fleet: engines behind a router, as loom serve --data-parallel-size "
+                        "runs them; a list (e.g. 10,100) simulates each size")
+    p.add_argument("--router", type=_routers, default=["prefix"],
+                   help="fleet routing policy: prefix, pow2 or round-robin; a list simulates "
+                        "each")
     p.add_argument("--label", default=None, help="name of the configuration")
     p.add_argument("--output", default=None, help="result JSON (one profile, one load)")
     p.add_argument("--output-dir", default=None,
@@ -167,7 +184,7 @@ def _configs(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
                            **common)
         model = ["--model", engine.model.model] if engine.model.model else []
         config.serve_commands["loom"] = " ".join(["loom", "serve", *model, *config.flags()])
-        return [config], []
+        return _fleets([config], args.replicas, args.router), []
     if not args.gpus:
         raise ValueError("give --profile PROFILE.json (loom simulate calibrate) or --gpus "
                          "with --model (roofline)")
@@ -196,7 +213,39 @@ def _configs(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
                                                      "vllm": serve["vllm_serve"]}))
     if not configs:
         raise ValueError("no configuration fits: " + "; ".join(skipped))
-    return configs, skipped
+    return _fleets(configs, args.replicas, args.router), skipped
+
+
+def _fleets(configs: list[Any], replicas: list[int], routers: list[str]) -> list[Any]:
+    """Each configuration as a fleet of every size asked for, behind every router asked for
+    (one engine needs no router)."""
+    import dataclasses
+
+    if any(n < 1 for n in replicas):
+        raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    out = []
+    for config in configs:
+        for n in replicas:
+            for router in routers if n > 1 else routers[:1]:
+                name = config.name if n == 1 else f"{config.name}-x{n}-{router}"
+                out.append(dataclasses.replace(
+                    config, name=name, replicas=n, router=router,
+                    serve_commands=_fleet_commands(config.serve_commands, n, router)))
+    return out
+
+
+def _fleet_commands(commands: dict[str, str | None], replicas: int,
+                    router: str) -> dict[str, str | None]:
+    """The serve commands of one replica, run as a fleet."""
+    if replicas == 1:
+        return dict(commands)
+    out: dict[str, str | None] = {}
+    for name, command in commands.items():
+        if command and name == "loom":
+            out[name] = f"{command} --data-parallel-size {replicas} --router {router}"
+        elif command:
+            out[name] = f"{command} --data-parallel-size {replicas}"
+    return out
 
 
 def _save_dir(args: argparse.Namespace, trace: Any, configs: list[Any],

@@ -21,9 +21,13 @@ from loom.bench.arrivals import schedule
 from loom.bench.client import CANCELLED, ERROR, OK, REJECTED, RequestResult
 from loom.bench.replay import Load
 from loom.bench.trace import Trace, TraceRequest
+from loom.cluster.routing import RoutingPolicy, prompt_block_hashes
 from loom.request import Request
 from loom.sampling import SamplingParams
 from loom.sim.engine import SimEngine, SimStep
+
+# What comes first at one instant: a step's end, then client events, then new steps.
+_STEP_END, _CLIENT, _STEP_START = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class _Live:
     result: RequestResult
     added_at: float                 # the step boundary at which the engine got it
     cancel_at: float | None
+    replica: int = 0
     scheduled: bool = False
     last_token_at: float | None = None
 
@@ -59,7 +64,9 @@ class SimRun:
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_steps: int = 0
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # summed over the fleet's engines
+    requests_per_replica: list[int] = field(default_factory=list)
+    router_decisions: dict[str, int] = field(default_factory=dict)
 
 
 def prompt_token_ids(trace: Trace, tokenizer: Any | None, seed: int) -> list[list[int]]:
@@ -91,9 +98,22 @@ def prompt_token_ids(trace: Trace, tokenizer: Any | None, seed: int) -> list[lis
 
 
 class Simulation:
-    def __init__(self, engine: SimEngine, trace: Trace, token_ids: list[list[int]], load: Load,
-                 limits: ServerLimits = ServerLimits(), scrape_interval_s: float = 1.0) -> None:
-        self.engine, self.scheduler = engine, engine.scheduler
+    """One client replaying a trace against one or more simulated engines (a fleet: replicas
+    behind a router, as `loom serve --data-parallel-size N` runs them).
+
+    Everything happens in time order: a step is scheduled at its engine's clock and its tokens
+    reach the client at its end; client events (arrivals, cancellations, queue timeouts) come
+    in between. At one instant a step's end comes first, then client events, then the next
+    steps. A request sent to an engine in mid-step waits for that step's end; an idle
+    engine's clock jumps to the request's arrival."""
+
+    def __init__(self, engines: SimEngine | list[SimEngine], trace: Trace,
+                 token_ids: list[list[int]], load: Load, limits: ServerLimits = ServerLimits(),
+                 scrape_interval_s: float = 1.0, router: RoutingPolicy | None = None) -> None:
+        self.engines = engines if isinstance(engines, list) else [engines]
+        if router is None and len(self.engines) > 1:
+            raise ValueError("a fleet of simulated engines needs a router")
+        self.router = router
         self.load, self.limits = load, limits
         self.token_ids = {id(r): ids for r, ids in zip(trace.requests, token_ids)}
         cycle = load.duration_s is not None or (load.num_requests or 0) > len(trace.requests)
@@ -105,33 +125,69 @@ class Simulation:
         self._pending: deque[tuple[float, TraceRequest]] = deque()  # waiting for a user slot
         self._events: list[tuple[float, int, str, str]] = []  # (time, seq, kind, request id)
         self._seq = 0
+        # The engines' next actions, (time, kind, engine index): a running step's end, or the
+        # start of the next step of an engine with work. An engine has one entry at most.
+        self._agenda: list[tuple[float, int, int]] = []
+        self._in_flight: dict[int, SimStep] = {}  # engine index -> the step it is running
+        self._waking: set[int] = set()   # engines whose next step is on the agenda
+        self._stalled: set[int] = set()  # engines that could schedule nothing at their clock
         self.live: dict[str, _Live] = {}
         self.interval = scrape_interval_s
         self._next_sample = 0.0
-        self.run = SimRun(sent=[], duration=0.0, timeline=[])
+        self.run = SimRun(sent=[], duration=0.0, timeline=[],
+                          requests_per_replica=[0] * len(self.engines))
 
     # -- the clock -------------------------------------------------------------------------------
 
     def simulate(self) -> SimRun:
         while True:
-            self._advance_to(self.engine.now)
-            if self.scheduler.has_unfinished_requests():
-                step = self.engine.step()
-                if step is not None:
-                    self._sample_until(step.end)
-                    self._apply(step)
-                    continue
             t = self._next_event_time()
+            if self._agenda and self._agenda[0][:2] < (t, _CLIENT):
+                at, kind, index = heapq.heappop(self._agenda)
+                self._sample_until(at)
+                if kind == _STEP_END:
+                    self._apply(index, self._in_flight.pop(index))
+                    self._wake(index)
+                else:
+                    self._start_step(index)
+                continue
             if math.isinf(t):
                 break
-            self.engine.now = max(self.engine.now, t)
+            self._sample_until(t)
+            for index in self._stalled:  # something may have changed for it by t
+                self.engines[index].now = max(self.engines[index].now, t)
+            stalled, self._stalled = self._stalled, set()
+            self._handle_event(t)
+            for index in stalled:
+                self._wake(index)
+        now = max(e.now for e in self.engines)
         for request_id in list(self.live):  # only if the scheduler could never run them
-            self._end(request_id, self.engine.now, ERROR, error="never scheduled")
+            self._end(request_id, now, ERROR, error="never scheduled")
         self._sample_until(self.run.duration)
         run = self.run
-        run.preemptions, run.num_steps = self.scheduler.num_preemptions, self.engine.num_steps
-        run.busy_s = self.engine.busy_s
+        run.preemptions = sum(e.scheduler.num_preemptions for e in self.engines)
+        run.num_steps = sum(e.num_steps for e in self.engines)
+        run.busy_s = sum(e.busy_s for e in self.engines)
         return run
+
+    def _wake(self, index: int) -> None:
+        """Put the engine's next step on the agenda, at its clock, if it has work and nothing
+        of it is there already."""
+        engine = self.engines[index]
+        if (index in self._in_flight or index in self._waking or index in self._stalled
+                or not engine.scheduler.has_unfinished_requests()):
+            return
+        self._waking.add(index)
+        heapq.heappush(self._agenda, (engine.now, _STEP_START, index))
+
+    def _start_step(self, index: int) -> None:
+        self._waking.discard(index)
+        step = self.engines[index].step()
+        if step is None:
+            self._stalled.add(index)  # until the next client event
+        else:
+            self._in_flight[index] = step
+            heapq.heappush(self._agenda, (step.end, _STEP_END, index))
 
     def _next_event_time(self) -> float:
         """The next arrival counts only once the one before it was sent: like the real client,
@@ -140,29 +196,29 @@ class Simulation:
         event = self._events[0][0] if self._events else math.inf
         return min(arrival, event)
 
-    def _advance_to(self, now: float) -> None:
-        """Deliver, in time order, every arrival, cancellation and queue timeout due by `now`
-        (a step boundary)."""
-        self._sample_until(now)
-        while (t := self._next_event_time()) <= now:
-            arrival = self._next_arrival
-            if arrival is not None and arrival[0] == t and not self._pending:
-                self._next_arrival = self._pull_arrival()
-                self._pending.append(arrival)
-                self._send_pending(t, now)
-                continue
-            _, _, kind, request_id = heapq.heappop(self._events)
-            live = self.live.get(request_id)
-            if live is None:
-                continue
-            if kind == "cancel":
-                self.scheduler.abort_request(request_id)
-                self._end(request_id, t, CANCELLED)
-            elif not live.scheduled:  # queue timeout: still not scheduled at the boundary
-                self.scheduler.abort_request(request_id)
-                self.run.rejected += 1
-                self._end(request_id, now, REJECTED, http_status=503,
-                          error="HTTP 503: not scheduled within queue_timeout")
+    def _handle_event(self, t: float) -> None:
+        """The client event due at `t`: an arrival is sent (or waits for a user slot), a
+        cancellation aborts, a queue timeout rejects a request still not scheduled (at the
+        boundary of the step its engine is running)."""
+        arrival = self._next_arrival
+        if arrival is not None and arrival[0] == t and not self._pending:
+            self._next_arrival = self._pull_arrival()
+            self._pending.append(arrival)
+            self._send_pending(t)
+            return
+        _, _, kind, request_id = heapq.heappop(self._events)
+        live = self.live.get(request_id)
+        if live is None:
+            return
+        scheduler = self.engines[live.replica].scheduler
+        if kind == "cancel":
+            scheduler.abort_request(request_id)
+            self._end(request_id, t, CANCELLED)
+        elif not live.scheduled:
+            scheduler.abort_request(request_id)
+            self.run.rejected += 1
+            self._end(request_id, self.engines[live.replica].now, REJECTED, http_status=503,
+                      error="HTTP 503: not scheduled within queue_timeout")
 
     def _pull_arrival(self) -> tuple[float, TraceRequest] | None:
         load = self.load
@@ -185,7 +241,7 @@ class Simulation:
 
     # -- the client and the server's front door ---------------------------------------------------
 
-    def _send_pending(self, t: float, boundary: float) -> None:
+    def _send_pending(self, t: float) -> None:
         """Send what waits for a user slot; `t` is when the slot (or the arrival) came."""
         users = self.load.max_concurrency
         while self._pending and (users is None or len(self.live) < users):
@@ -194,27 +250,48 @@ class Simulation:
                 self._stop_sending()  # as the client does once its --duration is up
                 return
             offset, trace_request = self._pending.popleft()
-            self._send(trace_request, offset, max(offset, self._client_time), boundary)
+            self._send(trace_request, offset, max(offset, self._client_time))
 
-    def _send(self, tr: TraceRequest, offset: float, start: float, boundary: float) -> None:
+    def _route(self, ids: list[int]) -> int:
+        """The replica a request goes to: the router's choice on the prompt's block hashes and
+        the replicas' queues (requests waiting + running), as the cluster's router sees them."""
+        if self.router is None:
+            return 0
+        block_size = self.engines[0].kv_cache.block_size
+        hashes = prompt_block_hashes(ids, block_size)
+        replica = self.router.choose(hashes, [e.scheduler.num_waiting + e.scheduler.num_running
+                                              for e in self.engines])
+        self.router.record(replica, hashes)
+        decision = self.router.last_decision
+        self.run.router_decisions[decision] = self.run.router_decisions.get(decision, 0) + 1
+        return replica
+
+    def _send(self, tr: TraceRequest, offset: float, start: float) -> None:
         request_id = str(len(self.run.sent))
         result = RequestResult(id=tr.id, cls=tr.cls, prompt_len=tr.prompt_len,
                                max_tokens=tr.max_tokens, scheduled_s=offset, start_s=start)
         self.run.sent.append(result)
-        self.live[request_id] = _Live(result, boundary, None)
+        ids = self.token_ids[id(tr)]
+        replica = self._route(ids)
+        engine = self.engines[replica]
+        if replica not in self._in_flight:  # idle (or between steps): it starts at `start`
+            engine.now = max(engine.now, start)
+        self.run.requests_per_replica[replica] += 1
+        self.live[request_id] = _Live(result, engine.now, None, replica)
         limit = self.limits.max_num_queued_reqs
-        if limit is not None and self.scheduler.num_waiting >= limit:
+        if limit is not None and engine.scheduler.num_waiting >= limit:
             self.run.rejected += 1
             self._end(request_id, start, REJECTED, http_status=503,
                       error=f"HTTP 503: max_num_queued_reqs={limit} requests already waiting")
             return
-        ids = self.token_ids[id(tr)]
         params = SamplingParams(max_tokens=tr.max_tokens, temperature=0.0, ignore_eos=True)
+        request = Request(request_id, ids, params, priority=tr.priority or 0)
         try:
-            self.scheduler.add_request(Request(request_id, ids, params, priority=tr.priority or 0))
+            engine.scheduler.add_request(request)
         except ValueError as e:
             self._end(request_id, start, ERROR, http_status=400, error=f"HTTP 400: {e}")
             return
+        self._wake(replica)
         if result.prompt_len is None:
             result.prompt_len = len(ids)
         if tr.cancel_after_s is not None:
@@ -230,17 +307,19 @@ class Simulation:
         r.status, r.http_status, r.error = status, http_status, error
         r.e2e_s = t - r.start_s
         self.run.duration = max(self.run.duration, t)
-        self._send_pending(t, self.engine.now)
+        self._send_pending(t)
 
     # -- what a step did --------------------------------------------------------------------------
 
-    def _apply(self, step: SimStep) -> None:
+    def _apply(self, replica: int, step: SimStep) -> None:
+        """The client's view of a step that just ended on this replica."""
+        scheduler = self.engines[replica].scheduler
         for item in step.output.scheduled:
             live = self.live.get(item.request_id)
             if live is not None and not live.scheduled and not item.padding:
                 live.scheduled = True
                 self.run.queue_times.append(step.start - live.added_at)
-                request = self.scheduler.requests.get(item.request_id)
+                request = scheduler.requests.get(item.request_id)
                 self.run.prefix_queries += len(item.prompt_token_ids)
                 self.run.prefix_hits += request.num_cached_tokens if request else 0
         t = step.end
@@ -263,9 +342,11 @@ class Simulation:
     def _sample_until(self, t: float) -> None:
         """Timeline entries, as `loom bench` scrapes /metrics, for every interval up to t."""
         while self._next_sample <= t:
+            schedulers = [e.scheduler for e in self.engines]
             self.run.timeline.append({
                 "t": round(self._next_sample, 3), "client_in_flight": len(self.live),
-                "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
-                "kv_usage": self.engine.kv_cache.pool.usage,
-                "preemptions": self.scheduler.num_preemptions})
+                "running": sum(s.num_running for s in schedulers),
+                "waiting": sum(s.num_waiting for s in schedulers),
+                "kv_usage": sum(e.kv_cache.pool.usage for e in self.engines) / len(self.engines),
+                "preemptions": sum(s.num_preemptions for s in schedulers)})
             self._next_sample += self.interval

@@ -12,6 +12,7 @@ from loom.bench import results as R
 from loom.bench.replay import Load, Target, build_result
 from loom.bench.scrape import Snapshot
 from loom.bench.trace import Trace
+from loom.cluster.routing import ROUTERS, RoutingPolicy, make_policy
 from loom.config import CacheConfig, SchedulerConfig
 from loom.sim.engine import SimEngine
 from loom.sim.profile import Profile
@@ -28,7 +29,16 @@ class SimConfig:
     cache: CacheConfig = CacheConfig()
     max_model_len: int | None = None
     limits: ServerLimits = ServerLimits()
+    replicas: int = 1     # engines behind a router (loom serve --data-parallel-size)
+    router: str = "prefix"
     serve_commands: dict[str, str | None] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}; choose one of "
+                             f"{', '.join(ROUTERS)}")
 
     @property
     def model_len(self) -> int:
@@ -46,15 +56,23 @@ class SimConfig:
             return max(1, parse_size(self.cache.kv_cache_memory) // per_block)
         return self.profile.num_kv_blocks * self.profile.block_size // self.cache.block_size
 
-    def engine(self) -> SimEngine:
+    @property
+    def num_gpus(self) -> int:
+        return self.profile.num_gpus * self.replicas
+
+    def engines(self) -> list[SimEngine]:
+        """One engine per replica, each with its own KV cache and scheduler."""
         sc = self.scheduler
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.model_len:
             raise ValueError(f"with chunked prefill disabled, max_num_batched_tokens "
                              f"({sc.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.model_len})")
-        return SimEngine(sc, self.num_kv_blocks, self.cache.block_size,
-                         self.cache.enable_prefix_caching, self.model_len,
-                         self.profile.step_model)
+        return [SimEngine(sc, self.num_kv_blocks, self.cache.block_size,
+                          self.cache.enable_prefix_caching, self.model_len,
+                          self.profile.step_model) for _ in range(self.replicas)]
+
+    def routing_policy(self, seed: int) -> RoutingPolicy | None:
+        return make_policy(self.router, self.replicas, seed=seed) if self.replicas > 1 else None
 
     def flags(self) -> list[str]:
         """The engine and server flags of this configuration, as `loom serve` takes them."""
@@ -72,6 +90,8 @@ class SimConfig:
             out += ["--max-num-queued-reqs", str(self.limits.max_num_queued_reqs)]
         if self.limits.queue_timeout_s is not None:
             out += ["--queue-timeout", f"{self.limits.queue_timeout_s:g}"]
+        if self.replicas > 1:
+            out += ["--data-parallel-size", str(self.replicas), "--router", self.router]
         return out
 
 
@@ -89,8 +109,8 @@ def simulate_run(config: SimConfig, trace: Trace, token_ids: list[list[int]], lo
     """Replay `trace` at `load` on the simulated `config`; returns the run result."""
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     wall, cpu = time.perf_counter(), time.process_time()
-    run = Simulation(config.engine(), trace, token_ids, load, config.limits,
-                     scrape_interval_s).simulate()
+    run = Simulation(config.engines(), trace, token_ids, load, config.limits,
+                     scrape_interval_s, config.routing_policy(load.seed)).simulate()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return build(run, config, trace, load, slo, label or f"simulated {config.name}", date,
                  wall, cpu)
@@ -112,10 +132,14 @@ def build(run: SimRun, config: SimConfig, trace: Trace, load: Load, slo: R.Slo |
     result["queue_time"] = R.exact_summary(run.queue_times)
     result["server_ttft"] = R.exact_summary(run.server_ttfts)
     result["simulation"] = {
-        "config": config.name, "profile_source": profile.source, "num_gpus": profile.num_gpus,
+        "config": config.name, "profile_source": profile.source, "num_gpus": config.num_gpus,
+        "replicas": config.replicas, "router": config.router if config.replicas > 1 else None,
+        "requests_per_replica": run.requests_per_replica,
+        "router_decisions": run.router_decisions,
         "num_kv_blocks": config.num_kv_blocks, "block_size": config.cache.block_size,
         "max_model_len": config.model_len, "steps": run.num_steps,
-        "busy_fraction": run.busy_s / run.duration if run.duration else 0.0,
+        "busy_fraction": (run.busy_s / (run.duration * config.replicas)
+                          if run.duration else 0.0),
         "wall_s": wall_s, "cpu_s": cpu_s,
         "simulated_s_per_wall_s": run.duration / wall_s if wall_s > 0 else None,
         "serve_commands": config.serve_commands,

@@ -67,10 +67,10 @@ def cost_rows(sweeps: list[dict[str, Any]], configs: list[SimConfig],
             goodput = request_figures(requests_of(run), run["duration"], slo)["goodput"] \
                 if slo else None
             accepted = goodput["good"] if goodput else run["completed"]
-            per_hour = None if price is None else price * config.profile.num_gpus
+            per_hour = None if price is None else price * config.num_gpus
             cost = (per_hour * run["duration"] / 3600 / accepted
                     if per_hour is not None and accepted else None)
-            rows.append({"config": config.name, "gpu": gpu, "num_gpus": config.profile.num_gpus,
+            rows.append({"config": config.name, "gpu": gpu, "num_gpus": config.num_gpus,
                          "run": run["label"], "request_rate": run["request_rate"],
                          "max_concurrency": run.get("max_concurrency"),
                          "accepted": accepted, "usd_per_hour": per_hour,
