@@ -62,7 +62,8 @@ def make_run(requests: list[RequestResult] | None = None, timeline: list[dict] |
            "trace": {"sha256": "0" * 64}}
     run.update(request_figures(requests, duration, None))
     run.update(server_figures(None, after, timeline))
-    run["client"] = client_figures(requests, timeline)
+    run["client"] = client_figures(requests, timeline,
+                                   closed_loop=overrides.get("max_concurrency") is not None)
     run["per_class"] = per_class(requests, duration, None)
     run.update(overrides)
     return run
@@ -192,7 +193,8 @@ def test_ttft_spent_outside_the_engine() -> None:
 
 def test_late_load_generator() -> None:
     (finding,) = diagnose(make_run(_requests(lag=0.8)))
-    assert finding.rule == "upstream_bottleneck"
+    assert finding.rule == "client_limited"
+    assert "the client, not the server, limited this run" in finding.message
     assert finding.setting.startswith("the load generator")
 
 

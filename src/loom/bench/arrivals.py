@@ -2,19 +2,101 @@
 trace's own recorded arrivals, or all at once (closed loop, paced by the client's users).
 
 Offered load is what a sweep varies, so the arrival process is explicit and seeded: the same
-seed gives the same send times against every server and configuration.
+seed gives the same send times against every server and configuration. A ramp-up and a burst
+reshape the rate over time without changing the draws: arrivals are drawn on an "operational"
+clock at the base rate and mapped to wall time through the cumulative rate multiplier, so a
+burst phase is the same requests, packed `factor` times closer.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 import random
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from loom.bench.trace import TraceRequest
 
 TRACE_RATE = "trace"  # --rate trace: replay arrival_s as recorded
+
+
+@dataclass(frozen=True)
+class Burst:
+    """`--burst 5x:30s[@10s]`: `factor` times the base rate for `length_s` seconds, starting
+    `start_s` after the run starts (default 10 s)."""
+
+    factor: float
+    length_s: float
+    start_s: float = 10.0
+
+    @classmethod
+    def parse(cls, text: str) -> Burst:
+        match = re.fullmatch(r"([\d.]+)x:([\d.]+)s?(?:@([\d.]+)s?)?", text.strip())
+        if not match:
+            raise argparse.ArgumentTypeError(f"expected FACTORx:SECONDSs[@STARTs], e.g. "
+                                             f"5x:30s or 5x:30s@10s; got {text!r}")
+        factor, length = float(match.group(1)), float(match.group(2))
+        if factor <= 0 or length <= 0:
+            raise argparse.ArgumentTypeError("a burst needs a factor and a length > 0")
+        return cls(factor, length, float(match.group(3) or 10.0))
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.length_s
+
+    def describe(self) -> dict[str, float]:
+        return {"factor": self.factor, "length_s": self.length_s, "start_s": self.start_s,
+                "end_s": self.end_s}
+
+
+@dataclass(frozen=True)
+class RampUp:
+    """`--ramp-up linear:60s`: the rate grows linearly from 0 to the offered rate."""
+
+    length_s: float
+
+    @classmethod
+    def parse(cls, text: str) -> RampUp:
+        match = re.fullmatch(r"linear:([\d.]+)s?", text.strip())
+        if not match:
+            raise argparse.ArgumentTypeError(f"expected linear:SECONDSs, e.g. linear:60s; got "
+                                             f"{text!r}")
+        return cls(float(match.group(1)))
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "linear", "length_s": self.length_s}
+
+
+def time_warp(burst: Burst | None, ramp: RampUp | None) -> Callable[[float], float]:
+    """Operational time -> wall time: the inverse of the cumulative rate multiplier M(t)
+    (ramp: t/T below T; burst: x factor inside its window)."""
+    if burst is None and ramp is None:
+        return lambda u: u
+    length = ramp.length_s if ramp else 0.0
+
+    def ramped(t: float) -> float:  # integral of min(1, s / length) ds over [0, t]
+        return t * t / (2 * length) if t < length else t - length / 2
+
+    def cumulative(t: float) -> float:
+        if burst is None or t <= burst.start_s:
+            return ramped(t)
+        inside = ramped(min(t, burst.end_s)) - ramped(burst.start_s)
+        return ramped(t) + (burst.factor - 1) * inside
+
+    def invert(u: float) -> float:
+        low, high = 0.0, max(1.0, u)
+        while cumulative(high) < u:
+            high *= 2
+        for _ in range(60):
+            mid = (low + high) / 2
+            low, high = (mid, high) if cumulative(mid) < u else (low, mid)
+        return high
+
+    return invert
 
 
 def gaps(rate: float, burstiness: float, rng: random.Random) -> Iterator[float]:
@@ -28,25 +110,31 @@ def gaps(rate: float, burstiness: float, rng: random.Random) -> Iterator[float]:
 
 
 def schedule(requests: list[TraceRequest], rate: float | str, burstiness: float = 1.0,
-             seed: int = 0, cycle: bool = False) -> Iterator[tuple[float, TraceRequest]]:
+             seed: int = 0, cycle: bool = False, burst: Burst | None = None,
+             ramp: RampUp | None = None) -> Iterator[tuple[float, TraceRequest]]:
     """(send offset in seconds, request) in send order.
 
     rate: requests/s, math.inf (everything at t=0; with a concurrency limit this is the
     closed loop), or "trace". cycle: repeat the trace for ever (for --duration runs).
+    burst / ramp reshape a finite or recorded rate over time (see the module doc).
     """
+    warp = time_warp(burst, ramp)
     if rate == TRACE_RATE:
-        yield from _trace_schedule(requests, cycle)
+        for t, request in _trace_schedule(requests, cycle):
+            yield warp(t), request
         return
     if not isinstance(rate, (int, float)) or rate <= 0:
         raise ValueError(f"rate must be > 0, inf or 'trace', got {rate!r}")
     source = itertools.cycle(requests) if cycle else iter(requests)
     if math.isinf(rate):
+        if burst or ramp:
+            raise ValueError("--burst and --ramp-up need a finite --rate (or --rate trace)")
         for request in source:
             yield 0.0, request
         return
     t = 0.0
     for request, gap in zip(source, gaps(rate, burstiness, random.Random(seed))):
-        yield t, request
+        yield warp(t), request
         t += gap
 
 

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import sys
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,8 +71,20 @@ def _common_parent() -> argparse.ArgumentParser:
 def _replay_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--trace", required=True, help="JSONL trace (see loom bench trace)")
-    add_cli_args(p, Load, only=("burstiness", "max_concurrency", "duration_s"))
+    add_cli_args(p, Load, only=("burstiness", "max_concurrency", "duration_s", "burst",
+                                "ramp_up"))
     add_cli_args(p, Target, only=("scrape_interval_s", "request_timeout_s"))
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each point K times; scorecard cells show medians with a "
+                        "bootstrap 95%% interval, and differences inside the noise are marked")
+    return p
+
+
+def _reset_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--reset-prefix-cache", action="store_true",
+                   help="with --repeats against a running server: POST /reset_prefix_cache "
+                        "(vLLM's) before each repeat, so no repeat reuses another's cache")
     return p
 
 
@@ -114,6 +127,7 @@ def _sweep_parent() -> argparse.ArgumentParser:
                         help="closed loop at these concurrencies, e.g. 1,2,4,8")
     add_cli_args(p, AutoSearch)
     add_cli_args(p, Limits)
+    add_cli_args(p, Load, only=("over_saturation_s",))
     return p
 
 
@@ -122,7 +136,7 @@ def _sweep_parent() -> argparse.ArgumentParser:
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """Register `loom bench` and its sub-commands on the top-level `loom` parser."""
     common, replay, target = _common_parent(), _replay_parent(), _target_parent()
-    report, sweep = _report_parent(), _sweep_parent()
+    report, sweep, reset = _report_parent(), _sweep_parent(), _reset_parent()
     bench = sub.add_parser("bench", description="Replay realistic traffic against loom or any "
                                                 "OpenAI-compatible server; sweep the offered "
                                                 "load; compare configurations.")
@@ -133,7 +147,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _trace_args(p)
     p.set_defaults(func=_trace)
 
-    p = bench_sub.add_parser("run", **shown, parents=[target, replay, common, report],
+    p = bench_sub.add_parser("run", **shown, parents=[target, replay, common, report, reset],
                              help="replay a trace once at one offered load",
                              description="Replay a trace once. Give --rate (open loop), "
                                          "--max-concurrency (closed loop of N users), or both "
@@ -145,7 +159,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                                                "print the scorecard")
     p.set_defaults(func=_run)
 
-    p = bench_sub.add_parser("sweep", **shown, parents=[target, replay, common, sweep, report],
+    p = bench_sub.add_parser("sweep", **shown,
+                             parents=[target, replay, common, sweep, report, reset],
                              help="replay a trace at rising offered load")
     p.add_argument("--label", default=None, help="name of the configuration swept; default: "
                                                  "sweep")
@@ -157,7 +172,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                              help="start a server per configuration and sweep each")
     p.add_argument("--output-dir", required=True, help="where results, scorecard, plots go")
     p.add_argument("--config", action="append", default=None, metavar="NAME='FLAGS'",
-                   help="a configuration (repeatable); default: continuous='' and "
+                   help="a configuration (repeatable); NAME='simulate:FLAGS' runs `loom "
+                        "simulate FLAGS` (e.g. --profile P.json) on the same trace and loads "
+                        "instead of a server; default: continuous='' and "
                         "static='--scheduler static'")
     p.add_argument("--server-flags", default="", help="flags every configuration shares, "
                                                       "e.g. '--kv-cache-memory 1GiB'")
@@ -176,6 +193,18 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plots", default=None, help="also write the plots into this directory; "
                                                  "default: no plots")
     p.set_defaults(func=_scorecard)
+
+    p = bench_sub.add_parser("report", **shown, parents=[report],
+                             help="the decision report of a compare directory",
+                             description="Write DIR/report.html (one self-contained file, "
+                                         "plots inline) and DIR/report.md: the decision "
+                                         "checklist answered from the measured data, the "
+                                         "scorecard, per-class fairness, the timelines and "
+                                         "loom diagnose's findings.")
+    p.add_argument("dir", help="a loom bench compare directory (or one run/sweep JSON)")
+    p.add_argument("--main", default=None,
+                   help="the configuration to decide on; default: the first")
+    p.set_defaults(func=_report)
 
 
 def add_diagnose_parser(sub: argparse._SubParsersAction) -> None:
@@ -289,6 +318,7 @@ def _slo(args: argparse.Namespace) -> Slo | None:
 
 def _run(args: argparse.Namespace) -> int:
     _quiet_http_log()
+    from loom.bench.repeats import aggregate
     from loom.bench.replay import replay
     from loom.bench.results import save_json
     from loom.bench.scorecard import print_scorecard
@@ -298,11 +328,30 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("give --rate (open loop) or --max-concurrency (closed loop)")
     target = _target(args)
     slo = _slo(args)
-    result = asyncio.run(replay(_load_trace(args), load, target, slo, args.label))
+    trace = _load_trace(args)
+    repeats = _repeated(args, target, lambda: replay(trace, load, target, slo, args.label))
+    result = aggregate(repeats, slo)
     if args.out:
         save_json(result, args.out)
     print_scorecard([result], slo, args.gpu_cost_per_hour, wide=args.wide)
-    return _status([result])
+    return _status(repeats)
+
+
+def _repeated(args: argparse.Namespace, target: Target,
+              measure: Callable[[], Coroutine[Any, Any, dict[str, Any]]]
+              ) -> list[dict[str, Any]]:
+    """--repeats results of `measure` against a running server, its prefix cache reset
+    before each repeat after the first when asked."""
+    from loom.bench.replay import reset_prefix_cache
+
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    results = []
+    for k in range(args.repeats):
+        if k and args.reset_prefix_cache:
+            reset_prefix_cache(target)
+        results.append(asyncio.run(measure()))
+    return results
 
 
 def _target(args: argparse.Namespace) -> Target:
@@ -340,14 +389,16 @@ def _limits(args: argparse.Namespace) -> Limits:
 
 def _sweep(args: argparse.Namespace) -> int:
     _quiet_http_log()
+    from loom.bench.repeats import merge_sweeps
     from loom.bench.results import save_json
     from loom.bench.scorecard import print_scorecard
     from loom.bench.sweep import sweep
 
     target = _target(args)
     slo = _slo(args)
-    result = asyncio.run(sweep(_load_trace(args), _load(args), target, _limits(args),
-                               slo=slo, label=args.label, **_sweep_points(args)))
+    trace, load, limits = _load_trace(args), _load(args), _limits(args)
+    result = merge_sweeps(_repeated(args, target, lambda: sweep(
+        trace, load, target, limits, slo=slo, label=args.label, **_sweep_points(args))), slo)
     if args.out:
         save_json(result, args.out)
     print_scorecard(result["runs"], slo, args.gpu_cost_per_hour, wide=args.wide)
@@ -370,9 +421,11 @@ def _compare(args: argparse.Namespace) -> int:
                      args.server_cmd or LOOM_SERVE, args.server_flags, slo=slo,
                      gpu_cost_per_hour=args.gpu_cost_per_hour,
                      scrape_interval_s=_target_option(args, "scrape_interval_s"),
-                     health_timeout_s=args.health_timeout, **_sweep_points(args))
+                     health_timeout_s=args.health_timeout, repeats=args.repeats,
+                     **_sweep_points(args))
     print_scorecard([r for s in result["sweeps"] for r in s["runs"]], slo,
-                    args.gpu_cost_per_hour, wide=args.wide)
+                    args.gpu_cost_per_hour, wide=args.wide,
+                    groups=[(s["label"], s["runs"]) for s in result["sweeps"]])
     print(f"results, scorecard.md and plots in {out_dir}")
     return 0
 
@@ -396,14 +449,24 @@ def _scorecard(args: argparse.Namespace) -> int:
                 name = f"{name} ({Path(path).stem})"
             grouped.append((name, runs))
     runs = [run for _, runs_ in grouped for run in runs_]
-    print_scorecard(runs, slo, args.gpu_cost_per_hour, wide=args.wide)
+    print_scorecard(runs, slo, args.gpu_cost_per_hour, wide=args.wide, groups=grouped)
     if args.markdown:
-        Path(args.markdown).write_text(markdown(runs, slo, args.gpu_cost_per_hour))
+        Path(args.markdown).write_text(markdown(runs, slo, args.gpu_cost_per_hour,
+                                                groups=grouped))
     if args.plots:
         sweeps = [{"label": name, "runs": runs_} for name, runs_ in grouped]
         out = Path(args.plots)
         out.mkdir(parents=True, exist_ok=True)
         write_report(sweeps, out, slo, args.gpu_cost_per_hour)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from loom.bench.report import write_decision_report
+
+    html, md = write_decision_report(Path(args.dir), _slo(args), args.gpu_cost_per_hour,
+                                     args.main)
+    print(f"wrote {html} and {md}")
     return 0
 
 

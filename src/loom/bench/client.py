@@ -19,7 +19,7 @@ import httpx
 
 from loom.bench.trace import TraceRequest
 
-OK, CANCELLED, REJECTED, ERROR = "ok", "cancelled", "rejected", "error"
+OK, CANCELLED, REJECTED, ERROR, TIMEOUT = "ok", "cancelled", "rejected", "error", "timeout"
 
 
 @dataclass
@@ -41,6 +41,7 @@ class RequestResult:
     http_status: int | None = None
     retry_after: str | None = None
     error: str | None = None
+    tenant: str | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -93,6 +94,8 @@ async def send(client: httpx.AsyncClient, url: str, request: TraceRequest, model
     except asyncio.TimeoutError:
         result.status = CANCELLED
         result.e2e_s = time.perf_counter() - t0
+    except httpx.TimeoutException as e:  # --request-timeout: an outcome of overload
+        result.status, result.error = TIMEOUT, f"timeout: {type(e).__name__}"
     except Exception as e:  # any failure is one counted error, never a crashed run
         result.status, result.error = ERROR, f"{type(e).__name__}: {e}"
     return result

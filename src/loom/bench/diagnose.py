@@ -10,6 +10,7 @@ the one setting to try next:
 3. throughput up but p95 worse             -> cap admission (needs several rates or configs)
 4. preemptions or out-of-memory            -> KV cache capacity
 5. low utilisation while requests wait     -> something upstream of the scheduler
+6. the client fell behind its schedule      -> the load generator itself (its own cores)
 
 When none fires, `what_bounds` still says where each run's time went (queue, prefill or
 decode), which names the knob that would move it.
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from loom.bench.client import OK
-from loom.bench.results import Slo, groups, requests_of
+from loom.bench.results import Slo, client_limits, groups, requests_of
 from loom.bench.scorecard import shown_label
 
 # Thresholds: deliberately coarse, so that a healthy run stays quiet.
@@ -229,13 +230,6 @@ def upstream_bottleneck(run: dict[str, Any], flags: str, slo: Slo | None) -> lis
                            f"{server_ttft / 1000:.2f} s inside the engine")
             evidence.update(client_p50_ttft_ms=run["median_ttft_ms"],
                             server_p50_ttft_ms=server_ttft)
-    lag = client.get("send_lag_p95_ms")
-    pacing = _open_loop(run) and not run.get("max_concurrency") and lag is not None \
-        and lag / 1000 > SEND_LAG_S
-    if pacing:
-        reasons.append(f"the load generator sent requests late (p95 {lag / 1000:.2f} s behind "
-                       "schedule)")
-        evidence["send_lag_p95_ms"] = lag
     if not reasons:
         return []
     kv = run.get("kv_cache_usage_peak")
@@ -243,12 +237,28 @@ def upstream_bottleneck(run: dict[str, Any], flags: str, slo: Slo | None) -> lis
                                     else "") + (
         ". Work is stuck before the scheduler: check the server's CPU (HTTP, tokenization, "
         "detokenization), network, storage and model loading before blaming batching.")
-    setting = ("the load generator: run it on its own cores or machine" if pacing and
-               len(reasons) == 1 else
-               "--num-threads (loom: leave a core for HTTP + tokenization; vLLM: "
+    setting = ("--num-threads (loom: leave a core for HTTP + tokenization; vLLM: "
                "--api-server-count)")
     return [Finding("upstream_bottleneck", "Low utilisation while requests wait",
                     shown_label(run), message, setting, evidence)]
+
+
+def client_limited(run: dict[str, Any], flags: str, slo: Slo | None) -> list[Finding]:
+    """The load generator fell behind its own schedule: its figures measure the client."""
+    client = run.get("client") or {}
+    reasons = client.get("limited_reasons")
+    if reasons is None:  # a result from before the client recorded its own limits
+        reasons = client_limits(client, closed_loop=not _open_loop(run)
+                                or bool(run.get("max_concurrency")))
+    if not reasons:
+        return []
+    return [Finding(
+        "client_limited", "The client, not the server, limited this run", shown_label(run),
+        f"the client, not the server, limited this run: {'; '.join(reasons)}. Its latencies "
+        "include its own queueing and its offered load was not the one asked for.",
+        "the load generator: run loom bench on its own cores or machine (e.g. taskset -c N), "
+        "away from the server and other work, or split the load over several clients",
+        {k: client.get(k) for k in ("send_lag_p95_ms", "loop_lag_p95_ms", "cpu_share")})]
 
 
 # -- rules across runs -----------------------------------------------------------------------
@@ -330,7 +340,7 @@ def _limit(slo: Slo | None, metric: str) -> float:
     return DEFAULT_TTFT_LIMIT_S
 
 
-RUN_RULES = (waiting_with_memory_free, ttft_long_prompts, preemptions_or_oom,
+RUN_RULES = (client_limited, waiting_with_memory_free, ttft_long_prompts, preemptions_or_oom,
              upstream_bottleneck)
 
 

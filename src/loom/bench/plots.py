@@ -112,3 +112,26 @@ def _save(fig: Any, axes: tuple[Any, ...], xlabel: str, path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_fairness(slowdowns: dict[str, dict[str, float]], path: Path) -> Path | None:
+    """Mean slowdown (E2E / ideal) per request class, one group of bars per configuration;
+    None when there is nothing to plot."""
+    classes = sorted({c for per_class in slowdowns.values() for c in per_class})
+    if not classes:
+        return None
+    fig, ax = plt.subplots(figsize=(11, 4))
+    width = 0.8 / max(len(slowdowns), 1)
+    for i, (name, per_class) in enumerate(slowdowns.items()):
+        xs = [j + i * width for j in range(len(classes))]
+        ax.bar(xs, [per_class.get(c, math.nan) for c in classes], width, label=name)
+    ax.set_xticks([j + width * (len(slowdowns) - 1) / 2 for j in range(len(classes))], classes)
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_ylabel("mean slowdown (E2E / ideal)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.suptitle("Who waits: slowdown per request class")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

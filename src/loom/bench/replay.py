@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from loom.bench import results as R
-from loom.bench.arrivals import TRACE_RATE, schedule
+from loom.bench.arrivals import TRACE_RATE, Burst, RampUp, schedule
 from loom.bench.client import RequestResult, send
 from loom.bench.scrape import Snapshot, parse_metrics
 from loom.bench.sysinfo import hardware, process_memory
@@ -64,6 +64,16 @@ class Load:
     duration_s: float | None = field(default=None, metadata=flag_help(
         "seconds to keep sending (cycling the trace); in-flight ones finish; default: send "
         "the trace (or -n requests) once", flag="--duration"))
+    burst: Burst | None = field(default=None, metadata=flag_help(
+        "a burst phase: FACTOR times the rate for SECONDS, from START (default 10 s), e.g. "
+        "5x:30s or 5x:30s@20s; default: none", parse=Burst.parse))
+    ramp_up: RampUp | None = field(default=None, metadata=flag_help(
+        "grow the rate from 0 over the first seconds, e.g. linear:60s; default: full rate "
+        "from the start", parse=RampUp.parse))
+    over_saturation_s: float | None = field(default=None, metadata=flag_help(
+        "stop sending at a load once the server's queue (else the client's in-flight count) "
+        "has kept growing for this many seconds; the sweep stops there; default: never",
+        flag="--over-saturation-stop"))
     num_requests: int | None = None  # flag shared with `loom bench trace`: see bench/cli.py
     seed: int = 0  # likewise
 
@@ -75,7 +85,9 @@ class Load:
         rate = self.rate if self.rate == TRACE_RATE or math.isfinite(self.rate) else "inf"
         return {"request_rate": rate, "burstiness": self.burstiness,
                 "max_concurrency": self.max_concurrency, "duration_limit_s": self.duration_s,
-                "num_requests_limit": self.num_requests, "seed": self.seed}
+                "num_requests_limit": self.num_requests, "seed": self.seed,
+                "burst": self.burst.describe() if self.burst else None,
+                "ramp_up": self.ramp_up.describe() if self.ramp_up else None}
 
 
 @dataclass(frozen=True)
@@ -136,6 +148,19 @@ def check_reachable(target: Target) -> None:
         pass  # something answers; the run reports what it does
 
 
+def reset_prefix_cache(target: Target) -> None:
+    """POST /reset_prefix_cache (vLLM's, with VLLM_SERVER_DEV_MODE=1): repeats then start
+    from a cold cache. A server without it is told to be restarted instead."""
+    try:
+        response = httpx.post(target.root + "/reset_prefix_cache", timeout=30)
+    except httpx.HTTPError as e:
+        raise ConnectionError(f"cannot reset the prefix cache at {target.base_url}: {e}") from None
+    if response.status_code >= 400:
+        raise ValueError(f"{target.base_url}/reset_prefix_cache answered "
+                         f"{response.status_code}: this server cannot reset its prefix cache; "
+                         "restart it between repeats (loom bench compare does)")
+
+
 def model_name(target: Target, server: dict[str, Any]) -> str:
     if target.model:
         return target.model
@@ -161,7 +186,11 @@ async def scrape(client: httpx.AsyncClient, target: Target) -> Snapshot | None:
 
 
 class _Monitor:
-    """Samples /metrics, the client's in-flight count and server memory every interval."""
+    """Samples /metrics, the client's in-flight count and server memory every interval, and
+    how late the client's own event loop wakes up (a starved client's every timestamp is
+    late)."""
+
+    LOOP_TICK_S = 0.05
 
     def __init__(self, client: httpx.AsyncClient, target: Target, has_metrics: bool) -> None:
         self.client, self.target = client, target
@@ -170,7 +199,31 @@ class _Monitor:
         self.in_flight = 0
         self.has_metrics = has_metrics
         self.memory_peak: dict[str, int] | None = None
+        self.loop_lags_s: list[float] = []
+        self.client_stats: dict[str, float] | None = None
+        self.over_saturated_at: float | None = None
         self._stop = asyncio.Event()
+
+    async def watch_loop(self) -> None:
+        """Oversleep of a short sleep, tick after tick: the event loop's own lateness."""
+        while not self._stop.is_set():
+            due = time.perf_counter() + self.LOOP_TICK_S
+            await asyncio.sleep(self.LOOP_TICK_S)
+            self.loop_lags_s.append(max(0.0, time.perf_counter() - due))
+
+    def growing(self, window_s: float) -> bool:
+        """Has the queue (server waiting, else client in flight) kept growing over the last
+        `window_s` seconds: most steps up, and up by more than two requests in all?"""
+        if not self.timeline:
+            return False
+        now = self.timeline[-1]["t"]
+        key = "waiting" if self.has_metrics else "client_in_flight"
+        recent = [e[key] for e in self.timeline if e["t"] >= now - window_s
+                  and e.get(key) is not None]
+        if len(recent) < 3 or now < window_s:
+            return False
+        steps = [b - a for a, b in zip(recent, recent[1:])]
+        return recent[-1] - recent[0] > 2 and sum(d >= 0 for d in steps) >= 0.75 * len(steps)
 
     async def sample(self) -> None:
         entry: dict[str, Any] = {"t": round(time.perf_counter() - self.start, 3),
@@ -189,12 +242,14 @@ class _Monitor:
         self.timeline.append(entry)
 
     async def loop(self) -> None:
+        watcher = asyncio.create_task(self.watch_loop())
         while not self._stop.is_set():
             await self.sample()
             try:
                 await asyncio.wait_for(self._stop.wait(), self.target.scrape_interval_s)
             except asyncio.TimeoutError:
                 pass
+        await watcher
 
     def stop(self) -> None:
         self._stop.set()
@@ -240,22 +295,32 @@ async def _send_all(client: httpx.AsyncClient, trace: Trace, load: Load, url: st
                     monitor: _Monitor, label: str,
                     progress: bool) -> tuple[list[RequestResult], float]:
     """Send the trace on the load's schedule and wait for every request to end; returns the
-    results in send order and the run's duration (first send to last response)."""
+    results in send order and the run's duration (first send to last response). A session's
+    turn waits for the answer to the turn before it, then its think time."""
     sem = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     cycle = load.duration_s is not None or (load.num_requests or 0) > len(trace.requests)
     total = load.num_requests or (None if load.duration_s else len(trace.requests))
-    counts = dict.fromkeys(("ok", "rejected", "error", "cancelled"), 0)
+    counts = dict.fromkeys(("ok", "rejected", "error", "timeout", "cancelled"), 0)
     sent: list[RequestResult] = []
     tasks: list[asyncio.Task] = []
+    answered: dict[str, asyncio.Event] = {}  # request id -> its answer ended (sessions)
     start = monitor.start = time.perf_counter()
+    cpu_start = time.process_time()
     monitor_task = asyncio.create_task(monitor.loop())
     with _progress(progress) as bar:
         task_id = bar.add_task(label, total=total, counts="")
 
-        async def one(request: TraceRequest, result: RequestResult) -> None:
+        async def one(request: TraceRequest, result: RequestResult, done: asyncio.Event,
+                      previous: asyncio.Event | None) -> None:
             try:
+                if previous is not None:
+                    await previous.wait()
+                    due = time.perf_counter() - start + (request.think_s or 0.0)
+                    result.scheduled_s = max(result.scheduled_s, due)
+                    await asyncio.sleep(max(0.0, start + result.scheduled_s - time.perf_counter()))
                 await send(client, url, request, model, result, start)
             finally:
+                done.set()
                 monitor.in_flight -= 1
                 if sem:
                     sem.release()
@@ -264,7 +329,7 @@ async def _send_all(client: httpx.AsyncClient, trace: Trace, load: Load, url: st
                        counts=" ".join(f"{k} {v}" for k, v in counts.items() if v))
 
         for offset, request in schedule(trace.requests, load.rate, load.burstiness, load.seed,
-                                        cycle):
+                                        cycle, load.burst, load.ramp_up):
             if load.num_requests is not None and len(sent) >= load.num_requests:
                 break
             if load.duration_s is not None and offset >= load.duration_s:
@@ -272,18 +337,25 @@ async def _send_all(client: httpx.AsyncClient, trace: Trace, load: Load, url: st
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if load.over_saturation_s and monitor.growing(load.over_saturation_s):
+                monitor.over_saturated_at = time.perf_counter() - start
+                break
             if sem:
                 await sem.acquire()
                 if load.duration_s and time.perf_counter() - start >= load.duration_s:
                     sem.release()
                     break
             result = RequestResult(id=request.id, cls=request.cls, prompt_len=request.prompt_len,
-                                   max_tokens=request.max_tokens, scheduled_s=offset)
+                                   max_tokens=request.max_tokens, scheduled_s=offset,
+                                   tenant=request.tenant)
             sent.append(result)
             monitor.in_flight += 1
-            tasks.append(asyncio.create_task(one(request, result)))
+            previous = answered.get(request.after) if request.after else None
+            done = answered[request.id] = asyncio.Event()
+            tasks.append(asyncio.create_task(one(request, result, done, previous)))
         await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
+    monitor.client_stats = {"cpu_s": time.process_time() - cpu_start, "wall_s": duration}
     monitor.stop()
     await monitor_task
     return sent, duration
@@ -308,7 +380,11 @@ def build_result(sent: list[RequestResult], duration: float, monitor: _Monitor,
         "pid": target.server_pid, "peak_rss_bytes": monitor.memory_peak["rss_bytes"],
         "peak_hwm_bytes": monitor.memory_peak["hwm_bytes"],
         "peak_gpu_bytes": monitor.memory_peak["gpu_bytes"]}
-    result["client"] = R.client_figures(sent, monitor.timeline)
+    result["client"] = R.client_figures(sent, monitor.timeline,
+                                        getattr(monitor, "client_stats", None),
+                                        getattr(monitor, "loop_lags_s", None),
+                                        closed_loop=load.max_concurrency is not None)
+    result["over_saturated_at_s"] = getattr(monitor, "over_saturated_at", None)
     result["per_class"] = R.per_class(sent, duration, slo)
     result["errors"] = sorted({r.error for r in sent if r.error})[:20]
     result["timeline"] = monitor.timeline

@@ -3,8 +3,8 @@ key names (so existing tooling reads them) plus loom's own; and reading result f
 
 Counting: every request sent is `completed` (status ok), `cancelled` (the client walked away,
 as the trace asked), or `failed`; `rejected` (HTTP 503/429) is the part of `failed` that
-admission control refused. error_rate = failed / num_prompts. Latency figures are over
-completed requests, in ms, like vLLM's.
+admission control refused, `timeouts` the part that outlived --request-timeout. error_rate =
+failed / num_prompts. Latency figures are over completed requests, in ms, like vLLM's.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from loom.bench.client import CANCELLED, OK, REJECTED, RequestResult
+from loom.bench.client import CANCELLED, OK, REJECTED, TIMEOUT, RequestResult
 from loom.bench.scrape import Snapshot
 
 PERCENTILES = (50, 90, 95, 99)
@@ -82,13 +82,14 @@ def request_figures(results: list[RequestResult], duration_s: float,
     done = [r for r in results if r.status == OK]
     cancelled = sum(r.status == CANCELLED for r in results)
     rejected = sum(r.status == REJECTED for r in results)
+    timeouts = sum(r.status == TIMEOUT for r in results)
     failed = len(results) - len(done) - cancelled
     total_in = sum(r.prompt_len or 0 for r in done)
     total_out = sum(r.output_tokens for r in done)
     duration_s = max(duration_s, 1e-9)
     figures: dict[str, Any] = {
         "num_prompts": len(results), "completed": len(done), "failed": failed,
-        "rejected": rejected, "cancelled": cancelled,
+        "rejected": rejected, "timeouts": timeouts, "cancelled": cancelled,
         "error_rate": failed / len(results) if results else 0.0,
         "total_input_tokens": total_in, "total_output_tokens": total_out,
         "request_throughput": len(done) / duration_s,
@@ -110,7 +111,8 @@ def request_figures(results: list[RequestResult], duration_s: float,
 def per_class(results: list[RequestResult], duration_s: float,
               slo: Slo | None) -> dict[str, dict[str, Any]]:
     """The figures of each request class on its own: does one class pay for another?"""
-    keep = ("num_prompts", "completed", "failed", "rejected", "cancelled", "error_rate",
+    keep = ("num_prompts", "completed", "failed", "rejected", "timeouts", "cancelled",
+            "error_rate",
             "request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
             "p95_ttft_ms", "mean_tpot_ms", "p95_tpot_ms", "p95_itl_ms", "median_e2el_ms",
             "p95_e2el_ms", "request_goodput")
@@ -165,15 +167,49 @@ def exact_summary(values_s: list[float]) -> dict[str, Any]:
     return out
 
 
-def client_figures(results: list[RequestResult], timeline: list[dict[str, Any]]) -> dict[str, Any]:
+# A client is "limited" (it, not the server, set the pace) when any of these is crossed.
+CLIENT_SEND_LAG_S = 0.25   # p95 lateness of open-loop sends
+CLIENT_LOOP_LAG_S = 0.1    # p95 oversleep of the client's event loop
+CLIENT_CPU_SHARE = 0.9     # of one core: the client's process had no CPU to spare
+
+
+def client_figures(results: list[RequestResult], timeline: list[dict[str, Any]],
+                   stats: dict[str, float] | None = None, loop_lags_s: list[float] | None = None,
+                   closed_loop: bool = False) -> dict[str, Any]:
     """How well the load generator kept its schedule: a late send is the client's queueing,
-    not the server's, and must not be mistaken for it."""
+    not the server's, and must not be mistaken for it. In a closed loop a send waits for a
+    free user by design, so there only the event loop's lateness and the CPU count."""
     lags = [max(0.0, r.start_s - r.scheduled_s) for r in results]
     in_flight = [e["client_in_flight"] for e in timeline]
-    return {"send_lag_p95_ms": float(np.percentile(lags, 95)) * 1000 if lags else None,
-            "send_lag_max_ms": max(lags) * 1000 if lags else None,
-            "in_flight_peak": max(in_flight) if in_flight else None,
-            "in_flight_mean": float(np.mean(in_flight)) if in_flight else None}
+    out: dict[str, Any] = {
+        "send_lag_p95_ms": float(np.percentile(lags, 95)) * 1000 if lags else None,
+        "send_lag_max_ms": max(lags) * 1000 if lags else None,
+        "in_flight_peak": max(in_flight) if in_flight else None,
+        "in_flight_mean": float(np.mean(in_flight)) if in_flight else None,
+        "cpu_s": None, "cpu_share": None, "loop_lag_p95_ms": None, "loop_lag_max_ms": None}
+    if stats:
+        out["cpu_s"] = stats["cpu_s"]
+        out["cpu_share"] = stats["cpu_s"] / max(stats["wall_s"], 1e-9)
+    if loop_lags_s:
+        out["loop_lag_p95_ms"] = float(np.percentile(loop_lags_s, 95)) * 1000
+        out["loop_lag_max_ms"] = max(loop_lags_s) * 1000
+    out["limited_reasons"] = client_limits(out, closed_loop)
+    out["limited"] = bool(out["limited_reasons"])
+    return out
+
+
+def client_limits(client: dict[str, Any], closed_loop: bool) -> list[str]:
+    """Why the client, not the server, may have limited a run (empty: it kept pace)."""
+    reasons = []
+    lag, loop = client.get("send_lag_p95_ms"), client.get("loop_lag_p95_ms")
+    if not closed_loop and lag is not None and lag > 1000 * CLIENT_SEND_LAG_S:
+        reasons.append(f"p95 send lag {lag / 1000:.2f} s behind schedule")
+    if loop is not None and loop > 1000 * CLIENT_LOOP_LAG_S:
+        reasons.append(f"the client's event loop woke p95 {loop:.0f} ms late")
+    share = client.get("cpu_share")
+    if share is not None and share >= CLIENT_CPU_SHARE:
+        reasons.append(f"the client used {share:.0%} of a core")
+    return reasons
 
 
 def offered_rate(results: list[RequestResult], duration_s: float) -> float:

@@ -9,17 +9,19 @@ In a terminal narrower than the table only the key columns are shown (`wide` for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from loom.bench.repeats import differences
 from loom.bench.results import Slo, request_figures, requests_of, run_label
 
 # The columns that decide between configurations; they fit an 80-column terminal.
 KEY_COLUMNS = ("Run", "Class", "Offered req/s", "Completed req/s", "Output tok/s", "p95 TTFT s",
-               "p95 ITL ms", "p95 E2E s", "Error rate", "Goodput req/s")
+               "p95 ITL ms", "p95 E2E s", "Error rate", "Goodput req/s", "Client")
 _NARROW_DROPS = {"Scorecard": ("p95 E2E s",)}  # at 80 columns; the per-class table keeps it
 _ALL_COLUMNS_WIDTH = 220
 
@@ -38,6 +40,14 @@ def _ms(ms: float | None) -> str:
     return "-" if ms is None else f"{ms:.0f}"
 
 
+def _ci(run: dict[str, Any], key: str, fmt: Callable[[Any], str]) -> str:
+    """A figure, and with repeats its median's 95% interval: '1.23 [1.10-1.40]'."""
+    value = run.get(key)
+    text = "-" if value is None else fmt(value)
+    interval = (run.get("ci") or {}).get(key)
+    return f"{text} [{fmt(interval[0])}-{fmt(interval[1])}]" if interval else text
+
+
 def offered(run: dict[str, Any]) -> str:
     if run["request_rate"] == "inf" and run.get("max_concurrency"):
         return f"{run['max_concurrency']} users"
@@ -51,23 +61,34 @@ def _goodput(run: dict[str, Any], slo: Slo | None) -> dict[str, Any] | None:
     return request_figures(requests_of(run), run["duration"], slo)["goodput"]
 
 
+def client_limited(run: dict[str, Any]) -> bool:
+    """Did the load generator fall behind in this run (see results.client_limits)?"""
+    return bool((run.get("client") or {}).get("limited"))
+
+
 def rows(runs: list[dict[str, Any]], slo: Slo | None = None,
          gpu_cost_per_hour: float | None = None) -> list[dict[str, str]]:
     out = []
+    flag_clients = any(client_limited(run) for run in runs)
     for run in runs:
         queue = (run.get("queue_time") or {}).get("p95_ms")
         row = {
             "Run": shown_label(run), "Offered req/s": offered(run),
-            "Completed req/s": f"{run['request_throughput']:.2f}",
-            "Output tok/s": f"{run['output_throughput']:.1f}",
-            "p50 TTFT s": _s(run["median_ttft_ms"]), "p95 TTFT s": _s(run["p95_ttft_ms"]),
-            "p95 ITL ms": _ms(run["p95_itl_ms"]), "mean TPOT ms": _ms(run["mean_tpot_ms"]),
+            "Completed req/s": _ci(run, "request_throughput", "{:.2f}".format),
+            "Output tok/s": _ci(run, "output_throughput", "{:.1f}".format),
+            "p50 TTFT s": _ci(run, "median_ttft_ms", _s),
+            "p95 TTFT s": _ci(run, "p95_ttft_ms", _s),
+            "p95 ITL ms": _ci(run, "p95_itl_ms", _ms),
+            "mean TPOT ms": _ci(run, "mean_tpot_ms", _ms),
             "p95 queue s": _s(queue),
-            "p95 E2E s": _s(run["p95_e2el_ms"]), "Error rate": f"{run['error_rate']:.1%}",
+            "p95 E2E s": _ci(run, "p95_e2el_ms", _s),
+            "Error rate": _ci(run, "error_rate", "{:.1%}".format),
             "Preemptions": "-" if run.get("preemptions") is None else str(run["preemptions"]),
             "KV peak": "-" if run.get("kv_cache_usage_peak") is None
             else f"{run['kv_cache_usage_peak']:.0%}",
         }
+        if flag_clients:
+            row["Client"] = "LIMITED" if client_limited(run) else "ok"
         goodput = _goodput(run, slo)
         if goodput:
             row["Goodput req/s"] = f"{goodput['request_goodput']:.2f}"
@@ -118,17 +139,57 @@ def _notes(slo: Slo | None, runs: list[dict[str, Any]], cost: float | None) -> s
     if slo_text:
         notes.append(f"Goodput: completed req/s of requests within the SLO {slo_text} "
                      "(per request: TTFT and E2E within the limits).")
+    for run in (r for r in runs if client_limited(r)):
+        notes.append(f"Client LIMITED in {shown_label(run)}: "
+                     f"{'; '.join(run['client']['limited_reasons'])}. The client, not the "
+                     "server, limited this run: its figures measure the client (loom diagnose "
+                     "says what to change).")
     if cost is not None:
         notes.append(f"Cost per accepted answer at ${cost:g}/h: run time x price / accepted "
                      "answers (good ones when an SLO is given).")
     return "\n".join(notes)
 
 
+def difference_rows(groups: list[tuple[str, list[dict[str, Any]]]]) -> list[dict[str, str]]:
+    """Each configuration against the first, per point and figure, with repeats: the two
+    medians, the difference's 95% interval and whether it is inside the noise."""
+    out = []
+    for d in differences(groups):
+        fmt = _FIGURE_FORMATS[d["figure"]]
+        low, high = d["difference_ci"]
+        out.append({"Point": _point_text(d["point"]), "Figure": d["figure"],
+                    d["baseline"]: fmt(d["baseline_median"]), "vs": d["config"],
+                    "median": fmt(d["median"]), "difference 95% CI": f"{fmt(low)} to {fmt(high)}",
+                    "Verdict": "inside the noise" if d["verdict"] == "noise" else d["verdict"]})
+    return out
+
+
+_FIGURE_FORMATS: dict[str, Callable[[Any], str]] = {
+    "request_throughput": "{:.3f}".format, "output_throughput": "{:.1f}".format,
+    "request_goodput": "{:.3f}".format, "error_rate": "{:.1%}".format,
+    **{k: _ms for k in ("median_ttft_ms", "p95_ttft_ms", "p95_itl_ms", "mean_tpot_ms",
+                        "p95_e2el_ms")}}
+
+
+def _point_text(point: tuple[Any, Any]) -> str:
+    rate, users = point
+    if rate == "inf" and users:
+        return f"{users} users"
+    return f"{rate}/s" if isinstance(rate, (int, float)) else str(rate)
+
+
 def markdown(runs: list[dict[str, Any]], slo: Slo | None = None,
-             gpu_cost_per_hour: float | None = None, title: str = "Scorecard") -> str:
+             gpu_cost_per_hour: float | None = None, title: str = "Scorecard",
+             groups: list[tuple[str, list[dict[str, Any]]]] | None = None) -> str:
     parts = [f"# {title}", "", markdown_table(rows(runs, slo, gpu_cost_per_hour)), "",
-             _notes(slo, runs, gpu_cost_per_hour), "", "## Per request class (fairness)", "",
-             markdown_table(class_rows(runs, slo))]
+             _notes(slo, runs, gpu_cost_per_hour)]
+    diffs = difference_rows(groups or [])
+    if diffs:
+        parts += ["", "## Differences against the first configuration (repeats)", "",
+                  markdown_table(diffs), "",
+                  "Figures are medians over the repeats with a bootstrap 95% interval; a "
+                  "difference whose interval holds 0 is inside the noise."]
+    parts += ["", "## Per request class (fairness)", "", markdown_table(class_rows(runs, slo))]
     traces = sorted({r["trace"]["sha256"] for r in runs if r["trace"].get("sha256")})
     if traces:
         parts += ["", "Trace sha256: " + ", ".join(traces)]
@@ -152,7 +213,8 @@ def _rich(table: list[dict[str, str]], title: str, columns: list[str],
 
 def print_scorecard(runs: list[dict[str, Any]], slo: Slo | None = None,
                     gpu_cost_per_hour: float | None = None,
-                    console: Console | None = None, wide: bool = False) -> None:
+                    console: Console | None = None, wide: bool = False,
+                    groups: list[tuple[str, list[dict[str, Any]]]] | None = None) -> None:
     """The scorecard and per-class table. A log file or pipe gets every column; a terminal
     narrower than that only the key columns, unless `wide`."""
     if console is None:
@@ -168,3 +230,7 @@ def print_scorecard(runs: list[dict[str, Any]], slo: Slo | None = None,
                        and c not in _NARROW_DROPS.get(title, ())]
             title += " (key columns; --wide for all)"
         console.print(_rich(table, title, columns, narrow))
+    diffs = difference_rows(groups or [])
+    if diffs:
+        console.print(_rich(diffs, "Differences against the first configuration (repeats)",
+                            _columns(diffs), narrow))

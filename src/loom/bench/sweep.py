@@ -1,6 +1,7 @@
 """Sweeps: the same trace at rising offered load, from below the expected load up to where
-p95 queue time or the error rate crosses the limit you can accept, or at 1/2/4/8...
-overlapping requests (a closed loop of N users, as a home server with a few users sees).
+p95 queue time or the error rate crosses the limit you can accept (or, with
+--over-saturation-stop, the queue keeps growing), or at 1/2/4/8... overlapping requests (a
+closed loop of N users, as a home server with a few users sees).
 
 `--auto` looks for the knee without a list of rates: double the rate until a limit is
 crossed, then bisect between the last rate within the limits and the first beyond them.
@@ -41,6 +42,9 @@ class Limits:
             reasons.append(f"error rate {run['error_rate']:.1%} > {self.max_error_rate:.1%}")
         if run["completed"] == 0:
             reasons.append("no request completed")
+        if run.get("over_saturated_at_s") is not None:
+            reasons.append(f"over-saturated: the queue kept growing; sending stopped at "
+                           f"{run['over_saturated_at_s']:.0f} s")
         return reasons
 
 
