@@ -71,8 +71,8 @@ class Load:
         "grow the rate from 0 over the first seconds, e.g. linear:60s; default: full rate "
         "from the start", parse=RampUp.parse))
     over_saturation_s: float | None = field(default=None, metadata=flag_help(
-        "stop sending at a load once the server's queue (else the client's in-flight count) "
-        "has kept growing for this many seconds; the sweep stops there; default: never",
+        "stop sending at a load once the requests in flight have kept growing for this many "
+        "seconds (choose it above a request's E2E); the sweep stops there; default: never",
         flag="--over-saturation-stop"))
     num_requests: int | None = None  # flag shared with `loom bench trace`: see bench/cli.py
     seed: int = 0  # likewise
@@ -212,14 +212,13 @@ class _Monitor:
             self.loop_lags_s.append(max(0.0, time.perf_counter() - due))
 
     def growing(self, window_s: float) -> bool:
-        """Has the queue (server waiting, else client in flight) kept growing over the last
-        `window_s` seconds: most steps up, and up by more than two requests in all?"""
+        """Have the requests in flight (sent, not yet answered: the server's queue and batch,
+        on any server) kept growing over the last `window_s` seconds, most samples up and
+        more than two requests in all? Then arrivals outpace answers."""
         if not self.timeline:
             return False
         now = self.timeline[-1]["t"]
-        key = "waiting" if self.has_metrics else "client_in_flight"
-        recent = [e[key] for e in self.timeline if e["t"] >= now - window_s
-                  and e.get(key) is not None]
+        recent = [e["client_in_flight"] for e in self.timeline if e["t"] >= now - window_s]
         if len(recent) < 3 or now < window_s:
             return False
         steps = [b - a for a, b in zip(recent, recent[1:])]
