@@ -21,6 +21,9 @@ from typing import Protocol
 from loom.core.kv_cache import hash_block
 
 ROUTERS = ("prefix", "pow2", "round-robin")
+# What a choice was based on: the prefix a replica holds, a prefix given up for a shorter
+# queue, no known prefix, or a policy that never looks at prefixes.
+DECISIONS = ("prefix", "imbalanced", "no-match", "pow2", "round-robin")
 UNAVAILABLE = sys.maxsize  # queue length of a replica that cannot take requests now
 
 # A replica's queue may exceed the least-loaded one's by this many requests before the prefix
@@ -39,6 +42,11 @@ class RoutingPolicy(Protocol):
 
     def record(self, replica: int, block_hashes: Sequence[int]) -> None:
         """The replica was chosen for these blocks and now holds them."""
+        ...
+
+    @property
+    def last_decision(self) -> str:
+        """Why the last `choose` chose as it did (one of DECISIONS), for the router's metrics."""
         ...
 
 
@@ -70,6 +78,7 @@ class RoundRobin:
 
     def __init__(self, num_replicas: int) -> None:
         self.num_replicas = num_replicas
+        self.last_decision = "round-robin"
         self._next = 0
 
     def choose(self, block_hashes: Sequence[int], queue_lengths: Sequence[int]) -> int:
@@ -92,6 +101,7 @@ class PowerOfTwo:
 
     def __init__(self, num_replicas: int, seed: int = 0) -> None:
         self.num_replicas = num_replicas
+        self.last_decision = "pow2"
         self._rng = random.Random(seed)
 
     def choose(self, block_hashes: Sequence[int], queue_lengths: Sequence[int]) -> int:
@@ -120,6 +130,7 @@ class PrefixAffinity:
         self.num_replicas = num_replicas
         self.imbalance_threshold = imbalance_threshold
         self.max_tracked_blocks = max_tracked_blocks
+        self.last_decision = "no-match"
         self._owner: OrderedDict[int, int] = OrderedDict()
         self._fallback = PowerOfTwo(num_replicas, seed)
 
@@ -133,11 +144,14 @@ class PrefixAffinity:
 
     def choose(self, block_hashes: Sequence[int], queue_lengths: Sequence[int]) -> int:
         match = self.matching_replica(block_hashes)
+        self.last_decision = "no-match"
         if match is not None:
             replica = match[0]
             least = min(queue_lengths[i] for i in _available(queue_lengths))
             if queue_lengths[replica] - least <= self.imbalance_threshold:
+                self.last_decision = "prefix"
                 return replica
+            self.last_decision = "imbalanced"
         return self._fallback.choose(block_hashes, queue_lengths)
 
     def record(self, replica: int, block_hashes: Sequence[int]) -> None:
