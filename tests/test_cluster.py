@@ -18,6 +18,7 @@ import openai
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import serve_process
 
 pytest.importorskip("ray")
 import ray  # noqa: E402
@@ -120,6 +121,15 @@ def _client(url: str) -> openai.OpenAI:
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+
+
+def test_one_replica_is_the_in_process_server_without_ray() -> None:
+    with serve_process("--data-parallel-size", "1", "--kv-cache-memory", "64MiB") as server:
+        got = _client(server.url).completions.create(model="any", prompt=PROMPTS[0],
+                                                     max_tokens=4, temperature=0)
+        assert got.choices[0].text
+        with open(f"/proc/{server.pid}/maps") as maps:
+            assert "_raylet" not in maps.read()  # ray's core library was never loaded
 
 
 def test_greedy_outputs_equal_one_engines(apps: dict[str, Served], llm: LLM) -> None:

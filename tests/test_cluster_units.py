@@ -1,0 +1,80 @@
+"""The cluster's pure parts: its flags, its config's checks, the one-scrape metrics merge."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loom.cluster.config import ClusterConfig
+from loom.cluster.metrics import merge_replica_texts
+from loom.config import from_cli_args
+from loom.engine.metrics import EngineMetrics
+from loom.entrypoints.cli import parse_args
+
+pytestmark = pytest.mark.unit
+
+
+def test_flags_come_from_the_dataclass() -> None:
+    args = parse_args(["serve", "--data-parallel-size", "3", "--ray-address", "auto",
+                       "--router", "round-robin", "--router-imbalance-threshold", "2"])
+    assert from_cli_args(ClusterConfig, args) == ClusterConfig(
+        data_parallel_size=3, ray_address="auto", router="round-robin",
+        router_imbalance_threshold=2)
+    assert from_cli_args(ClusterConfig, parse_args(["serve"])) == ClusterConfig()
+
+
+def test_unknown_router_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--router", "random"])
+    assert "--router" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"data_parallel_size": 0}, "data_parallel_size"),
+    ({"router": "random"}, "router"),
+    ({"router_imbalance_threshold": -1}, "router_imbalance_threshold"),
+])
+def test_bad_cluster_config(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig(**kwargs)
+
+
+def test_serve_with_one_replica_imports_no_ray() -> None:
+    code = ("import sys\n"
+            "from loom.entrypoints.cli import parse_args\n"
+            "import loom.entrypoints.openai.server\n"
+            "parse_args(['serve', '--data-parallel-size', '1'])\n"
+            "print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+def _replica_text(requests: int) -> bytes:
+    metrics = EngineMetrics("m")
+    metrics.prompt_tokens.inc(requests * 10)
+    for _ in range(requests):
+        metrics.finished("stop")
+    metrics.ttft.observe(0.1)
+    return metrics.prometheus_text()
+
+
+def test_merge_labels_every_replicas_series_in_one_family_each() -> None:
+    merged = merge_replica_texts({"a": _replica_text(1), "b": _replica_text(2)}).decode()
+    families = list(text_string_to_metric_families(merged))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names))  # each family once, with both replicas' samples
+    prompt = next(f for f in families if f.name == "loom:prompt_tokens")
+    assert {s.labels["replica"]: s.value for s in prompt.samples
+            if s.name.endswith("_total")} == {"a": 10.0, "b": 20.0}
+    for family in families:
+        assert all("replica" in s.labels for s in family.samples)
+    ttft = next(f for f in families if f.name == "loom:time_to_first_token_seconds")
+    assert {s.labels["replica"] for s in ttft.samples if s.name.endswith("_count")} == {"a", "b"}
+
+
+def test_merge_of_no_replicas_is_empty() -> None:
+    assert merge_replica_texts({}) == b""
