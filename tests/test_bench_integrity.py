@@ -39,12 +39,12 @@ import asyncio, json, os, sys
 from loom.bench.replay import Load, Target, replay
 from loom.bench.trace import Trace, TraceRequest
 url, core, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-trace = Trace([TraceRequest(max_tokens=4, prompt="a b c", id=str(i)) for i in range(30)])
+trace = Trace([TraceRequest(max_tokens=2, prompt="a b c", id=str(i)) for i in range(12)])
 os.sched_setaffinity(0, {core})
-os.nice(19)
+os.nice(15)
 print("ready", flush=True)
 sys.stdin.readline()
-result = asyncio.run(replay(trace, Load(rate=30.0), Target(url, scrape_interval_s=0.2),
+result = asyncio.run(replay(trace, Load(rate=24.0), Target(url, scrape_interval_s=0.5),
                             progress=False))
 with open(out, "w") as f:
     json.dump(result, f)
