@@ -10,7 +10,7 @@ It is a simulation: the real scheduler and KV cache manager of every replica on 
 model of the GPU (`loom simulate --gpus`), routed by the cluster's own policy code
 (`loom.cluster.routing`). Nothing here was run on GPUs.
 
-    python benchmarks/fleet_sim.py --sizes 10,100,1000 --slo-size 100
+    python benchmarks/fleet_sim.py --sizes 10,100,1000 --slo-size 100 --output-len 32
 """
 
 from __future__ import annotations
@@ -117,8 +117,9 @@ def main() -> None:
 
 
 def _replicas_for_slo(args: argparse.Namespace, config: Any, routers: list[str]) -> None:
-    """At the total rate of `--slo-size` replicas, the fewest replicas (in steps of a tenth of
-    that size) whose p95 TTFT meets the SLO, per router."""
+    """At the total rate of `--slo-size` replicas, the fewest replicas whose p95 TTFT meets
+    the SLO, per router: bisection between a tenth and four times that size, to within a
+    twentieth of it."""
     size = args.slo_size
     rate = size * args.per_replica_rate
     trace, ids = _traffic(args, size * args.requests_per_replica,
@@ -127,16 +128,24 @@ def _replicas_for_slo(args: argparse.Namespace, config: Any, routers: list[str])
           f"(the traffic of {size} replicas above):\n")
     print("| router | replicas tried: p95 TTFT ms | fewest meeting the SLO |")
     print("|---|---|--:|")
-    step = max(1, size // 10)
     for router in routers:
-        tried, fewest = [], None
-        for replicas in range(step * 3, size * 2 + 1, step):
+        tried: dict[int, float] = {}
+
+        def meets(replicas: int, router: str = router, tried: dict[int, float] = tried) -> bool:
             result = _run(config, trace, ids, replicas, router, rate, args.seed)
-            tried.append(f"{replicas}: {result['p95_ttft_ms']:.0f}")
-            if result["p95_ttft_ms"] <= args.slo_ttft_p95 * 1000:
-                fewest = replicas
-                break
-        print(f"| {router} | {', '.join(tried)} | {fewest or 'none tried'} |", flush=True)
+            tried[replicas] = result["p95_ttft_ms"]
+            return result["p95_ttft_ms"] <= args.slo_ttft_p95 * 1000
+
+        low, high = max(1, size // 10), 4 * size
+        if not meets(high):
+            fewest: int | str = f"more than {high}"
+        else:
+            while high - low > max(1, size // 20):
+                middle = (low + high) // 2
+                low, high = (low, middle) if meets(middle) else (middle, high)
+            fewest = high
+        steps = ", ".join(f"{n}: {ms:.0f}" for n, ms in sorted(tried.items()))
+        print(f"| {router} | {steps} | {fewest} |", flush=True)
 
 
 if __name__ == "__main__":
