@@ -42,7 +42,7 @@ def random_block_quant(out_features: int, in_features: int, seed: int,
     blocks = (out_features, in_features // 32)
     low, high = CODES[quant]
     offset = -torch.rand(blocks, generator=gen) * 0.15 if quant == "Q4_1" else torch.zeros(blocks)
-    return BlockQuantWeight(
+    return BlockQuantWeight.from_codes(
         codes=torch.randint(low, high, (out_features, in_features), generator=gen,
                             dtype=torch.int8),
         scale=(torch.rand(blocks, generator=gen) * 0.02 + 0.001).half().float(),
@@ -83,7 +83,7 @@ def test_kernel_paths_match_their_references(quant: str, rows: int, out_features
     x = torch.randn(rows, in_features, generator=gen)
     x[:, 5] *= 30  # an outlier channel, as real activations have
     bias = torch.randn(out_features, generator=gen)
-    panels = to_panels(bq)
+    panels = to_panels(bq, ops)
     exact = F.linear(x, bq.dequantize())
     scale = exact.abs().amax().item() if rows else 1.0  # fp32 rounding is relative to it
     for b in (None, bias):
@@ -101,14 +101,67 @@ def test_panels_keep_the_files_sizes() -> None:
     """4-bit codes two to a byte and fp16 scales and offsets: Q4_0 and Q4_1 take 20 bytes per
     32 weights (Q4_0 the 4 of its implied offset as well), Q8_0 36."""
     for quant, record in (("Q4_1", 160), ("Q4_0", 160), ("Q8_0", 288)):
-        panels = to_panels(random_block_quant(32, 64, seed=1, quant=quant))
+        panels = to_panels(random_block_quant(32, 64, seed=1, quant=quant), ops)
         assert panels.dtype == torch.uint8 and panels.shape == (4, 2, record)
+
+
+def reference_panels(bq: BlockQuantWeight) -> torch.Tensor:
+    """The kernel's record layout, spelled out on the unpacked codes (csrc/block_quant_linear.cpp
+    describes it): per panel of 8 channels and block of 32 inputs, code groups of 8 channels x
+    4 inputs (4-bit: groups 2t and 2t + 1 in the low and high nibbles), then the fp16 scales
+    and offsets; 4-bit codes count from 0, so Q4_0's signed ones come shifted by 8."""
+    codes, offset = bq.codes, bq.offset
+    if bq.kind == "Q4_0":
+        codes, offset = codes + 8, offset - 8 * bq.scale
+    n, k = codes.shape
+    panels, blocks = n // 8, k // 32
+    groups = codes.view(panels, 8, blocks, 8, 4).permute(0, 2, 3, 1, 4)
+    if bq.kind in ("Q4_0", "Q4_1"):
+        pairs = groups.reshape(panels, blocks, 4, 2, 32).to(torch.uint8)
+        code_bytes = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)
+    else:
+        code_bytes = groups.contiguous().view(torch.uint8)
+    halves = [t.view(panels, 8, blocks).transpose(1, 2).half().contiguous().view(torch.uint8)
+              for t in (bq.scale, offset)]
+    return torch.cat([code_bytes.reshape(panels, blocks, -1), *halves], dim=-1)
+
+
+@needs_kernel
+@pytest.mark.unit
+@pytest.mark.parametrize("quant", [*CODES, "mixed"])
+def test_panels_are_made_from_the_files_blocks(quant: str) -> None:
+    """The kernel re-lays the file's blocks out as the layout says, for each kind, and for a
+    projection stacked from parts of different kinds (held as int8 codes with offsets)."""
+    if quant == "mixed":
+        bq = BlockQuantWeight.cat([random_block_quant(16, 96, seed=4, quant="Q4_1"),
+                                   random_block_quant(32, 96, seed=5, quant="Q8_0")])
+        assert bq.kind == "I8"
+    else:
+        bq = random_block_quant(48, 96, seed=4, quant=quant)
+        assert bq.kind == quant
+    torch.testing.assert_close(to_panels(bq, ops), reference_panels(bq), rtol=0, atol=0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("quant", list(CODES))
+def test_blocks_hold_the_codes_they_were_made_from(quant: str) -> None:
+    """from_codes -> the file's own block bytes -> the same codes, scales and offsets; a stack
+    of parts of one kind keeps it, of several kinds dequantizes to the stacked weights."""
+    bq = random_block_quant(16, 64, seed=6, quant=quant)
+    again = BlockQuantWeight.from_codes(bq.codes, bq.scale, bq.offset)
+    assert bq.blocks.shape[-1] == {"Q4_1": 20, "Q4_0": 18, "Q8_0": 34}[quant]
+    np.testing.assert_array_equal(again.blocks, bq.blocks)
+    other = random_block_quant(16, 64, seed=7, quant="Q4_1" if quant != "Q4_1" else "Q8_0")
+    for parts in ([bq, bq], [bq, other]):
+        stacked = BlockQuantWeight.cat(parts)
+        torch.testing.assert_close(stacked.dequantize(),
+                                   torch.cat([p.dequantize() for p in parts]), rtol=0, atol=0)
 
 
 @needs_kernel
 def test_kernel_takes_strided_rows_and_refuses_bad_shapes() -> None:
     bq = random_block_quant(16, 64, seed=1)
-    panels = to_panels(bq)
+    panels = to_panels(bq, ops)
     for rows in (5, 9):
         strided = torch.randn(64, rows).t()
         for path in (INT8, FP32):
@@ -131,8 +184,8 @@ def test_kernel_takes_strided_rows_and_refuses_bad_shapes() -> None:
 def test_linear_uses_the_kernel_at_every_batch_size() -> None:
     """A block-quantized form that deliberately differs from the fp32 weight shows which path
     each call took: int8 up to INT8_MAX_ROWS rows, fp32 above; the fp32 weight is not kept.
-    Channels that do not fill whole panel pairs, scales fp16 cannot hold, or no compiled
-    kernel, leave the layer on the fp32 weight."""
+    Channels that do not fill whole panel pairs, or no compiled kernel, leave the layer on the
+    fp32 weight; scales fp16 cannot hold make no blocks at all."""
     bq = random_block_quant(32, 64, seed=2)
     other = torch.randn(32, 64)
     linear = Linear(other, None, prepack=False, block_quant=bq, block_quant_ops=ops)
@@ -152,8 +205,8 @@ def test_linear_uses_the_kernel_at_every_batch_size() -> None:
     assert fallback.panels is None
     x = torch.randn(4, 64)
     torch.testing.assert_close(fallback(x), F.linear(x, other[:24]))
-    fine = BlockQuantWeight(bq.codes, bq.scale + 1e-6, bq.offset)
-    assert Linear(other, None, block_quant=fine, block_quant_ops=ops).panels is None
+    with pytest.raises(ValueError, match="fp16"):
+        BlockQuantWeight.from_codes(bq.codes, bq.scale + 1e-6, bq.offset)
 
 
 @pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])

@@ -34,7 +34,7 @@ class GGUFTensor:
     name: str
     shape: tuple[int, ...]  # row-major, as numpy and torch index it (GGUF stores it reversed)
     kind: Any  # gguf.GGMLQuantizationType
-    data: np.ndarray  # uint8 [*shape[:-1], bytes per row], read-only, backed by the file map
+    data: np.ndarray  # uint8 [*shape[:-1], bytes per row], a view of the file map
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,9 @@ def read_gguf(path: Path) -> GGUFFile:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     with open(path, "rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        # Copy-on-write: tensors can be handed to torch as they are (it wants writable
+        # memory), and nothing is copied unless written, which loom never does.
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     reader = _Cursor(buf)
     if reader.take(4) != _MAGIC:
         raise GGUFFormatError(f"{path.name} is not a GGUF file (bad magic)")

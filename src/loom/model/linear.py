@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from loom.model.weights import BlockQuantWeight
+from loom.model.weights import BLOCK_LAYOUT, BlockQuantWeight
 
 # oneDNN picks its packed layout for a typical batch; one layout serves every batch size. A
 # 512-row hint was as fast as small ones at decode sizes and, unlike them, does not lose to
@@ -48,40 +49,13 @@ def onednn_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def _unsigned_4bit(bq: BlockQuantWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(codes 0..15, offset) of a weight whose codes fit 4 bits: Q4_1's as they are, Q4_0's
-    signed ones shifted by 8 into the offset (-8 * scale: exact, also in fp16)."""
-    lo, hi = int(bq.codes.min()), int(bq.codes.max())
-    if 0 <= lo and hi <= 15:
-        return bq.codes, bq.offset
-    if -8 <= lo and hi <= 7:
-        return bq.codes + 8, bq.offset - 8 * bq.scale
-    return None
-
-
-def _fp16_exact(t: torch.Tensor) -> bool:
-    return bool(torch.equal(t.half().float(), t))
-
-
-def to_panels(bq: BlockQuantWeight) -> torch.Tensor:
+def to_panels(bq: BlockQuantWeight, block_quant_ops: ModuleType) -> torch.Tensor:
     """The native kernel's layout of a [N, K] block-quantized weight (uint8 [N/8, K/32,
-    record]): per panel of 8 channels and block of 32 inputs, the codes as 8 groups of
-    8 channels x 4 inputs (4-bit codes: groups 2t and 2t+1 in the low and high nibbles of
-    32 bytes), then the 8 scales and the 8 offsets in fp16 (see csrc/block_quant_linear.cpp)."""
-    four_bit = _unsigned_4bit(bq)
-    codes, offset = four_bit if four_bit is not None else (bq.codes, bq.offset)
-    n, k = codes.shape
-    panels, blocks = n // PANEL_CHANNELS, k // 32
-    # [panel, block, group, channel, input in group]
-    groups = codes.view(panels, PANEL_CHANNELS, blocks, 8, 4).permute(0, 2, 3, 1, 4)
-    if four_bit is not None:
-        pairs = groups.reshape(panels, blocks, 4, 2, 32).to(torch.uint8)
-        code_bytes = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)
-    else:
-        code_bytes = groups.contiguous().view(torch.uint8)
-    halves = [t.view(panels, PANEL_CHANNELS, blocks).transpose(1, 2).half().contiguous()
-              .view(torch.uint8) for t in (bq.scale, offset)]
-    return torch.cat([code_bytes.reshape(panels, blocks, -1), *halves], dim=-1).contiguous()
+    record]; see csrc/block_quant_linear.cpp), made by the kernel's own module in one pass
+    over the file's blocks."""
+    header, _ = BLOCK_LAYOUT[bq.kind]
+    return block_quant_ops.panels_from_blocks(torch.from_numpy(np.ascontiguousarray(bq.blocks)),
+                                              header, bq.kind == "Q4_0")
 
 
 class Linear:
@@ -94,8 +68,8 @@ class Linear:
         self.bias = bias
         self.panels: torch.Tensor | None = None
         if self.uses_panels(block_quant, block_quant_ops):
-            self.out_features, self.in_features = block_quant.codes.shape
-            self.panels = to_panels(block_quant)
+            self.out_features, self.in_features = block_quant.shape
+            self.panels = to_panels(block_quant, block_quant_ops)
             self._block_quant_ops = block_quant_ops
             self.weight, self.prepacked = None, False
             return
@@ -109,11 +83,9 @@ class Linear:
     @staticmethod
     def uses_panels(block_quant: BlockQuantWeight | None,
                     block_quant_ops: ModuleType | None) -> bool:
-        """Whether the native kernel takes this weight: compiled, whole pairs of panels, and
-        scales and offsets that fp16 holds exactly (a GGUF's are fp16)."""
+        """Whether the native kernel takes this weight: compiled, and whole pairs of panels."""
         return (block_quant is not None and block_quant_ops is not None
-                and block_quant.codes.shape[0] % (2 * PANEL_CHANNELS) == 0
-                and _fp16_exact(block_quant.scale) and _fp16_exact(block_quant.offset))
+                and block_quant.shape[0] % (2 * PANEL_CHANNELS) == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:

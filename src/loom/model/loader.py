@@ -79,14 +79,13 @@ def _load_gguf(path: Path) -> LoadedModel:
         if tensor.name == ROPE_FREQS_TENSOR:
             continue  # folded into arch.rope_scaling above
         name, heads = _hf_name(tensor.name), _permuted_heads(tensor.name, arch)
-        quant = _block_quant_arrays(tensor.data, tensor.kind, tensor.shape)
-        if quant is None:
+        bq = _block_quant(tensor)
+        if bq is None:
             makers[name] = lambda t=tensor, heads=heads: _dequantized(t, heads)
             continue
         if heads is not None:
-            quant = tuple(_unpermute_rope(a, heads) for a in quant)
-        block_quant[name] = bq = BlockQuantWeight(
-            *(torch.from_numpy(np.ascontiguousarray(a)) for a in quant))
+            bq = BlockQuantWeight(_unpermute_rope(bq.blocks, heads), bq.kind)
+        block_quant[name] = bq
         makers[name] = bq.dequantize
 
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -109,8 +108,6 @@ def _dequantized(tensor: GGUFTensor, heads: int | None) -> torch.Tensor:
     array = array.reshape(tensor.shape)
     if heads is not None:
         array = _unpermute_rope(array, heads)
-    if not array.flags.writeable:  # F32 tensors are views of the read-only file map
-        array = array.copy()
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
@@ -125,31 +122,15 @@ def _permuted_heads(name: str, arch: ModelArch) -> int | None:
     return None
 
 
-def _block_quant_arrays(data: np.ndarray, kind: Any, shape: tuple[int, ...]
-                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(codes, scale, offset) of a 2-D Q4_0, Q4_1 or Q8_0 tensor, as gguf's dequantize reads its
-    blocks (fp16 scale [and min], then the codes; 4-bit codes low nibbles first); else None."""
+def _block_quant(tensor: GGUFTensor) -> BlockQuantWeight | None:
+    """A 2-D Q4_0, Q4_1 or Q8_0 tensor as its blocks (a view of the file map); else None."""
     import gguf
 
-    q = gguf.GGMLQuantizationType
-    if kind not in (q.Q4_0, q.Q4_1, q.Q8_0) or len(shape) != 2:
+    kind = gguf.GGMLQuantizationType(tensor.kind).name
+    if kind not in ("Q4_0", "Q4_1", "Q8_0") or len(tensor.shape) != 2:
         return None
-    rows, cols = shape
-    header = 4 if kind == q.Q4_1 else 2
-    blocks = np.asarray(data).reshape(rows, cols // 32, -1)
-    scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == q.Q8_0:
-        codes = blocks[..., header:].copy().view(np.int8)
-        offset = np.zeros_like(scale)
-    else:
-        packed = blocks[..., header:]
-        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8)
-        if kind == q.Q4_0:
-            codes -= 8
-            offset = np.zeros_like(scale)
-        else:
-            offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    return codes.reshape(rows, cols), scale, offset
+    rows, cols = tensor.shape
+    return BlockQuantWeight(tensor.data.reshape(rows, cols // 32, -1), kind)
 
 
 def _hf_name(gguf_name: str) -> str:

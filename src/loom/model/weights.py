@@ -6,33 +6,97 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from loom.model.arch import ModelArch
 from loom.model.tokenizer import Tokenizer
 
+# Bytes of one block of 32 weights: (header, codes). The header is the fp16 scale, then, for
+# the kinds with one, the fp16 offset. Q4_0, Q4_1 and Q8_0 are the GGUF's own; I8 (int8 codes
+# with an offset) holds any of them, for a projection stacked from parts of different kinds.
+BLOCK_LAYOUT = {"Q4_0": (2, 16), "Q4_1": (4, 16), "Q8_0": (2, 32), "I8": (4, 32)}
+FOUR_BIT_KINDS = ("Q4_0", "Q4_1")
+
 
 @dataclass(frozen=True)
 class BlockQuantWeight:
-    """A weight matrix as a GGUF file stores it: int8 codes with one scale and one offset per
-    block of 32 along each row, w = codes * scale + offset. Q4_0, Q4_1 and Q8_0 all have this
-    form, so the native matmul (csrc/block_quant_linear.cpp) computes with the file's own
-    numbers, a quarter of the bytes of the fp32 weights."""
+    """A weight matrix as a GGUF file stores it: per block of 32 along each row, an fp16 scale
+    (and offset) and int codes, w = codes * scale + offset. The blocks are the file's bytes,
+    not copied (for most matrices a view of the file map): the native matmul
+    (csrc/block_quant_linear.cpp) re-lays them out once and computes with the file's own
+    numbers, and nothing on the way unpacks the codes (which was most of the start-up).
+    4-bit codes: byte j of a block holds input j in its low nibble and input j + 16 in its
+    high one; Q4_0's count from 8."""
 
-    codes: torch.Tensor  # int8 [out, in]
-    scale: torch.Tensor  # float32 [out, in // 32]
-    offset: torch.Tensor  # float32 [out, in // 32]
+    blocks: np.ndarray  # uint8 [out, in // 32, header + code bytes]
+    kind: str  # a key of BLOCK_LAYOUT
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.blocks.shape[1] * 32
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """int8 [out, in]: the codes as w = codes * scale + offset counts them."""
+        header, _ = BLOCK_LAYOUT[self.kind]
+        raw = self.blocks[..., header:]
+        if self.kind in FOUR_BIT_KINDS:
+            raw = np.concatenate([raw & 0x0F, raw >> 4], axis=-1).view(np.int8)
+            if self.kind == "Q4_0":
+                raw = raw - np.int8(8)
+        return torch.from_numpy(np.ascontiguousarray(raw.view(np.int8)).reshape(self.shape))
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """float32 [out, in // 32]."""
+        return torch.from_numpy(self._half(0).astype(np.float32))
+
+    @property
+    def offset(self) -> torch.Tensor:
+        """float32 [out, in // 32] (zeros for the kinds without one)."""
+        if BLOCK_LAYOUT[self.kind][0] == 4:
+            return torch.from_numpy(self._half(2).astype(np.float32))
+        return torch.zeros(self.blocks.shape[:2])
+
+    def _half(self, start: int) -> np.ndarray:
+        return np.ascontiguousarray(self.blocks[..., start:start + 2]).view(np.float16)[..., 0]
+
+    @staticmethod
+    def from_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+                   ) -> BlockQuantWeight:
+        """The blocks of w = codes * scale + offset (int8 codes [out, in], float32 scales and
+        offsets [out, in // 32] that fp16 holds exactly, as a GGUF's are) in the smallest kind
+        that holds them."""
+        if not all(torch.equal(t.half().float(), t) for t in (scale, offset)):
+            raise ValueError("block scales and offsets must be fp16 values")
+        lo, hi, no_offset = int(codes.min()), int(codes.max()), not bool(offset.any())
+        if no_offset and -8 <= lo and hi <= 7:
+            kind, stored = "Q4_0", codes + 8
+        elif 0 <= lo and hi <= 15:
+            kind, stored = "Q4_1", codes
+        else:
+            kind, stored = ("Q8_0" if no_offset else "I8"), codes
+        rows, cols = codes.shape
+        stored = stored.to(torch.int8).view(torch.uint8).view(rows, cols // 32, 32)
+        if kind in FOUR_BIT_KINDS:
+            stored = stored[..., :16] | (stored[..., 16:] << 4)
+        header = [scale] if BLOCK_LAYOUT[kind][0] == 2 else [scale, offset]
+        parts = [t.half().unsqueeze(-1).view(torch.uint8) for t in header] + [stored]
+        return BlockQuantWeight(torch.cat(parts, dim=-1).numpy(), kind)
 
     @staticmethod
     def cat(parts: list[BlockQuantWeight]) -> BlockQuantWeight:
         """Stacked along the output rows, as the fused qkv and gate_up projections are."""
-        return BlockQuantWeight(*(torch.cat([getattr(p, f) for p in parts])
-                                  for f in ("codes", "scale", "offset")))
+        if len({p.kind for p in parts}) == 1:
+            return BlockQuantWeight(np.concatenate([p.blocks for p in parts]), parts[0].kind)
+        return BlockQuantWeight.from_codes(*(torch.cat([getattr(p, f) for p in parts])
+                                             for f in ("codes", "scale", "offset")))
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight: bit for bit what gguf's dequantize gives for these blocks, at a
         fraction of its time and memory."""
-        rows, cols = self.codes.shape
+        rows, cols = self.shape
         blocks = self.codes.float().view(rows, cols // 32, 32)
         return blocks.mul_(self.scale[..., None]).add_(self.offset[..., None]).view(rows, cols)
 

@@ -325,6 +325,57 @@ static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
 }
 #endif
 
+// The records above, straight from a GGUF's blocks (uint8 [N, K / 32, header + codes]: fp16 d,
+// then fp16 m if header is 4, then 16 bytes of 4-bit codes, byte j = input j low nibble and
+// input j + 16 high, or 32 signed bytes). q4_0: the 4-bit codes count from 8, so m = -8d. One
+// pass over the bytes at load time; numpy's byte shuffles made this most of the start-up.
+torch::Tensor panels_from_blocks(torch::Tensor blocks, int64_t header, bool q4_0) {
+  TORCH_CHECK(supported(), "panels_from_blocks needs a CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  blocks.size(0) % kPanel == 0 && (header == 2 || header == 4),
+              "blocks must be contiguous uint8 [N, K / 32, block bytes], N a multiple of 8");
+  const int64_t code_bytes = blocks.size(2) - header;
+  TORCH_CHECK(code_bytes == 16 || code_bytes == 32, "a block holds 16 or 32 bytes of codes");
+  const bool four = code_bytes == 16;
+  const int64_t P = blocks.size(0) / kPanel, nb = blocks.size(1), bytes = blocks.size(2);
+  const int64_t record = four ? kRecord4 : kRecord8, codes_end = record - kScaleBytes;
+  auto out = torch::empty({P, nb, record}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* rec = dst + (p * nb + b) * record;
+        for (int64_t c = 0; c < kPanel; ++c) {
+          const uint8_t* blk = src + ((p * kPanel + c) * nb + b) * bytes;
+          // One code group (4 inputs of this channel) is one 32-bit word of the record.
+          uint32_t w[8];
+          std::memcpy(w, blk + header, code_bytes);
+          if (four) {  // word 2u + h: inputs 8u + 4h + j (low nibbles) and those + 16 (high)
+            constexpr uint32_t lo4 = 0x0F0F0F0F;
+            const uint32_t in[4] = {w[0], w[1], w[2], w[3]};
+            for (int u = 0; u < 2; ++u) {  // record word t: inputs 8t + j (low), 8t + 4 + j
+              w[u] = (in[2 * u] & lo4) | ((in[2 * u + 1] & lo4) << 4);
+              w[u + 2] = ((in[2 * u] >> 4) & lo4) | (in[2 * u + 1] & ~lo4);
+            }
+          }
+          for (int64_t g = 0; g < code_bytes / 4; ++g)
+            std::memcpy(rec + g * 4 * kPanel + 4 * c, &w[g], 4);
+          uint16_t d, m = 0;
+          std::memcpy(&d, blk, 2);
+          if (header == 4) std::memcpy(&m, blk + 2, 2);
+#ifdef LOOM_HAVE_AVX2
+          if (q4_0) m = _cvtss_sh(-8.0f * _cvtsh_ss(d), 0);
+#endif
+          std::memcpy(rec + codes_end + 2 * c, &d, 2);
+          std::memcpy(rec + codes_end + 2 * kPanel + 2 * c, &m, 2);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // x [M, K] float32; panels uint8 [N / 8, K / 32, record] (4-bit or 8-bit records, told apart by
 // their size); up to int8_rows rows take the int8 path, more the fp32 one.
 torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor panels,
@@ -360,5 +411,6 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor panels,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quant_linear", &block_quant_linear);
+  m.def("panels_from_blocks", &panels_from_blocks);
   m.def("supported", &supported);
 }
