@@ -148,7 +148,7 @@ def model_figures(model: LlamaModel) -> dict[str, Any]:
     norms.append(model.final_norm)
     linears.append(model.lm_head)
     matmul_params = sum(lin.num_params for lin in linears)
-    itemsize = model.embed.element_size()
+    itemsize = model.dtype.itemsize
     norm_bytes = sum(w.numel() for w in norms) * itemsize
     # The native kernel's bytes: its panels (codes, scales and offsets) where a Linear has them.
     block_quant_bytes = sum(
@@ -172,7 +172,7 @@ def measure_matmul_step(model: LlamaModel, batch: int, repeats: int) -> float:
     """Median seconds of just the matmuls of one decode step at batch B, on the model's own
     weights (so they stream from memory as in a real step): per layer qkv, o, gate_up, down,
     then lm_head."""
-    arch, dtype = model.arch, model.embed.dtype
+    arch, dtype = model.arch, model.dtype
     h = torch.randn(batch, arch.hidden_size, dtype=dtype)
     a = torch.randn(batch, arch.num_heads * arch.head_dim, dtype=dtype)
     m = torch.randn(batch, arch.intermediate_size, dtype=dtype)

@@ -2,12 +2,14 @@
 scheduling. Run from the repository root:
 
     python benchmarks/step_profile.py --dtype bfloat16
+    python benchmarks/step_profile.py --decodes 1 --prefill 0 --skip-idle   # one user
 
 1. A busy step: 32 requests decoding plus one 256-token prefill chunk (mixed-batch steps are
-   what a loaded server runs). Each phase of `EngineCore.step` is timed over several steps —
-   scheduling, input preparation, the forward pass, logits + sampling, scheduler update,
-   output processing (detokenize, stop strings, metrics) — and one step is run under the
-   torch profiler to split the forward pass by kind of op.
+   what a loaded server runs; `--prefill 0`: decode-only steps). Each phase of
+   `EngineCore.step` is timed over several steps — scheduling, input preparation, the forward
+   pass, logits + sampling, scheduler update, output processing (detokenize, stop strings,
+   metrics) — and one step is run under the torch profiler to split the forward pass by kind
+   of op.
 2. The engine issue's 64-request mixed workload offline, async scheduling off then on
    (alternating, `--rounds`): wall time, output tok/s, and the model's idle time between
    back-to-back forward passes (`loom:model_idle_seconds`).
@@ -32,9 +34,15 @@ from workload import bundled_tokenizer, mixed_workload, run_offline  # noqa: E40
 
 from loom import LLM, SamplingParams  # noqa: E402
 from loom.engine.core import EngineCore  # noqa: E402
-from loom.model.kernels import paged_attention_ops  # noqa: E402
+from loom.model.kernels import (  # noqa: E402
+    block_quant_linear_ops,
+    fused_ops,
+    paged_attention_ops,
+)
 
 OP_KINDS = {  # torch profiler op name -> kind, first match wins
+    "matmul (native, GGUF blocks)": ("loom::block_quant_linear",),
+    "add + RMSNorm, SiLU * up (native)": ("loom::add_rms_norm", "loom::silu_mul"),
     "matmul (linear/mm)": ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul",
                            "aten::bmm"),
     "decode attention (native kernel)": ("loom::paged_decode_attention",),
@@ -70,6 +78,8 @@ def busy_engine(dtype: str, num_decodes: int, prefill_len: int) -> EngineCore:
 
 
 def add_prefill(engine: EngineCore, tag: str, prefill_len: int) -> None:
+    if prefill_len == 0:
+        return
     engine.add_request(tag, [100 + (j * 13) % 20000 for j in range(prefill_len)],
                        SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
 
@@ -105,14 +115,7 @@ def profile_busy_step(dtype: str, num_decodes: int, prefill_len: int, steps: int
     print(f"| **whole step** | **{whole * 1e3:.2f}** | 100% |")
 
     add_prefill(engine, "profiled", prefill_len)
-    ops = paged_attention_ops()
-    if ops is not None:  # a pybind call is invisible to the profiler: label it
-        kernel = ops.paged_decode_attention
-
-        def labelled(*args: Any) -> torch.Tensor:
-            with torch.profiler.record_function("loom::paged_decode_attention"):
-                return kernel(*args)
-        ops.paged_decode_attention = labelled
+    label_native_ops()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         engine.step()
@@ -135,6 +138,23 @@ def profile_busy_step(dtype: str, num_decodes: int, prefill_len: int, steps: int
     print(f"| Python + dispatch between ops | {outside / 1e3:.2f} | {outside / step_us:.1%} |")
     num_ops = sum(e.count for e in prof.key_averages())
     print(f"\n{num_ops} torch ops dispatched in the profiled step.")
+
+
+def label_native_ops() -> None:
+    """A pybind call is invisible to the torch profiler: wrap each native kernel in a
+    record_function named loom::<kernel> (the model calls them through their modules)."""
+    kernels = ((paged_attention_ops(), "paged_decode_attention"),
+               (block_quant_linear_ops(), "block_quant_linear"),
+               (fused_ops(), "add_rms_norm"), (fused_ops(), "silu_mul"))
+    for module, name in kernels:
+        if module is None:
+            continue
+        kernel = getattr(module, name)
+
+        def labelled(*args: Any, kernel: Callable = kernel, name: str = name) -> torch.Tensor:
+            with torch.profiler.record_function(f"loom::{name}"):
+                return kernel(*args)
+        setattr(module, name, labelled)
 
 
 def histogram_totals(engine: EngineCore, name: str) -> tuple[float, float]:

@@ -150,7 +150,7 @@ def test_blocks_hold_the_codes_they_were_made_from(quant: str) -> None:
     bq = random_block_quant(16, 64, seed=6, quant=quant)
     again = BlockQuantWeight.from_codes(bq.codes, bq.scale, bq.offset)
     assert bq.blocks.shape[-1] == {"Q4_1": 20, "Q4_0": 18, "Q8_0": 34}[quant]
-    np.testing.assert_array_equal(again.blocks, bq.blocks)
+    assert torch.equal(again.blocks, bq.blocks)
     other = random_block_quant(16, 64, seed=7, quant="Q4_1" if quant != "Q4_1" else "Q8_0")
     for parts in ([bq, bq], [bq, other]):
         stacked = BlockQuantWeight.cat(parts)
@@ -265,12 +265,16 @@ class Recording(Mapping[str, torch.Tensor]):
 @pytest.mark.integration
 def test_weights_the_kernel_takes_are_never_made_in_fp32() -> None:
     """On the bundled Q4_1 model the native matmul takes every projection and the tied
-    lm_head, so only the embedding and the norms are dequantized; on the oneDNN path all are."""
+    lm_head, and the embedding is looked up in its blocks, so only the norms are made in fp32;
+    on the oneDNN path all are."""
     loaded = load_model(None)
     native, onednn = Recording(loaded.weights), Recording(loaded.weights)
     model = LlamaModel(loaded.arch, native, torch.float32, torch.device("cpu"),
                        block_quant=loaded.block_quant)
-    assert native.asked == {n for n in loaded.weights if "norm" in n or "embed" in n}
+    assert native.asked == {n for n in loaded.weights if "norm" in n}
+    ids = torch.tensor([0, 7, 7, loaded.arch.vocab_size - 1])
+    torch.testing.assert_close(model.embed(ids), F.embedding(
+        ids, loaded.block_quant["model.embed_tokens.weight"].dequantize()), rtol=0, atol=0)
     assert all(layer.qkv.weight is None for layer in model.layers)
     LlamaModel(loaded.arch, onednn, torch.float32, torch.device("cpu"), prepack=True)
     assert onednn.asked == set(loaded.weights)

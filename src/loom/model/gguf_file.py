@@ -19,6 +19,7 @@ import numpy as np
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # a string's byte count
 # Value type -> struct format (uint8, int8, uint16, int16, uint32, int32, float32, bool, -,
 # -, uint64, int64, float64).
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
@@ -110,13 +111,29 @@ class _Cursor:
     def string(self) -> str:
         return self.take(self.scalar("Q")).decode("utf-8")
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in one tight loop: a vocabulary and its merges are most of the
+        header, and a string() call per item was most of reading it."""
+        buf, end, offset, out = self.buf, len(self.buf), self.offset, []
+        length, append = _LENGTH.unpack_from, out.append
+        for _ in range(count):
+            if offset + 8 > end:
+                raise GGUFFormatError("GGUF header is truncated")
+            start = offset + 8
+            offset = start + length(buf, offset)[0]
+            append(buf[start:offset].decode("utf-8"))
+        if offset > end:
+            raise GGUFFormatError("GGUF header is truncated")
+        self.offset = offset
+        return out
+
     def value(self, value_type: int) -> Any:
         if value_type == _STRING:
             return self.string()
         if value_type == _ARRAY:
             item_type, count = self.scalar("I"), self.scalar("Q")
             if item_type == _STRING:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if item_type in _SCALARS:
                 dtype = np.dtype("<" + _SCALARS[item_type])
                 return np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype).tolist()

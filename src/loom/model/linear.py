@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from types import ModuleType
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -54,8 +53,7 @@ def to_panels(bq: BlockQuantWeight, block_quant_ops: ModuleType) -> torch.Tensor
     record]; see csrc/block_quant_linear.cpp), made by the kernel's own module in one pass
     over the file's blocks."""
     header, _ = BLOCK_LAYOUT[bq.kind]
-    return block_quant_ops.panels_from_blocks(torch.from_numpy(np.ascontiguousarray(bq.blocks)),
-                                              header, bq.kind == "Q4_0")
+    return block_quant_ops.panels_from_blocks(bq.blocks.contiguous(), header, bq.kind == "Q4_0")
 
 
 class Linear:

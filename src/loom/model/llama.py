@@ -75,7 +75,13 @@ class LlamaModel:
         w = LazyWeights({name: lambda name=name: weights[name].to(device=device, dtype=dtype)
                          for name in weights})
         block_quant = block_quant or {}
-        self.embed = w["model.embed_tokens.weight"]
+        # On a CPU the embedding is looked up in the GGUF's blocks, so its fp32 table (the
+        # vocabulary x hidden) is never made; a tied lm_head runs on the same blocks.
+        self._embed_blocks = (block_quant.get("model.embed_tokens.weight")
+                              if device.type == "cpu" else None)
+        self._embed_table = (w["model.embed_tokens.weight"] if self._embed_blocks is None
+                             else None)
+        self.dtype = dtype
         head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
         self.lm_head = _linear(w, [head], None, prepack, block_quant)
         self.final_norm = w["model.norm.weight"]
@@ -91,6 +97,11 @@ class LlamaModel:
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self._embed_blocks is None:
+            return F.embedding(input_ids, self._embed_table)
+        return self._embed_blocks.rows(input_ids).to(self.dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -98,7 +109,7 @@ class LlamaModel:
         arch = self.arch
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         num_qk_heads = arch.num_heads + arch.num_kv_heads
-        hidden, delta = F.embedding(input_ids, self.embed), None
+        hidden, delta = self.embed(input_ids), None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             hidden, x = self._add_norm(hidden, delta, layer.input_norm)
             qkv = layer.qkv(x)

@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -28,6 +28,8 @@ from loom.model.tokenizer import Tokenizer, bpe_from_gguf_metadata
 from loom.model.weights import BlockQuantWeight, LazyWeights, LoadedModel
 
 logger = logging.getLogger(__name__)
+
+Array = TypeVar("Array", np.ndarray, torch.Tensor)
 
 
 def load_model(model: str | None) -> LoadedModel:
@@ -62,7 +64,7 @@ _GGUF_NAMES = {
 }
 
 
-def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
+def _unpermute_rope(w: Array, num_heads: int) -> Array:
     """Undo llama.cpp's conversion-time Q/K row permutation (interleaved -> half-split RoPE)."""
     rows = w.shape[0]
     return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
@@ -84,7 +86,7 @@ def _load_gguf(path: Path) -> LoadedModel:
             makers[name] = lambda t=tensor, heads=heads: _dequantized(t, heads)
             continue
         if heads is not None:
-            bq = BlockQuantWeight(_unpermute_rope(bq.blocks, heads), bq.kind)
+            bq = BlockQuantWeight(_unpermute_rope(bq.blocks, heads).contiguous(), bq.kind)
         block_quant[name] = bq
         makers[name] = bq.dequantize
 
@@ -130,7 +132,7 @@ def _block_quant(tensor: GGUFTensor) -> BlockQuantWeight | None:
     if kind not in ("Q4_0", "Q4_1", "Q8_0") or len(tensor.shape) != 2:
         return None
     rows, cols = tensor.shape
-    return BlockQuantWeight(tensor.data.reshape(rows, cols // 32, -1), kind)
+    return BlockQuantWeight(torch.from_numpy(tensor.data.reshape(rows, cols // 32, -1)), kind)
 
 
 def _hf_name(gguf_name: str) -> str:

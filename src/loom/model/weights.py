@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from loom.model.arch import ModelArch
@@ -29,7 +28,7 @@ class BlockQuantWeight:
     4-bit codes: byte j of a block holds input j in its low nibble and input j + 16 in its
     high one; Q4_0's count from 8."""
 
-    blocks: np.ndarray  # uint8 [out, in // 32, header + code bytes]
+    blocks: torch.Tensor  # uint8 [out, in // 32, header + code bytes]
     kind: str  # a key of BLOCK_LAYOUT
 
     @property
@@ -39,28 +38,19 @@ class BlockQuantWeight:
     @property
     def codes(self) -> torch.Tensor:
         """int8 [out, in]: the codes as w = codes * scale + offset counts them."""
-        header, _ = BLOCK_LAYOUT[self.kind]
-        raw = self.blocks[..., header:]
-        if self.kind in FOUR_BIT_KINDS:
-            raw = np.concatenate([raw & 0x0F, raw >> 4], axis=-1).view(np.int8)
-            if self.kind == "Q4_0":
-                raw = raw - np.int8(8)
-        return torch.from_numpy(np.ascontiguousarray(raw.view(np.int8)).reshape(self.shape))
+        return _codes(self.blocks, self.kind).reshape(self.shape)
 
     @property
     def scale(self) -> torch.Tensor:
         """float32 [out, in // 32]."""
-        return torch.from_numpy(self._half(0).astype(np.float32))
+        return _half(self.blocks, 0)[..., 0]
 
     @property
     def offset(self) -> torch.Tensor:
         """float32 [out, in // 32] (zeros for the kinds without one)."""
         if BLOCK_LAYOUT[self.kind][0] == 4:
-            return torch.from_numpy(self._half(2).astype(np.float32))
+            return _half(self.blocks, 2)[..., 0]
         return torch.zeros(self.blocks.shape[:2])
-
-    def _half(self, start: int) -> np.ndarray:
-        return np.ascontiguousarray(self.blocks[..., start:start + 2]).view(np.float16)[..., 0]
 
     @staticmethod
     def from_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
@@ -83,22 +73,49 @@ class BlockQuantWeight:
             stored = stored[..., :16] | (stored[..., 16:] << 4)
         header = [scale] if BLOCK_LAYOUT[kind][0] == 2 else [scale, offset]
         parts = [t.half().unsqueeze(-1).view(torch.uint8) for t in header] + [stored]
-        return BlockQuantWeight(torch.cat(parts, dim=-1).numpy(), kind)
+        return BlockQuantWeight(torch.cat(parts, dim=-1), kind)
 
     @staticmethod
     def cat(parts: list[BlockQuantWeight]) -> BlockQuantWeight:
         """Stacked along the output rows, as the fused qkv and gate_up projections are."""
         if len({p.kind for p in parts}) == 1:
-            return BlockQuantWeight(np.concatenate([p.blocks for p in parts]), parts[0].kind)
+            return BlockQuantWeight(torch.cat([p.blocks for p in parts]), parts[0].kind)
         return BlockQuantWeight.from_codes(*(torch.cat([getattr(p, f) for p in parts])
                                              for f in ("codes", "scale", "offset")))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The fp32 rows `ids` of the weight, as dequantize() has them: an embedding lookup
+        that never makes the whole fp32 table (a small model's largest weight)."""
+        return _dequantize(self.blocks[ids], self.kind)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight: bit for bit what gguf's dequantize gives for these blocks, at a
         fraction of its time and memory."""
-        rows, cols = self.shape
-        blocks = self.codes.float().view(rows, cols // 32, 32)
-        return blocks.mul_(self.scale[..., None]).add_(self.offset[..., None]).view(rows, cols)
+        return _dequantize(self.blocks, self.kind)
+
+
+def _dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """[rows, in // 32, block bytes] -> fp32 [rows, in]: codes * scale (+ offset), in gguf's
+    order of operations."""
+    rows, num_blocks, _ = blocks.shape
+    w = _codes(blocks, kind).float().mul_(_half(blocks, 0))
+    if BLOCK_LAYOUT[kind][0] == 4:
+        w.add_(_half(blocks, 2))
+    return w.view(rows, num_blocks * 32)
+
+
+def _codes(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """int8 [..., 32] codes of each block."""
+    raw = blocks[..., BLOCK_LAYOUT[kind][0]:]
+    if kind not in FOUR_BIT_KINDS:
+        return raw.view(torch.int8)
+    codes = torch.cat([raw & 0x0F, raw >> 4], dim=-1).view(torch.int8)
+    return codes - 8 if kind == "Q4_0" else codes
+
+
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """float32 [..., 1] from the fp16 at byte `start` of each block."""
+    return blocks[..., start:start + 2].view(torch.float16).float()
 
 
 class LazyWeights(Mapping[str, torch.Tensor]):
