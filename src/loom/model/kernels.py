@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -65,16 +66,49 @@ def _build_directory(name: str) -> Path:
     return path
 
 
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+_LDFLAGS = ["-fopenmp"]
+
+
 def _build(name: str, source: str, what: str, fallback: str) -> ModuleType | None:
-    """Compile (once; cached, see _build_directory) and import an extension."""
+    """Compile (once; cached, see _build_directory) and import an extension. A build this
+    source and these flags already made is imported straight from its .so: asking
+    torch.utils.cpp_extension (importing it and setuptools, running ninja to check) took
+    longer than the rest of making the model."""
+    directory = _build_directory(name)
+    library, stamp = directory / f"{name}.so", directory / f"{name}.loom-stamp"
+    key = _source_key(source)
+    if library.exists() and stamp.exists() and stamp.read_text() == key:
+        try:
+            return _import_library(name, library)
+        except ImportError as e:  # e.g. a half-written file: build again below
+            logger.debug("rebuilding the %s: %s", what, e)
     from torch.utils.cpp_extension import load
 
     try:
-        return load(name=name, sources=[str(_CSRC / source)],
-                    build_directory=str(_build_directory(name)),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                    extra_ldflags=["-fopenmp"], verbose=bool(os.environ.get("LOOM_VERBOSE_BUILD")))
+        module = load(name=name, sources=[str(_CSRC / source)], build_directory=str(directory),
+                      extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                      verbose=bool(os.environ.get("LOOM_VERBOSE_BUILD")))
     except Exception as e:  # noqa: BLE001 - compiler missing or failing: fall back, loudly
         logger.warning("could not build the C++ %s (%s: %s); using the slower %s path", what,
                        type(e).__name__, e, fallback)
         return None
+    stamp.write_text(key)
+    return module
+
+
+def _source_key(source: str) -> str:
+    """What a build depends on: the source, the headers beside it, the flags."""
+    digest = hashlib.sha256(" ".join(_CFLAGS + _LDFLAGS).encode())
+    for path in [_CSRC / source, *sorted(_CSRC.glob("*.h"))]:
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _import_library(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

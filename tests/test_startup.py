@@ -1,0 +1,55 @@
+"""Start-up: a kernel already built for this source is imported straight from its library,
+without torch's build tools (importing them and asking ninja took longer than making the
+model); a changed source still goes through the build."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from loom.model import kernels
+
+needs_kernels = pytest.mark.skipif(kernels.paged_attention_ops() is None,
+                                   reason="no C++ compiler")
+
+
+@needs_kernels
+@pytest.mark.integration
+def test_built_kernels_load_without_the_build_tools() -> None:
+    code = ("import sys; from loom.model import kernels; "
+            "assert None not in (kernels.paged_attention_ops(), kernels.block_quant_linear_ops(), "
+            "kernels.fused_ops()); print('torch.utils.cpp_extension' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+@needs_kernels
+@pytest.mark.unit
+def test_a_stale_stamp_goes_through_the_build(tmp_path: Path, monkeypatch) -> None:
+    """A library whose stamp names other sources (or flags) is not imported; torch's build
+    is asked (it rebuilds what changed) and the stamp is renewed; a matching stamp skips it."""
+    import torch.utils.cpp_extension
+
+    name = "loom_fused_ops"
+    built = kernels._build_directory(name) / f"{name}.so"
+    shutil.copy(built, tmp_path / built.name)
+    stamp = tmp_path / f"{name}.loom-stamp"
+    stamp.write_text("sources of another checkout")
+    monkeypatch.setattr(kernels, "_build_directory", lambda _: tmp_path)
+    builds: list[str] = []
+
+    def build(**kwargs: object) -> ModuleType:
+        builds.append(str(kwargs["name"]))
+        return kernels._import_library(name, tmp_path / built.name)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", build)
+    module = kernels._build(name, "fused_ops.cpp", "fused norm kernel", "torch")
+    assert builds == [name] and hasattr(module, "add_rms_norm")
+    assert stamp.read_text() == kernels._source_key("fused_ops.cpp")
+    again = kernels._build(name, "fused_ops.cpp", "fused norm kernel", "torch")
+    assert builds == [name] and hasattr(again, "silu_mul")
