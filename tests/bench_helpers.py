@@ -1,9 +1,22 @@
-"""What several `loom bench` test files need: a small trace file on disk."""
+"""What several `loom bench` test files need: a small trace file on disk, the bundled
+model's prompt synthesiser."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
+
+from loom.bench.tokens import PromptSynth, load_tokenizer
+
+
+def bundled_synth() -> PromptSynth:
+    """The bundled model's PromptSynth, or a skip when that optional package is absent."""
+    try:
+        return PromptSynth(load_tokenizer(None))
+    except Exception as e:
+        pytest.skip(f"bundled model tokenizer unavailable: {e}")
 
 
 def write_trace_file(path: Path, prompts: list[str], max_tokens: int,

@@ -8,10 +8,11 @@ import re
 from pathlib import Path
 
 import pytest
+from bench_helpers import bundled_synth
 
 from loom.bench.anonymize import anonymize, block_hashes
 from loom.bench.importers import Classifier, import_log
-from loom.bench.tokens import PromptSynth, load_tokenizer
+from loom.bench.tokens import PromptSynth
 from loom.bench.trace import ArrivalSpec, CancelSpec, generate_mix, load_trace, parse_mix
 from loom.entrypoints.cli import main
 
@@ -24,10 +25,7 @@ OPENAI, AZURE, MOONCAKE = (DATA / "openai_requests.jsonl", DATA / "azure_llm_tra
 
 @pytest.fixture(scope="module")
 def synth() -> PromptSynth:
-    try:
-        return PromptSynth(load_tokenizer(None))
-    except Exception as e:  # the bundled model package is an optional install
-        pytest.skip(f"bundled model tokenizer unavailable: {e}")
+    return bundled_synth()
 
 
 def _ids(synth: PromptSynth, text: str) -> list[int]:

@@ -7,8 +7,9 @@ import json
 import random
 
 import pytest
+from bench_helpers import bundled_synth
 
-from loom.bench.tokens import PromptSynth, load_tokenizer
+from loom.bench.tokens import PromptSynth
 from loom.bench.trace import (
     CLASSES,
     ArrivalSpec,
@@ -31,10 +32,7 @@ MIX = "chat=0.6,long=0.15,rag=0.25"
 
 @pytest.fixture(scope="module")
 def synth() -> PromptSynth:
-    try:
-        return PromptSynth(load_tokenizer(None))
-    except Exception as e:  # the bundled model package is an optional install
-        pytest.skip(f"bundled model tokenizer unavailable: {e}")
+    return bundled_synth()
 
 
 @pytest.fixture(scope="module")

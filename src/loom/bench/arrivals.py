@@ -24,6 +24,13 @@ from loom.bench.trace import TraceRequest
 TRACE_RATE = "trace"  # --rate trace: replay arrival_s as recorded
 
 
+def _match(pattern: str, text: str, expected: str) -> re.Match[str]:
+    match = re.fullmatch(pattern, text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected {expected}; got {text!r}")
+    return match
+
+
 @dataclass(frozen=True)
 class Burst:
     """`--burst 5x:30s[@10s]`: `factor` times the base rate for `length_s` seconds, starting
@@ -35,10 +42,8 @@ class Burst:
 
     @classmethod
     def parse(cls, text: str) -> Burst:
-        match = re.fullmatch(r"([\d.]+)x:([\d.]+)s?(?:@([\d.]+)s?)?", text.strip())
-        if not match:
-            raise argparse.ArgumentTypeError(f"expected FACTORx:SECONDSs[@STARTs], e.g. "
-                                             f"5x:30s or 5x:30s@10s; got {text!r}")
+        match = _match(r"([\d.]+)x:([\d.]+)s?(?:@([\d.]+)s?)?", text,
+                       "FACTORx:SECONDSs[@STARTs], e.g. 5x:30s or 5x:30s@10s")
         factor, length = float(match.group(1)), float(match.group(2))
         if factor <= 0 or length <= 0:
             raise argparse.ArgumentTypeError("a burst needs a factor and a length > 0")
@@ -61,11 +66,8 @@ class RampUp:
 
     @classmethod
     def parse(cls, text: str) -> RampUp:
-        match = re.fullmatch(r"linear:([\d.]+)s?", text.strip())
-        if not match:
-            raise argparse.ArgumentTypeError(f"expected linear:SECONDSs, e.g. linear:60s; got "
-                                             f"{text!r}")
-        return cls(float(match.group(1)))
+        return cls(float(_match(r"linear:([\d.]+)s?", text, "linear:SECONDSs, e.g. "
+                                                              "linear:60s").group(1)))
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "linear", "length_s": self.length_s}
