@@ -199,3 +199,20 @@ def test_report_reads_an_old_result_file(tmp_path: Path) -> None:
     shutil.copytree(old, tmp_path / "old")
     html_path, md_path = write_decision_report(tmp_path / "old")
     assert "not measured" in md_path.read_text() and html_path.exists()
+
+
+def test_cli_run_repeats_and_a_server_that_cannot_reset_its_cache(tmp_path: Path,
+                                                                     capsys) -> None:
+    from loom.entrypoints.cli import main
+
+    write_trace(_trace(6), tmp_path / "t.jsonl")
+    out = tmp_path / "run.json"
+    with running_fake_server("--ttft", "0.1", "--itl", "0.01") as url:
+        common = ["bench", "run", "--base-url", url, "--trace", str(tmp_path / "t.jsonl"),
+                  "--rate", "20", "--repeats", "2", "--scrape-interval", "0.2"]
+        assert main([*common, "--out", str(out)]) == 0
+        assert main([*common, "--reset-prefix-cache"]) == 2
+    result = json.loads(out.read_text())
+    assert result["repeats"] == 2 and result["num_prompts"] == 12
+    assert len(result["repeat_figures"]) == 2 and "p95_ttft_ms" in result["ci"]
+    assert "cannot reset its prefix cache" in capsys.readouterr().err
