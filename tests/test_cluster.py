@@ -281,6 +281,7 @@ def test_killed_replica_fails_its_requests_cleanly_and_comes_back(
         except openai.APIError:
             return False
 
+    assert _get(url, "/health") == 200  # one replica still reports
     _wait_for(serves, "no request succeeded after the kill")
     _wait_for(lambda: len(_finished(url)) == 2 and victim not in _finished(url),
               "the killed replica was not replaced")

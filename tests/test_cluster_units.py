@@ -42,15 +42,23 @@ def test_bad_cluster_config(kwargs: dict, message: str) -> None:
         ClusterConfig(**kwargs)
 
 
-def test_serve_with_one_replica_imports_no_ray() -> None:
-    code = ("import sys\n"
-            "from loom.entrypoints.cli import parse_args\n"
-            "import loom.entrypoints.openai.server\n"
-            "parse_args(['serve', '--data-parallel-size', '1'])\n"
-            "print('ray' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+def _heavy_modules_after(code: str) -> list[str]:
+    """Which of ray and torch a fresh interpreter has loaded after running `code`."""
+    probe = f"{code}\nimport sys\nprint(*(m for m in ('ray', 'torch') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True)
-    assert out.stdout.strip() == "False"
+    return out.stdout.split()
+
+
+def test_routing_policy_imports_neither_ray_nor_torch() -> None:
+    assert _heavy_modules_after("import loom.cluster.routing") == []
+
+
+def test_serve_with_one_replica_imports_no_ray() -> None:
+    code = ("from loom.entrypoints.cli import parse_args\n"
+            "import loom.entrypoints.openai.server\n"
+            "parse_args(['serve', '--data-parallel-size', '1'])")
+    assert "ray" not in _heavy_modules_after(code)
 
 
 def _replica_text(requests: int) -> bytes:

@@ -4,17 +4,23 @@ Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /v
 options live in `ServerConfig` and become flags the same way engine options do, so each is
 spelled once. Everything that can be refused without the model (bad flags, a port in use) is
 refused before the model loads.
+
+The app serves any engine client with AsyncEngine's surface (`EngineClient`): the engine in
+this process, or, with `--data-parallel-size N` above 1, N replicas on Ray Serve
+(`loom.cluster`, imported only then).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
@@ -22,9 +28,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import loom
+from loom.cluster.config import ClusterConfig
 from loom.config import EngineConfig, add_cli_args, flag_help, from_cli_args
-from loom.engine.async_engine import AsyncEngine
-from loom.engine.core import EngineCore
+from loom.engine.async_engine import AsyncEngine, EngineRequest
 from loom.entrypoints.openai import http_server
 from loom.entrypoints.openai.errors import install_error_handlers
 from loom.entrypoints.openai.guards import ApiKeyGuard, BodyGuard, HostGuard, is_loopback
@@ -36,6 +42,7 @@ from loom.entrypoints.openai.protocol import (
 )
 from loom.entrypoints.openai.serving_chat import ChatServing
 from loom.entrypoints.openai.serving_completion import CompletionServing
+from loom.entrypoints.openai.serving_tokenize import add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +107,25 @@ class ServerConfig:
         return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
-    """The app over an engine; the engine loop starts and stops with the app's lifespan."""
+class EngineClient(Protocol):
+    """What the server uses of an engine: `core` with `.tokenizer`, `.model_name`,
+    `.max_model_len`, `.num_kv_blocks`, `.block_size` and `.metrics.prometheus_text()` (bytes,
+    or an awaitable of them); streams of outputs that can be closed; abort; the lifecycle."""
+
+    core: Any
+
+    def submit(self, requests: list[EngineRequest]) -> AsyncIterable[Any]: ...
+    def abort(self, request_id: str) -> None: ...
+    def start(self) -> None: ...
+    def drain(self) -> None: ...
+    def stop(self, reason: str = ...) -> None: ...
+    def shutdown(self, timeout: float = ...) -> None: ...
+    @property
+    def is_alive(self) -> bool: ...
+
+
+def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
+    """The app over an engine client; it starts and stops with the app's lifespan."""
     model_name = config.served_model_name or engine.core.model_name
     completions = CompletionServing(engine, model_name, config.stream_interval)
     chat = ChatServing(engine, model_name, config.stream_interval)
@@ -136,11 +160,16 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.core.metrics.prometheus_text(), media_type=CONTENT_TYPE_LATEST)
+        text = engine.core.metrics.prometheus_text()
+        if inspect.isawaitable(text):  # replicas elsewhere: their series are fetched
+            text = await text
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": loom.__version__}
+
+    add_tokenize_routes(app, engine)
 
     return app
 
@@ -162,6 +191,7 @@ def _add_guards(app: FastAPI, config: ServerConfig) -> None:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_cli_args(parser, ServerConfig)
+    add_cli_args(parser, ClusterConfig)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -175,12 +205,32 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def run_server(args: argparse.Namespace) -> int:
     config = server_config(args)
+    cluster_config = from_cli_args(ClusterConfig, args)
     engine_config = EngineConfig.from_cli_args(args)
     sock = http_server.bind(config.host, config.port)  # before the model: fail in a second
-    engine = AsyncEngine(EngineCore(engine_config),
-                         max_num_queued_reqs=config.max_num_queued_reqs,
-                         queue_timeout=config.queue_timeout,
-                         max_num_seqs=engine_config.scheduler.max_num_seqs)
+    if cluster_config.data_parallel_size == 1:
+        return _serve(config, sock, _local_engine(config, engine_config))
+    from loom.cluster.launch import deploy
+    from loom.cluster.replica import ReplicaLimits
+
+    cluster = deploy(cluster_config, engine_config,
+                     ReplicaLimits(config.max_num_queued_reqs, config.queue_timeout))
+    try:
+        return _serve(config, sock, cluster.engine)
+    finally:
+        cluster.shutdown()
+
+
+def _local_engine(config: ServerConfig, engine_config: EngineConfig) -> AsyncEngine:
+    from loom.engine.core import EngineCore
+
+    return AsyncEngine(EngineCore(engine_config),
+                       max_num_queued_reqs=config.max_num_queued_reqs,
+                       queue_timeout=config.queue_timeout,
+                       max_num_seqs=engine_config.scheduler.max_num_seqs)
+
+
+def _serve(config: ServerConfig, sock: Any, engine: EngineClient) -> int:
     app = build_app(engine, config)
     logging.getLogger("uvicorn.access").addFilter(http_server.QuietPathsFilter())
     # log_config=None: uvicorn's lines go through loom's logging set-up, in one format.
