@@ -153,6 +153,17 @@ def test_streaming_through_ray(apps: dict[str, Served]) -> None:
     assert text == whole.choices[0].message.content
 
 
+def test_tokenize_and_structured_outputs_through_the_replicas(apps: dict[str, Served],
+                                                             llm: LLM) -> None:
+    url = apps["prefix"].url
+    tokens = httpx.post(url + "/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
+    assert tokens == llm.engine.tokenizer.encode(PROMPTS[0])
+    got = _client(url).completions.create(
+        model="any", prompt="Is water wet? Answer:", max_tokens=8, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert got.choices[0].text in ("yes", "no")  # the grammar compiled on the replica
+
+
 def test_models_health_and_one_scrape_of_every_replica(apps: dict[str, Served]) -> None:
     url = apps["prefix"].url
     assert _get(url, "/health") == 200
