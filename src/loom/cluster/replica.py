@@ -80,9 +80,10 @@ class LoomReplica:
     """The deployment class; `deployment()` wraps it with the cluster's options."""
 
     def __init__(self, config: EngineConfig, limits: ReplicaLimits, hub_name: str) -> None:
-        logging.basicConfig(level=logging.INFO,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.tag = serve.get_replica_context().replica_id.unique_id
+        logging.basicConfig(  # the tag is the `replica` label of this replica's metrics
+            level=logging.INFO,
+            format=f"%(asctime)s %(levelname)s %(name)s [replica {self.tag}]: %(message)s")
         self.engine = AsyncEngine(EngineCore(config),
                                   max_num_queued_reqs=limits.max_num_queued_reqs,
                                   queue_timeout=limits.queue_timeout,
