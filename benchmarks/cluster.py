@@ -10,6 +10,8 @@ Suites (--suites, default all):
   hop   C = 1 on the mixed trace: 2 replicas x 1 thread through Ray (one request at a time, so
         one replica works and the other idles) vs the in-process server with 1 thread: the cost
         of the hop to the replica
+  router  the policy alone (loom.cluster.routing, no Ray): routing decisions per second for
+        fleets of 10 / 100 / 1,000 replicas on 2,048-token prompts over shared documents
 
 Every run starts its server on a free port (LocalServer), waits for /health, warms it up with
 two short requests that share nothing with the traces, runs `loom bench run --rate inf
@@ -61,6 +63,29 @@ def rag_trace(path: Path, documents: int, per_document: int, seed: int) -> Path:
     return path
 
 
+def router_speed(sizes: tuple[int, ...] = (10, 100, 1000), prompt_len: int = 2048,
+                 decisions: int = 2000) -> list[dict[str, Any]]:
+    """choose + record per second, hashing included (the front end hashes every prompt)."""
+    from loom.cluster.routing import make_policy, prompt_block_hashes
+
+    rng = random.Random(0)
+    docs = [[rng.randrange(50_000) for _ in range(prompt_len - 64)] for _ in range(200)]
+    prompts = [rng.choice(docs) + [rng.randrange(50_000) for _ in range(64)]
+               for _ in range(decisions)]
+    rows = []
+    for size in sizes:
+        policy = make_policy("prefix", size)
+        queues = [rng.randrange(8) for _ in range(size)]
+        start = time.perf_counter()
+        for prompt in prompts:
+            hashes = prompt_block_hashes(prompt, 16)
+            policy.record(policy.choose(hashes, queues), hashes)
+        per_s = decisions / (time.perf_counter() - start)
+        rows.append({"replicas": size, "decisions_per_s": per_s})
+        _say(f"router, {size} replicas: {per_s:,.0f} decisions/s")
+    return rows
+
+
 def scrape(url: str, name: str) -> float:
     """A metric summed over every replica (and label) of the front end's one scrape."""
     text = httpx.get(url + "/metrics", timeout=30).text
@@ -106,7 +131,7 @@ def run(name: str, flags: str, trace: Path, concurrency: int, out_dir: Path) -> 
     return row
 
 
-def suites(args: argparse.Namespace, out_dir: Path) -> list[dict[str, Any]]:
+def server_suites(args: argparse.Namespace, out_dir: Path) -> list[dict[str, Any]]:
     kv = args.kv_cache_memory_mib
     one = f"--kv-cache-memory {kv}MiB"
     dp2 = f"--data-parallel-size 2 --num-threads 1 --kv-cache-memory {kv // 2}MiB"
@@ -144,7 +169,8 @@ def _say(msg: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suites", type=lambda s: s.split(","), default=["dp", "rag", "hop"])
+    ap.add_argument("--suites", type=lambda s: s.split(","),
+                    default=["dp", "rag", "hop", "router"])
     ap.add_argument("--kv-cache-memory-mib", type=int, default=1024,
                     help="KV memory in all: one engine gets it whole, each of 2 replicas half")
     ap.add_argument("--documents", type=int, default=4)
@@ -155,16 +181,21 @@ def main() -> int:
     out_dir = args.out_dir or REPO / "benchmarks/results" / stamp
     out_dir.mkdir(parents=True, exist_ok=True)
     started = dt.datetime.now(dt.timezone.utc)
-    rows = suites(args, out_dir)
+    rows = server_suites(args, out_dir)
+    router = router_speed() if "router" in args.suites else []
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=REPO).stdout.strip()
     table = markdown(rows)
     (out_dir / "summary.json").write_text(json.dumps(
-        {"rows": rows, "host": host.describe(), "commit": commit,
+        {"rows": rows, "router": router, "host": host.describe(), "commit": commit,
          "date": started.isoformat(timespec="seconds"),
          "command": shlex.join(sys.argv)}, indent=2))
     print(f"\nhost: {host.describe()}\ncommit: {commit}\ndate: {started:%Y-%m-%d %H:%M} UTC\n")
     print(table)
+    if router:
+        print("\n| replicas | routing decisions/s (prefix, 2,048-token prompts, hashing "
+              "included) |\n|---|---|")
+        print("\n".join(f"| {r['replicas']:,} | {r['decisions_per_s']:,.0f} |" for r in router))
     return 0
 
 
