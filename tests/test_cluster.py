@@ -87,6 +87,7 @@ def apps() -> Iterator[dict[str, Served]]:
     finally:
         for app in served.values():
             app.server.should_exit = True
+            app.cluster.shutdown()  # on a Ray it did not start: deletes only its application
         serve.shutdown()
         ray.shutdown()
 

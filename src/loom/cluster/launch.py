@@ -9,6 +9,7 @@ import logging
 import os
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray import serve
@@ -34,6 +35,7 @@ class Cluster:
 
     app_name: str
     engine: ClusterEngine
+    hub: Any
     owns_ray: bool
 
     def shutdown(self) -> None:
@@ -44,6 +46,7 @@ class Cluster:
             ray.shutdown()
         else:
             serve.delete(self.app_name, _blocking=False)
+            ray.kill(self.hub)
 
 
 def init_ray(config: ClusterConfig, engine_config: EngineConfig) -> bool:
@@ -78,4 +81,4 @@ def deploy(config: ClusterConfig, engine_config: EngineConfig, limits: ReplicaLi
     handle = serve.run(app, name=app_name, route_prefix=None)
     facts = handle.model_facts.remote().result()
     engine = ClusterEngine(handle, facts, hub, config.data_parallel_size)
-    return Cluster(app_name, engine, owns_ray)
+    return Cluster(app_name, engine, hub, owns_ray)
