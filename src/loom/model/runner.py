@@ -174,8 +174,7 @@ class ModelRunner:
         mask_row = {request_id: i for i, request_id in enumerate(bitmask.request_ids)}
         rows = [j for j, s in enumerate(plain) if s.request_id in mask_row]
         if rows:
-            masks = torch.from_numpy(bitmask.bitmask[[mask_row[plain[j].request_id]
-                                                      for j in rows]])
+            masks = bitmask.bitmask[[mask_row[plain[j].request_id] for j in rows]]
             index = torch.tensor(rows, device=self.device)
             logits[index] = apply_token_bitmask(logits[index], masks)
         return logits

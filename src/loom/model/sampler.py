@@ -3,6 +3,7 @@ SamplingParams, in one pass."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from loom.sampling import SamplingParams
@@ -68,12 +69,18 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+_MASK_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # disallowed, allowed
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
     """`logits` with -inf wherever the row's bitmask (int32 [rows, ceil(vocab / 32)], bit j of
-    word w for token 32 w + j) disallows the token (structured outputs)."""
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> bits) & 1).bool().flatten(1)
+    word w for token 32 w + j) disallows the token (structured outputs). Unpacked by numpy and
+    added as a 0 / -inf bias: on a CPU that took half the time of torch's masked_fill, and a
+    third of unpacking the bits with torch shifts (benchmarks/structured.py's apply)."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1,
+                         bitorder="little")
     vocab = logits.shape[-1]
-    if allowed.shape[1] < vocab:  # logits padded past the tokenizer's vocabulary
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    return logits.masked_fill(~allowed[:, :vocab], float("-inf"))
+    if bits.shape[1] < vocab:  # logits padded past the tokenizer's vocabulary
+        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+    bias = torch.from_numpy(_MASK_BIAS[bits[:, :vocab]]).to(logits.device)
+    return logits + bias
