@@ -101,13 +101,14 @@ def _time_linear(x: torch.Tensor, linear: Linear, min_time: float) -> float:
 
 @torch.inference_mode()
 def measure_matmuls(shapes: dict[str, tuple[int, int]], ms: list[int], square: int,
-                    min_time: float, rounds: int) -> dict[str, Any]:
+                    min_time: float, rounds: int, dtypes: list[str]) -> dict[str, Any]:
     """GFLOP/s of x[M, in] @ w[out, in]^T per dtype, shape and M; and of a square matmul. The
     whole sweep runs `rounds` times and each figure keeps its best round, so a burst of other
     load on the machine spoils one round of a figure rather than the figure."""
     out: dict[str, Any] = {}
     for round_ in range(rounds):
-        for dtype_name, dtype in DTYPES.items():
+        for dtype_name in dtypes:
+            dtype = DTYPES[dtype_name]
             result = out.setdefault(dtype_name, {"shapes": {}, "square_n": square,
                                                  "square_gflops": 0.0})
             for name, (k, n) in shapes.items():
@@ -270,7 +271,7 @@ def print_report(machine: dict[str, Any], rows: list[dict[str, Any]],
     print(f"- memory copy (read + write counted): best {bw['copy_best_gbs']:.1f} GB/s, "
           f"median {bw['copy_median_gbs']:.1f} GB/s")
     matmuls = machine["matmul"]
-    for dtype_name in DTYPES:
+    for dtype_name in matmuls:
         print(f"- {dtype_name} square matmul {matmuls[dtype_name]['square_n']}^3: "
               f"{matmuls[dtype_name]['square_gflops']:.1f} GFLOP/s")
     for dtype_name, f in figures.items():
@@ -283,7 +284,7 @@ def print_report(machine: dict[str, Any], rows: list[dict[str, Any]],
     print("\n### Matmul GFLOP/s at the model's shapes (in -> out), by M\n")
     print("| dtype | shape | " + " | ".join(f"M={m}" for m in ms) + " |")
     print("|---|---|" + "---:|" * len(ms))
-    for dtype_name in DTYPES:
+    for dtype_name in matmuls:
         for name, (k, n) in shapes.items():
             cells = " | ".join(f"{matmuls[dtype_name]['shapes'][name][m]['gflops']:.1f}"
                                for m in ms)
@@ -318,6 +319,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None,
                         help="timed decode steps per batch size (default 32; quick: 3)")
     parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES),
+                        help="dtypes to decode in (default: all)")
     parser.add_argument("--out", help="also write every figure to this JSON file")
     args = parser.parse_args()
     quick = args.quick
@@ -330,7 +333,7 @@ def main() -> None:
     decodes: dict[str, list[dict[str, float]]] = {}
     figures: dict[str, dict[str, Any]] = {}
     shapes: dict[str, tuple[int, int]] = {}
-    for dtype_name in DTYPES:
+    for dtype_name in args.dtypes:
         print(f"decode, {dtype_name}: loading the model...", flush=True)
         llm = LLM(dtype=dtype_name, num_threads=args.threads, kv_cache_memory="512MiB",
                   max_num_seqs=max(64, max(batches)),
@@ -353,13 +356,13 @@ def main() -> None:
     bandwidth = measure_bandwidth(size, 3 if quick else 7)
     print("matmuls...", flush=True)
     matmuls = measure_matmuls(shapes, ms, 1024 if quick else 2048, 0.02 if quick else 0.1,
-                              1 if quick else 2)
+                              1 if quick else 2, args.dtypes)
     machine = {"cpu": hardware()["cpu_model"], "threads": args.threads,
                "cores_available": len(os.sched_getaffinity(0)), "torch": torch.__version__,
                "bandwidth": bandwidth, "matmul": matmuls}
     rows = [roofline_row(dtype_name, d, figures[dtype_name], matmuls,
                          bandwidth["read_best_gbs"], shapes)
-            for dtype_name in DTYPES for d in decodes[dtype_name]]
+            for dtype_name in args.dtypes for d in decodes[dtype_name]]
     print_report(machine, rows, figures, shapes, ms)
     if args.out:
         with open(args.out, "w") as f:
