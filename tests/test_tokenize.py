@@ -91,3 +91,19 @@ def test_cached_tokens_and_continuous_usage(url: str) -> None:
     assert all(u is not None for u in usages)
     counts = [u["completion_tokens"] for u in usages]  # a reader behind gets fewer chunks
     assert counts == sorted(counts) and counts[0] >= 1 and counts[-2:] == [4, 4]
+
+
+def test_echo_of_a_token_id_prompt_agrees_with_its_text_offsets(url: str) -> None:
+    """Special tokens and characters split across tokens included: each token's offset is
+    where its text starts in the echoed text."""
+    text = "<|im_start|>user\nCafé 🙂 日本<|im_end|>"
+    ids = post(url, "/tokenize", {"prompt": text}).json()["tokens"]
+    echoed = post(url, "/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True,
+                                           "logprobs": 1}).json()["choices"][0]
+    assert echoed["text"] == text
+    offsets = echoed["logprobs"]["text_offset"]
+    assert len(offsets) == len(ids) and offsets[0] == 0 and offsets == sorted(offsets)
+    for i, offset in enumerate(offsets):
+        before = post(url, "/detokenize", {"tokens": ids[:i]}).json()["prompt"]
+        if not before.endswith("\ufffd"):  # a token inside a character starts nowhere
+            assert offset == len(before)

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request, Response
 
@@ -35,12 +36,17 @@ from loom.entrypoints.openai.serving import (
 )
 from loom.outputs import RequestOutput, TokenLogprob
 
+_PIECE_WINDOW = 8  # tokens decoded together at most when splitting a prompt into pieces
+
 
 @dataclass
 class _Choice(Choice):
     """A completion choice also echoes its prompt and tracks legacy logprobs' text offsets."""
 
     prompt_text: str = ""
+    # a token-id prompt: the text each prompt token adds to prompt_text, so the echoed text
+    # and logprobs.text_offset agree (None: a text prompt, echoed as sent)
+    prompt_pieces: list[str] | None = None
     prompt_tokens: int = 0
     first_of_prompt: bool = True  # the prompt's usage (cached tokens) is counted once
     echoed: bool = False
@@ -62,7 +68,9 @@ class CompletionServing(OpenAIServing):
             num_prompt_tokens += len(token_ids)
             max_tokens = self.max_tokens(1 if score_only else request.max_tokens,
                                          len(token_ids), "prompt")
-            text = await self._prompt_text(prompt) if request.echo else ""
+            pieces = (await asyncio.to_thread(token_pieces, self.tokenizer, prompt)
+                      if request.echo and not isinstance(prompt, str) else None)
+            text = "".join(pieces) if pieces is not None else prompt if request.echo else ""
             for i in range(request.n):
                 index = p * request.n + i
                 params = self.sampling_params(
@@ -71,7 +79,7 @@ class CompletionServing(OpenAIServing):
                     structured_outputs=structured)
                 request_id = f"{completion_id}-{index}"
                 requests.append(EngineRequest(request_id, token_ids, params, request.priority))
-                choices[request_id] = _Choice(index, prompt_text=text,
+                choices[request_id] = _Choice(index, prompt_text=text, prompt_pieces=pieces,
                                               prompt_tokens=len(token_ids),
                                               first_of_prompt=i == 0)
         created = int(time.time())
@@ -116,12 +124,6 @@ class CompletionServing(OpenAIServing):
         self.check_token_ids(prompt, "prompt")
         return prompt
 
-    async def _prompt_text(self, prompt: str | list[int]) -> str:
-        """The prompt as echo returns it (decoded once its ids are known to be valid)."""
-        if isinstance(prompt, str):
-            return prompt
-        return await asyncio.to_thread(self.tokenizer.decode, prompt)
-
     def _delta(self, request: CompletionRequest, output: RequestOutput, choice: _Choice,
                score_only: bool) -> CompletionChoice:
         """What the choice gained since it last sent: everything, for a non-streamed answer."""
@@ -137,7 +139,7 @@ class CompletionServing(OpenAIServing):
             logprobs = CompletionLogprobs()
             if echo:
                 self._add_logprobs(logprobs, choice, output.prompt_token_ids,
-                                   output.prompt_logprobs or [])
+                                   output.prompt_logprobs or [], choice.prompt_pieces)
             self._add_logprobs(logprobs, choice, completion.token_ids[start:end],
                                (completion.logprobs or [])[start:end])
         finish_reason = None
@@ -149,14 +151,15 @@ class CompletionServing(OpenAIServing):
             stop_reason=completion.stop_reason if output.finished else None)
 
     def _add_logprobs(self, into: CompletionLogprobs, choice: _Choice, token_ids: list[int],
-                      entries: list[TokenLogprob | None]) -> None:
+                      entries: list[TokenLogprob | None],
+                      pieces: list[str] | None = None) -> None:
         """Legacy logprobs: per token its text, offset, logprob, and {token: logprob} of the
         sampled token plus the top-N (the sampled one included, as vLLM does)."""
-        for token_id, entry in zip(token_ids, entries):
+        for i, (token_id, entry) in enumerate(zip(token_ids, entries)):
             token = self.tokenizer.id_to_token(token_id)
             into.tokens.append(token)
             into.text_offset.append(choice.text_offset)
-            choice.text_offset += len(token)
+            choice.text_offset += len(token if pieces is None else pieces[i])
             if entry is None:  # the first prompt token: nothing came before it
                 into.token_logprobs.append(None)
                 into.top_logprobs.append(None)
@@ -165,3 +168,21 @@ class CompletionServing(OpenAIServing):
             top.update((self.tokenizer.id_to_token(t), lp) for t, lp in entry.top)
             into.token_logprobs.append(entry.logprob)
             into.top_logprobs.append(top)
+
+
+def token_pieces(tokenizer: Any, token_ids: list[int]) -> list[str]:
+    """The text each token adds to the decoded whole (special tokens kept), so that their
+    concatenation is the text: a token that ends inside a UTF-8 character adds nothing, and
+    the one completing it adds the character."""
+    pieces, start, text = [], 0, ""
+    for i in range(len(token_ids)):
+        decoded = tokenizer.decode(token_ids[start:i + 1], skip_special_tokens=False)
+        if decoded.endswith("\ufffd"):  # an incomplete character: wait for its last byte
+            pieces.append("")
+            continue
+        pieces.append(decoded[len(text):])
+        if i + 1 - start >= _PIECE_WINDOW:  # restart the window at a whole character
+            start, text = i + 1, ""
+        else:
+            text = decoded
+    return pieces
