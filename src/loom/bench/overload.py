@@ -1,11 +1,12 @@
 """Bursts and overload as outcomes: what a burst above the normal rate did.
 
 A run with `--burst` is split by when each request was due: before the burst, during it and
-after it. Per phase: how many requests were answered, refused (503/429), timed out, walked
-away from or failed, and their p95 TTFT; the goodput during the burst (requests answered
-within the SLO, else answered at all, per second of burst); what the server did with the
-extra load (refused it, let latency spike, or absorbed it; with its peak queue); how long
-after the burst every request was served normally again; and which class and tenant paid.
+after it (a run standing for repeats counts the requests of all of them). Per phase: how
+many requests were answered, refused (503/429), timed out, walked away from or failed, and
+their p95 TTFT; the goodput during the burst (requests answered within the SLO, else
+answered at all, per second of burst); what the server did with the extra load (refused it,
+let latency spike, or absorbed it; with its peak queue); how long after the burst every
+request was served normally again; and which class and tenant paid.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def burst_outcomes(run: dict[str, Any], slo: Slo | None = None) -> dict[str, Any
               for p in ("before", "during", "after")}
     out: dict[str, Any] = {"burst": burst, **{p: _outcomes(rs) for p, rs in phases.items()}}
     good = [r for r in phases["during"] if (slo.good(r) if slo else r.status == OK)]
-    out["goodput_during"] = len(good) / burst["length_s"]
+    out["goodput_during"] = len(good) / (burst["length_s"] * run.get("repeats", 1))
     out["goodput_basis"] = f"within {slo}" if slo else "completed"
     before, during = out["before"]["p95_ttft_ms"], out["during"]["p95_ttft_ms"]
     waiting = [e["waiting"] for e in run.get("timeline", []) if e.get("waiting") is not None

@@ -132,7 +132,8 @@ def _plots(named: list[tuple[str, list[dict[str, Any]]]], out_dir: Path) -> list
 def _context(runs: list[dict[str, Any]], chosen: str, slo: Slo | None) -> list[str]:
     first = runs[0]
     hw = first.get("hardware") or {}
-    dates = sorted(r["date"] for r in runs if r.get("date"))
+    dates = sorted(d for r in runs for d in [r.get("date")]
+                   + [f.get("date") for f in r.get("repeat_figures", [])] if d)
     trace = first.get("trace") or {}
     return [f"Decided on: {chosen}",
             f"SLO: {slo}" if slo else "SLO: none given (latency not judged)",
