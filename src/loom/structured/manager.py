@@ -90,7 +90,3 @@ class StructuredOutputManager:
         for row, state in enumerate(states):
             lln.fill_next_token_bitmask(state.matcher, bitmask, row)
         return bitmask
-
-    def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)

@@ -37,10 +37,6 @@ class GrammarState:
         return self._matcher is not None or self.error is not None
 
     @property
-    def future(self) -> Future[Any]:
-        return self._compiled
-
-    @property
     def matcher(self) -> Any:
         return self._matcher
 
