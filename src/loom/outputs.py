@@ -43,6 +43,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage's cached_tokens)
     error: str | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
