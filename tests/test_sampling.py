@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loom.engine.detokenizer import IncrementalDetokenizer
-from loom.model.sampler import Sampler, apply_top_k_top_p
+from loom.model.sampler import Sampler, apply_token_bitmask, apply_top_k_top_p
 from loom.sampling import SamplingParams, SamplingParamsError, valid_unicode
 
 pytestmark = pytest.mark.unit
@@ -128,3 +128,20 @@ def test_stop_string_is_cut_and_partial_matches_are_held_back() -> None:
 def test_earliest_stop_string_wins() -> None:
     detok = feed("abcdef", ["cdef", "bc"])
     assert detok.stopped_on == "bc" and detok.text == "a"
+
+
+def test_the_grammar_bitmask_leaves_only_allowed_tokens() -> None:
+    """Bit j of word w allows token 32 w + j; logits past the mask's width (a vocabulary
+    padded beyond the tokenizer's) are never allowed; allowed logits keep their values."""
+    import numpy as np
+
+    bitmask = np.zeros((2, 2), dtype=np.int32)
+    bitmask[0, 0] = 0b101  # tokens 0 and 2
+    bitmask[1, 1] = -2**31  # token 63 (the sign bit)
+    logits = torch.arange(140, dtype=torch.float32).view(2, 70)
+    masked = apply_token_bitmask(logits, bitmask)
+    finite = [torch.isfinite(row).nonzero().flatten().tolist() for row in masked]
+    assert finite == [[0, 2], [63]]
+    assert masked[0, 2] == logits[0, 2] and masked[1, 63] == logits[1, 63]
+    greedy = Sampler()(masked, [SamplingParams(temperature=0)] * 2, [None, None])
+    assert greedy.tolist() == [2, 63]
