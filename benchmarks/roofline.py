@@ -42,6 +42,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import loom  # noqa: F401 - before torch: it sets the OpenMP wait policy (loom/threads.py)
+
+# isort: split
 import torch
 
 from loom import LLM, SamplingParams

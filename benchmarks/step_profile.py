@@ -27,6 +27,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import loom  # noqa: F401 - before torch: it sets the OpenMP wait policy (loom/threads.py)
+
+# isort: split
 import torch
 
 sys.path.insert(0, "benchmarks")
