@@ -25,6 +25,7 @@ FORBIDDEN = {
     "bench": ["loom.engine", "loom.entrypoints", "loom.model.runner", "loom.model.llama",
               "loom.model.loader", "loom.model.linear", "loom.model.attention",
               "loom.model.kernels", "loom.model.backends", "loom.model.weights"],
+    "cluster": ["loom.entrypoints", "loom.bench", "loom.sim", "loom.plan"],
 }
 
 

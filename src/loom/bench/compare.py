@@ -9,6 +9,7 @@ baseline (`--scheduler static`) on the same model, trace and hardware.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import re
 import shlex
@@ -90,7 +91,7 @@ def simulate_config(name: str, flags: str, trace: Trace, out_dir: Path, base: Lo
                     rates: list[float] | None, concurrencies: list[int] | None,
                     auto: AutoSearch | None, slo: Slo | None) -> dict[str, Any]:
     """`loom simulate FLAGS` on the same trace and loads: a sweep JSON marked simulated."""
-    from loom.entrypoints.cli import parse_args  # the simulator only when asked for
+    from loom.sim.cli import add_parser  # the simulator only when asked for
 
     if auto is not None or base.burst or base.ramp_up:
         raise ValueError(f"--config {name}=simulate:...: the simulator takes --rates or "
@@ -109,7 +110,9 @@ def simulate_config(name: str, flags: str, trace: Trace, out_dir: Path, base: Lo
                         ("--slo", slo)):
         if value is not None:
             argv += [flag, str(value)]
-    args = parse_args(argv + shlex.split(flags))
+    parser = argparse.ArgumentParser(prog="loom")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv + shlex.split(flags))
     args.func(args)
     result = load_json(sim_dir / f"{name}.json")
     result["config"]["flags"] = f"{SIMULATE}{flags}"
