@@ -187,7 +187,7 @@ def passage_logits(model: LlamaModel, token_ids: list[int]) -> torch.Tensor:
     """[n, vocab] fp32 logits of every position, from one prefill of the whole passage into a
     fresh paged KV cache (the path the engine's prefill takes)."""
     arch, n = model.arch, len(token_ids)
-    dtype = model.embed.dtype
+    dtype = model.dtype
     num_blocks = -(-n // BLOCK_SIZE)
     caches = [new_kv_cache(num_blocks, BLOCK_SIZE, arch.num_kv_heads, arch.head_dim, dtype,
                            torch.device("cpu")) for _ in range(arch.num_layers)]

@@ -85,7 +85,7 @@ class LocalServer:
                 logger.info("waiting for %s/health: %.0f s of at most %g s", self.url,
                             time.monotonic() - start, self.health_timeout_s)
                 next_note += PROGRESS_EVERY_S
-            time.sleep(0.25)
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc is None or self._group_stopped:
