@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from model_fixtures import torch_threads
 
+# loom first, before anything that loads torch: importing loom sets OpenMP's passive wait
+# policy, which torch reads once when it loads (spinning OpenMP threads slow every test on a
+# busy 2-core machine many times over).
 from loom import LLM
 
 
@@ -12,6 +14,8 @@ from loom import LLM
 def one_torch_thread():
     """torch on one thread for the module that asks (restored after it): the tiny-model and
     transformers comparisons are too small to gain from two."""
+    from model_fixtures import torch_threads
+
     with torch_threads(1):
         yield
 

@@ -26,6 +26,7 @@ FORBIDDEN = {
               "loom.model.loader", "loom.model.linear", "loom.model.attention",
               "loom.model.kernels", "loom.model.backends", "loom.model.weights"],
     "cluster": ["loom.entrypoints", "loom.bench", "loom.sim", "loom.plan"],
+    "structured": ["loom.model", "loom.engine", "loom.entrypoints", "torch"],
 }
 
 

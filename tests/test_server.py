@@ -191,6 +191,33 @@ def test_models_health_version_metrics(server: str) -> None:
         metric(text, name)
 
 
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/version", "/metrics"])
+def test_head_answers_like_get_without_a_body(server: str, path: str) -> None:
+    get, head = httpx.get(f"{server}{path}"), httpx.head(f"{server}{path}")
+    assert head.status_code == get.status_code == 200
+    assert head.headers.get("content-type") == get.headers.get("content-type")
+    assert head.content == b""
+
+
+def test_tool_call_parser_is_a_server_flag(reference: LLM) -> None:
+    from loom.engine.async_engine import AsyncEngine
+    from loom.entrypoints.cli import parse_args
+    from loom.entrypoints.openai.server import build_app, server_config
+    from loom.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    config = server_config(parse_args(["serve", "--tool-call-parser", "mistral"]))
+    assert config.tool_call_parser == "mistral"
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--tool-call-parser", "nonsense"])
+    app = build_app(AsyncEngine(reference.engine), config)  # built, never started
+    assert app.title == "loom"
+    chat = next(r for r in app.routes if getattr(r, "path", "") == "/v1/chat/completions")
+    serving = chat.endpoint.__code__.co_freevars  # the route closes over its ChatServing
+    assert "chat" in serving
+    cell = chat.endpoint.__closure__[serving.index("chat")].cell_contents
+    assert isinstance(cell.tool_parser, TOOL_PARSERS["mistral"])
+
+
 # -- continuous batching through HTTP -------------------------------------------------------------
 
 

@@ -20,7 +20,8 @@ import os
 from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from functools import partial
+from typing import Any, Literal, Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
@@ -62,6 +63,10 @@ class ServerConfig:
         "model name in /v1/models and responses; none = the model's own name"))
     stream_interval: int = field(default=1, metadata=flag_help(
         "tokens gathered per streamed chunk (fewer, larger chunks under load)"))
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = field(
+        default=None, metadata=flag_help(
+            "how tool calls are read from a chat answer with tool_choice auto; none = picked "
+            "from the model's chat template"))
     api_key: str | None = field(default=None, metadata=flag_help(
         f"require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise); default: "
         f"${API_KEY_ENV} if set, else no key. /health and /metrics stay open"))
@@ -128,7 +133,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     """The app over an engine client; it starts and stops with the app's lifespan."""
     model_name = config.served_model_name or engine.core.model_name
     completions = CompletionServing(engine, model_name, config.stream_interval)
-    chat = ChatServing(engine, model_name, config.stream_interval)
+    chat = ChatServing(engine, model_name, config.stream_interval,
+                       tool_call_parser=config.tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -149,23 +155,25 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
                                      raw_request: Request) -> Response:
         return await chat.create(request, raw_request)
 
-    @app.get("/v1/models")
+    get = partial(app.api_route, methods=["GET", "HEAD"])  # HEAD: the same answer, no body
+
+    @get("/v1/models")
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, root=engine.core.model_name,
                                          max_model_len=engine.core.max_model_len)])
 
-    @app.get("/health")
+    @get("/health")
     async def health() -> Response:
         return Response(status_code=200 if engine.is_alive else 503)
 
-    @app.get("/metrics")
+    @get("/metrics")
     async def metrics() -> Response:
         text = engine.core.metrics.prometheus_text()
         if inspect.isawaitable(text):  # replicas elsewhere: their series are fetched
             text = await text
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/version")
+    @get("/version")
     async def version() -> dict[str, str]:
         return {"version": loom.__version__}
 
