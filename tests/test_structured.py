@@ -205,3 +205,21 @@ def test_a_request_waits_for_its_grammar_while_others_run() -> None:
     outputs, _ = engine.step()
     failed = [o for o in outputs if o.request_id == "constrained"]
     assert failed and failed[0].finished and "no such grammar" in failed[0].error
+
+
+@pytest.mark.unit
+def test_a_grammar_that_fails_to_compile_is_the_clients_400_not_a_500():
+    from loom.entrypoints.openai.errors import APIError
+    from loom.entrypoints.openai.serving import check_failed
+    from loom.outputs import RequestOutput
+    from loom.structured import COMPILE_ERROR_PREFIX
+
+    def output(error: str) -> RequestOutput:
+        return RequestOutput("r", None, [1], [], finished=True, error=error)
+
+    with pytest.raises(APIError) as refused:
+        check_failed(output(f"{COMPILE_ERROR_PREFIX}no token can start the grammar"))
+    assert refused.value.status == 400 and refused.value.param == "structured_outputs"
+    with pytest.raises(APIError) as failed:
+        check_failed(output("RuntimeError: the step failed"))
+    assert failed.value.status == 500

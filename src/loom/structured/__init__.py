@@ -6,3 +6,7 @@ by kind and spec); `manager` compiles it against the model's tokenizer off the s
 fills the token bitmask of each step; `state` is one request's matcher. Torch-free: the
 scheduler and the engine loop use it; the batched sampler applies the bitmask.
 """
+
+# How a request's error starts when its grammar could not be compiled: the client's spec was
+# wrong, so the server answers 400, not 500.
+COMPILE_ERROR_PREFIX = "structured_outputs: "

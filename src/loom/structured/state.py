@@ -13,6 +13,8 @@ import logging
 from concurrent.futures import Future
 from typing import Any
 
+from loom.structured import COMPILE_ERROR_PREFIX
+
 logger = logging.getLogger(__name__)
 
 
@@ -33,7 +35,7 @@ class GrammarState:
             try:
                 self._matcher = self._compiled.result()
             except Exception as e:  # noqa: BLE001 - the request fails alone, with the reason
-                self.error = f"structured_outputs: {e}"
+                self.error = f"{COMPILE_ERROR_PREFIX}{e}"
         return self._matcher is not None or self.error is not None
 
     @property

@@ -36,6 +36,7 @@ from loom.sampling import (
     SamplingParamsError,
     StructuredOutputsParams,
 )
+from loom.structured import COMPILE_ERROR_PREFIX
 from loom.structured.grammar import StructuredOutputsError, grammar_for
 
 logger = logging.getLogger(__name__)
@@ -298,8 +299,11 @@ class OpenAIServing:
 
 
 def check_failed(output: RequestOutput) -> None:
-    if output.error is not None:  # the engine logged why
-        raise APIError(500, INTERNAL_ERROR, type_="internal_server_error")
+    if output.error is None:
+        return
+    if output.error.startswith(COMPILE_ERROR_PREFIX):  # the client's grammar, not the server
+        raise APIError(400, output.error, "structured_outputs")
+    raise APIError(500, INTERNAL_ERROR, type_="internal_server_error")  # the engine logged why
 
 
 def usage(finals: list[RequestOutput], num_prompt_tokens: int, num_cached_tokens: int = 0
