@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +106,24 @@ def run_simulate(args: argparse.Namespace) -> int:
         from loom.sim.calibrate import run_calibrate
 
         return run_calibrate(args)
+    with _quiet_preemption_warnings():
+        return _simulate(args)
+
+
+@contextmanager
+def _quiet_preemption_warnings() -> Iterator[None]:
+    """The scheduler warns on every preemption; a simulation counts them in its results. The
+    level is put back after, since `loom bench compare` runs simulations in its own process."""
+    log = logging.getLogger("loom.core.scheduler")
+    previous = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(previous)
+
+
+def _simulate(args: argparse.Namespace) -> int:
     from loom.bench.results import Slo, save_json
     from loom.bench.scorecard import print_scorecard
     from loom.bench.sweep import Limits
@@ -112,8 +132,6 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     if not args.trace:
         raise ValueError("loom simulate needs --trace (or the calibrate sub-command)")
-    # the scheduler warns on every preemption; a simulation counts them in its results
-    logging.getLogger("loom.core.scheduler").setLevel(logging.ERROR)
     points = _points(args)
     configs, skipped = _configs(args)
     trace, token_ids = _trace(args)
