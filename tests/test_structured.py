@@ -167,8 +167,8 @@ def test_a_bad_spec_is_refused_before_it_is_queued(llm: LLM) -> None:
 ], ids=["async", "ngram", "preempted"])
 def test_scheduling_modes_keep_constrained_answers_valid(llm: LLM, options: dict) -> None:
     """Greedy answers equal the plain engine's: constrained requests wait for their previous
-    token (async), take no drafts (n-gram), and a recomputed request's matcher stays where it
-    was (preemption)."""
+    token (async), verify drafts under the grammar's mask at every position (n-gram), and a
+    recomputed request's matcher stays where it was (preemption)."""
     schemas = [SCHEMAS[n] for n in ("person", "order", "nested", "reading")]
     prompts = [chat_prompt(llm, n) for n in ("cook", "order", "book", "sensor")]
     params = [constrained(s, temperature=0) for s in schemas]
@@ -181,6 +181,33 @@ def test_scheduling_modes_keep_constrained_answers_valid(llm: LLM, options: dict
     if "num_kv_blocks" in options:
         assert other.get_metrics()["loom:num_preemptions_total"] > 0
     assert [o.outputs[0].text for o in outs] == expected
+
+
+@pytest.mark.integration
+def test_constrained_requests_take_drafts_the_grammar_allows(llm: LLM) -> None:
+    """An answer that copies JSON from its prompt: n-gram drafts are proposed, cut where the
+    grammar would refuse a token, verified under its mask, and accepted, with greedy output
+    the same as without speculation."""
+    record = '{"name": "Ada", "age": 36, "email": "ada@example.com"}'
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": (
+        f"Copy this JSON record exactly, then stop: {record}")}])
+    prompt = llm.tokenizer.encode(text, add_special_tokens=False)
+    params = constrained(SCHEMAS["person"], temperature=0)
+    expected = llm.generate([prompt], params)[0].outputs[0].text
+    spec = LLM(max_model_len=2048, dtype="float32", kv_cache_memory="256MiB",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                   "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    out = spec.generate([prompt], params)[0].outputs[0].text
+    assert out == expected
+    jsonschema.validate(json.loads(out), SCHEMAS["person"])
+    metrics = spec.get_metrics()
+    assert metrics["loom:spec_decode_num_draft_tokens_total"] > 0
+    assert metrics["loom:spec_decode_num_accepted_tokens_total"] > 0
+    sampled = spec.generate([prompt] * 4, [constrained(SCHEMAS["person"], temperature=1.0,
+                                                       seed=i) for i in range(4)])
+    for answer in sampled:  # rejection sampling under the mask keeps every answer valid
+        assert answer.error is None
+        jsonschema.validate(json.loads(answer.outputs[0].text), SCHEMAS["person"])
 
 
 @pytest.mark.unit

@@ -41,10 +41,19 @@ class ScheduledRequest:
 class GrammarBitmask:
     """The tokens each constrained request may sample this step (structured outputs): row i
     of `bitmask` (int32 [n, ceil(vocab / 32)], bit j of word w allowing token 32 w + j) is
-    request_ids[i]'s. Requests without a constraint have no row."""
+    request_ids[i]'s. A request with k draft tokens has k + 1 rows in a row, one per position
+    its drafts are verified at (the grammar's state after each draft); requests without a
+    constraint have none."""
 
     request_ids: list[str]
     bitmask: Any  # a numpy array: plain data, no torch on the scheduler's side
+
+    def first_rows(self) -> dict[str, int]:
+        """Each constrained request's first row."""
+        first: dict[str, int] = {}
+        for row, request_id in enumerate(self.request_ids):
+            first.setdefault(request_id, row)
+        return first
 
 
 @dataclass

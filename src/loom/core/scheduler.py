@@ -227,11 +227,14 @@ class Scheduler:
         remaining budget and the request's own limits; none where they could not be used."""
         params = request.sampling_params
         if (self.proposer is None or request.num_output_placeholders
-                or params.logprobs is not None or request.grammar is not None):
+                or params.logprobs is not None):
             return []
         room = min(room, params.max_tokens - len(request.output_token_ids) - 1,
                    self.max_model_len - request.num_tokens - 1)
-        return self.proposer.propose(request, room) if room > 0 else []
+        drafts = self.proposer.propose(request, room) if room > 0 else []
+        if drafts and request.grammar is not None:  # only drafts the grammar would allow
+            drafts = drafts[:request.grammar.num_allowed(drafts)]
+        return drafts
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
         for request in self._admission_candidates():

@@ -223,14 +223,17 @@ class EngineCore:
         """The allowed tokens of every constrained request that samples in this step. Its
         matcher is up to date: such a request is never scheduled while a token of its is
         being sampled."""
-        constrained = [(item.request_id, request.grammar) for item in batch.scheduled
+        constrained = [(item, request.grammar) for item in batch.scheduled
                        if item.sample and not item.padding
                        and (request := self.scheduler.requests.get(item.request_id)) is not None
                        and request.grammar is not None]
         if constrained:
             batch.grammar_bitmask = GrammarBitmask(
-                [request_id for request_id, _ in constrained],
-                self.structured.fill_bitmask([grammar for _, grammar in constrained]))
+                [item.request_id for item, _ in constrained
+                 for _ in range(item.num_draft_tokens + 1)],
+                self.structured.fill_bitmask(
+                    [(grammar, item.token_ids[len(item.token_ids) - item.num_draft_tokens:])
+                     for item, grammar in constrained]))
 
     def _launch(self, batch: SchedulerOutput) -> InFlightStep:
         """Hand the batch to the model: on the model thread with async scheduling, else run it

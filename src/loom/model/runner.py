@@ -159,9 +159,14 @@ class ModelRunner:
         for s in items:
             if s.sample and s.num_draft_tokens:
                 first = sample_rows[s.request_id]
+                positions = logits[first:first + s.num_draft_tokens + 1]
+                if bitmask is not None and s.request_id in bitmask.request_ids:
+                    mask_first = bitmask.first_rows()[s.request_id]
+                    positions = apply_token_bitmask(positions, bitmask.bitmask[
+                        mask_first:mask_first + s.num_draft_tokens + 1])
                 accepted, token_id = verify_drafts(
-                    logits[first:first + s.num_draft_tokens + 1],
-                    s.token_ids[-s.num_draft_tokens:], s.sampling_params, self._generator(s))
+                    positions, s.token_ids[-s.num_draft_tokens:], s.sampling_params,
+                    self._generator(s))
                 output.accepted_draft_ids[s.request_id] = accepted
                 output.sampled_token_ids[s.request_id] = token_id
 
@@ -171,7 +176,7 @@ class ModelRunner:
         with none, pass untouched."""
         if bitmask is None:
             return logits
-        mask_row = {request_id: i for i, request_id in enumerate(bitmask.request_ids)}
+        mask_row = bitmask.first_rows()
         rows = [j for j, s in enumerate(plain) if s.request_id in mask_row]
         if rows:
             masks = bitmask.bitmask[[mask_row[plain[j].request_id] for j in rows]]

@@ -80,13 +80,24 @@ class StructuredOutputManager:
                 eos_token=list(tok.eos_token_ids) or None)
         return self._ll_tokenizer
 
-    def fill_bitmask(self, states: list[GrammarState]) -> Any:
-        """The allowed tokens of each state's next position, one row per state: an int32
-        array [len(states), ceil(vocab / 32)], bit j of word i allowing token 32 i + j (the
+    def fill_bitmask(self, entries: list[tuple[GrammarState, list[int]]]) -> Any:
+        """The allowed tokens at each position a request samples at this step: for a state
+        and its draft tokens (none without speculative decoding), one row for its next
+        position and one after each draft, the matcher walked along the drafts and back. An
+        int32 array [rows, ceil(vocab / 32)], bit j of word i allowing token 32 i + j (the
         layout llguidance and xgrammar share)."""
         import llguidance.numpy as lln
 
-        bitmask = lln.allocate_token_bitmask(len(states), self.vocab_size)
-        for row, state in enumerate(states):
+        num_rows = sum(len(drafts) + 1 for _, drafts in entries)
+        bitmask = lln.allocate_token_bitmask(num_rows, self.vocab_size)
+        row = 0
+        for state, drafts in entries:
             lln.fill_next_token_bitmask(state.matcher, bitmask, row)
+            row += 1
+            for token_id in drafts:  # the scheduler kept only drafts the grammar allows
+                state.matcher.consume_token(token_id)
+                lln.fill_next_token_bitmask(state.matcher, bitmask, row)
+                row += 1
+            if drafts:
+                state.matcher.rollback(len(drafts))
         return bitmask

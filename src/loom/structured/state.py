@@ -42,6 +42,11 @@ class GrammarState:
     def matcher(self) -> Any:
         return self._matcher
 
+    def num_allowed(self, token_ids: list[int]) -> int:
+        """How many of these tokens, in order, the grammar would take from its present state
+        (the matcher does not move)."""
+        return self._matcher.validate_tokens(token_ids)
+
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar refuses it (the mask allowed it,
         so this is a bug), which leaves the matcher in its error state."""
