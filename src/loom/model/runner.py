@@ -144,10 +144,11 @@ class ModelRunner:
         """One token per sampling request, in one batched call; requests with drafts verify
         them first (their rows start at sample_rows[id], one per draft, then one more).
         Logprobs are the model's own, before any grammar's mask."""
+        mask_rows = bitmask.first_rows() if bitmask is not None else {}
         plain = [s for s in items if s.sample and not s.num_draft_tokens]
         if plain:
             rows = torch.tensor([sample_rows[s.request_id] for s in plain], device=self.device)
-            token_ids = self.sampler(self._constrain(logits[rows], plain, bitmask),
+            token_ids = self.sampler(self._constrain(logits[rows], plain, bitmask, mask_rows),
                                      [s.sampling_params for s in plain],
                                      [self._generator(s) for s in plain]).tolist()
             for s, token_id in zip(plain, token_ids):
@@ -160,8 +161,8 @@ class ModelRunner:
             if s.sample and s.num_draft_tokens:
                 first = sample_rows[s.request_id]
                 positions = logits[first:first + s.num_draft_tokens + 1]
-                if bitmask is not None and s.request_id in bitmask.request_ids:
-                    mask_first = bitmask.first_rows()[s.request_id]
+                if s.request_id in mask_rows:
+                    mask_first = mask_rows[s.request_id]
                     positions = apply_token_bitmask(positions, bitmask.bitmask[
                         mask_first:mask_first + s.num_draft_tokens + 1])
                 accepted, token_id = verify_drafts(
@@ -171,15 +172,14 @@ class ModelRunner:
                 output.sampled_token_ids[s.request_id] = token_id
 
     def _constrain(self, logits: torch.Tensor, plain: list[ScheduledRequest],
-                   bitmask: GrammarBitmask | None) -> torch.Tensor:
+                   bitmask: GrammarBitmask | None, mask_rows: dict[str, int]) -> torch.Tensor:
         """Mask the rows of constrained requests (structured outputs); the others, and batches
         with none, pass untouched."""
         if bitmask is None:
             return logits
-        mask_row = bitmask.first_rows()
-        rows = [j for j, s in enumerate(plain) if s.request_id in mask_row]
+        rows = [j for j, s in enumerate(plain) if s.request_id in mask_rows]
         if rows:
-            masks = bitmask.bitmask[[mask_row[plain[j].request_id] for j in rows]]
+            masks = bitmask.bitmask[[mask_rows[plain[j].request_id] for j in rows]]
             index = torch.tensor(rows, device=self.device)
             logits[index] = apply_token_bitmask(logits[index], masks)
         return logits
