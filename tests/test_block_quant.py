@@ -97,6 +97,43 @@ def test_kernel_paths_match_their_references(quant: str, rows: int, out_features
 
 
 @needs_kernel
+@pytest.mark.unit
+def test_calls_from_many_threads_at_once_give_each_its_own_result() -> None:
+    """The kernel runs without the GIL on a pool of helpers that serves one call at a time:
+    calls that find it busy run on their own thread. Many at once, on both paths and with the
+    thread count changed in between, each must still get exactly its own product."""
+    import threading
+
+    bq = random_block_quant(256, 512, seed=7)
+    panels = to_panels(bq, ops)
+    gen = torch.Generator().manual_seed(8)
+    inputs = [torch.randn(rows, 512, generator=gen) for rows in (1, 3, 8, 24) * 4]
+    expected = [(ops.block_quant_linear(x, panels, None, INT8),
+                 ops.block_quant_linear(x, panels, None, FP32)) for x in inputs]
+    results: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def call(i: int) -> None:
+        results[i] = [(ops.block_quant_linear(inputs[i], panels, None, INT8),
+                       ops.block_quant_linear(inputs[i], panels, None, FP32))
+                      for _ in range(20)]
+
+    threads_before = torch.get_num_threads()
+    try:
+        for num_threads in (threads_before, 1, threads_before):
+            torch.set_num_threads(num_threads)
+            workers = [threading.Thread(target=call, args=(i,)) for i in range(len(inputs))]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            for i, (int8, fp32) in enumerate(expected):
+                for got_int8, got_fp32 in results[i]:
+                    assert torch.equal(got_int8, int8) and torch.equal(got_fp32, fp32)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+@needs_kernel
 def test_panels_keep_the_files_sizes() -> None:
     """4-bit codes two to a byte and fp16 scales and offsets: Q4_0 and Q4_1 take 20 bytes per
     32 weights (Q4_0 the 4 of its implied offset as well), Q8_0 36."""

@@ -410,7 +410,8 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor panels,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block_quant_linear", &block_quant_linear);
-  m.def("panels_from_blocks", &panels_from_blocks);
+  // Without the GIL: the HTTP server's event loop runs on while a step's matmuls do.
+  m.def("block_quant_linear", &block_quant_linear, py::call_guard<py::gil_scoped_release>());
+  m.def("panels_from_blocks", &panels_from_blocks, py::call_guard<py::gil_scoped_release>());
   m.def("supported", &supported);
 }
