@@ -8,6 +8,11 @@ burns the very timeslice the peer needed: decode then slows by far more than the
 lost (see benchmarks/busy_machine.py). With OMP_WAIT_POLICY=PASSIVE waiting threads sleep, and
 loom slows in proportion to the CPU it still gets.
 
+loom's own kernels (the block-quantized matmul, decode attention: most of a decode step's
+parallel calls) do not go through that pool: their helpers (csrc/parallel_dynamic.h) wait by
+yielding the core between calls, which costs no wake-up on a quiet machine, and go back to
+sleeping between calls when a busy one makes them miss their turn.
+
 libgomp reads OMP_WAIT_POLICY once, when torch loads, so `import loom` sets the default
 (`default_wait_policy`) before anything imports torch. A value the user set is kept, and so is
 whatever torch read if it was imported before loom.
