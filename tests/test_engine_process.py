@@ -129,9 +129,10 @@ def test_a_bad_model_path_exits_with_the_reason(tmp_path: Path) -> None:
 def test_an_engine_that_refuses_its_config_exits_with_the_reason() -> None:
     """The model loads (the server's tokenizer too); the engine then refuses the config."""
     failed = _serve_and_fail("--no-enable-chunked-prefill", "--max-num-batched-tokens", "64",
-                             "--kv-cache-memory", "64MiB")
+                             "--max-num-seqs", "8", "--kv-cache-memory", "64MiB")
     assert failed.returncode != 0
     assert "max_num_batched_tokens (64) must be >= max_model_len" in failed.stderr
+    assert "loaded" in failed.stderr  # it was the engine process that refused
 
 
 def test_the_engine_in_process_is_a_flag_away() -> None:

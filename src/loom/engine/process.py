@@ -154,6 +154,10 @@ class EngineProcess:
         self._send((STOP, reason))
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine process and wait for it (up to `timeout`, then kill it; at once
+        if it is still loading the model). Idempotent."""
+        if self.core is None:
+            self._process.kill()
         self.stop()
         self._process.join(timeout)
         if self._process.is_alive():

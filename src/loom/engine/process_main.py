@@ -61,11 +61,11 @@ class EngineFacts:
 
 def run_engine_process(conn: Connection, config: EngineProcessConfig, server_pid: int) -> None:
     """The child's main: load the engine, say it is ready (or why not), then serve the pipe
-    until told to stop or the server goes away. SIGINT and SIGTERM are ignored: a Ctrl-C
-    reaches the whole process group, and the server must be the one to drain and stop."""
+    until told to stop or the server goes away. SIGINT is ignored: a Ctrl-C reaches the whole
+    process group, and the server must be the one to drain and stop. (SIGTERM is not: under
+    systemd, KillMode=mixed sends it to the server alone.)"""
     _exit_with(server_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=config.log_level, format=config.log_format)
     from loom.engine.core import EngineCore  # torch and the model: here, in the child
 

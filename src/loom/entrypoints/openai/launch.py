@@ -133,10 +133,12 @@ def _serve_engine_process(config: ServerConfig, sock: socket.socket,
 
     try:
         engine.wait_ready()
+        return serve(config, sock, engine)
     except EngineStartError as e:
         print(f"loom: error: {e}", file=sys.stderr)
         return 1
-    return serve(config, sock, engine)
+    finally:
+        engine.shutdown()  # whatever ended the server: no engine process outlives it
 
 
 def bind(host: str, port: int) -> socket.socket:
