@@ -26,6 +26,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -50,6 +51,13 @@ if TYPE_CHECKING:
     from loom.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+def _start_method() -> str:
+    """fork while this process has no other thread (the server at start-up, before it imports
+    anything heavy): the child starts where the server is, with nothing to import again and no
+    interpreter to start. spawn otherwise: a fork would copy locks other threads hold."""
+    return "fork" if sys.platform == "linux" and threading.active_count() == 1 else "spawn"
 
 
 class EngineStartError(RuntimeError):
@@ -93,10 +101,13 @@ class EngineProcess:
     child process, which starts loading as this is made. Serve it after `wait_ready`."""
 
     def __init__(self, config: EngineProcessConfig) -> None:
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked locks
+        method = _start_method()
+        context = multiprocessing.get_context(method)
         self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=run_engine_process, name="loom-engine",
-                                        args=(child_conn, config, os.getpid()), daemon=True)
+        inherited = self._conn if method == "fork" else None  # the child must close it
+        self._process = context.Process(
+            target=run_engine_process, name="loom-engine", daemon=True,
+            args=(child_conn, config, os.getpid(), inherited))
         self._process.start()
         child_conn.close()  # the child's end lives in the child only: its exit ends the pipe
         self.core: ProcessCore | None = None

@@ -40,7 +40,8 @@ _PR_SET_PDEATHSIG = 1
 @dataclass(frozen=True)
 class EngineProcessConfig:
     """What the engine process is started with: the engine, its admission control, and the
-    server's logging set-up (a spawned process starts with none)."""
+    server's logging set-up (a spawned process starts with none; a forked one keeps the
+    server's)."""
 
     engine: EngineConfig
     max_num_queued_reqs: int | None = None
@@ -59,12 +60,17 @@ class EngineFacts:
     block_size: int
 
 
-def run_engine_process(conn: Connection, config: EngineProcessConfig, server_pid: int) -> None:
+def run_engine_process(conn: Connection, config: EngineProcessConfig, server_pid: int,
+                       server_end: Connection | None = None) -> None:
     """The child's main: load the engine, say it is ready (or why not), then serve the pipe
-    until told to stop or the server goes away. SIGINT is ignored: a Ctrl-C reaches the whole
-    process group, and the server must be the one to drain and stop. (SIGTERM is not: under
-    systemd, KillMode=mixed sends it to the server alone.)"""
+    until told to stop or the server goes away. `server_end`, the server's end of the pipe
+    when the child was forked with it, is closed here, so that the server's exit ends the pipe.
+    SIGINT is ignored: a Ctrl-C reaches the whole process group, and the server must be the
+    one to drain and stop. (SIGTERM is not: under systemd, KillMode=mixed sends it to the
+    server alone.)"""
     _exit_with(server_pid)
+    if server_end is not None:
+        server_end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=config.log_level, format=config.log_format)
     from loom.engine.core import EngineCore  # torch and the model: here, in the child
