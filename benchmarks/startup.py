@@ -1,12 +1,15 @@
 """Time `loom serve` from launch to a healthy /health, and its memory when it gets there, for
-one or more source trees side by side (A B A B ...). Run from the repository root, e.g.:
+one or more source trees (each with flags of its own if need be) side by side (A B A B ...).
+Run from the repository root, e.g.:
 
     python benchmarks/startup.py --rounds 3
     python benchmarks/startup.py --src old=/tmp/wt-base/src --src new=src --rounds 3
+    python benchmarks/startup.py --src thread=src=--engine-in-process --src process=src
 
 Each run is a fresh server process (`python -m loom.entrypoints.cli serve`) with that tree
 first on PYTHONPATH. One untimed start per tree first builds its C++ kernels. Memory is the
-server's VmHWM (peak resident) and VmRSS from /proc once it answers.
+VmHWM (peak resident) and VmRSS from /proc once it answers, summed over the server's
+process tree (with an engine process, two peaks added: an upper bound of the tree's).
 """
 
 from __future__ import annotations
@@ -29,21 +32,24 @@ def memory_mib(pid: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--src", action="append", default=None, metavar="LABEL=DIR",
-                        help="a source tree to put first on PYTHONPATH (repeatable); "
-                             "default: this checkout's src")
+    parser.add_argument("--src", action="append", default=None, metavar="LABEL=DIR[=FLAGS]",
+                        help="a source tree to put first on PYTHONPATH, and flags for its "
+                             "`loom serve` (repeatable); default: this checkout's src")
     parser.add_argument("--server-flags", default="", help="flags for every `loom serve`")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    trees = dict(s.split("=", 1) for s in (args.src or ["loom=src"]))
+    runs = {}
+    for spec in args.src or ["loom=src"]:
+        label, src, *flags = spec.split("=", 2)
+        runs[label] = (src, " ".join([args.server_flags, *flags]))
     template = f"{sys.executable} -m loom.entrypoints.cli serve --port {{port}}"
-    results: dict[str, list[tuple[float, float, float]]] = {label: [] for label in trees}
+    results: dict[str, list[tuple[float, float, float]]] = {label: [] for label in runs}
     with tempfile.TemporaryDirectory() as logs:
         for r in range(-1, args.rounds):
-            for label, src in trees.items():
+            for label, (src, flags) in runs.items():
                 env = {"PYTHONPATH": str(Path(src).resolve())}
-                with LocalServer(template, args.server_flags, Path(logs) / f"{label}-{r}.log",
-                                 env=env) as server:
+                log = Path(logs) / f"{label.replace('/', '-')}-{r}.log"
+                with LocalServer(template, flags, log, env=env) as server:
                     mem = memory_mib(server.pid)
                 if r < 0:
                     continue  # the warm-up start
@@ -51,8 +57,8 @@ def main() -> None:
                 print(f"round {r + 1} {label}: healthy after {server.startup_s:.2f} s, "
                       f"peak {mem['VmHWM']:.0f} MiB, resident {mem['VmRSS']:.0f} MiB", flush=True)
     print("\n| tree | start-up s (median) | peak MiB | resident MiB |\n|---|--:|--:|--:|")
-    for label, runs in results.items():
-        start, peak, rss = (statistics.median(x) for x in zip(*runs))
+    for label, measured in results.items():
+        start, peak, rss = (statistics.median(x) for x in zip(*measured))
         print(f"| {label} | {start:.2f} | {peak:.0f} | {rss:.0f} |")
 
 

@@ -23,10 +23,13 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
-from loom.engine.core import EngineCore
 from loom.outputs import RequestOutput
 from loom.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the engine process's server side imports this module without the engine
+    from loom.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,18 @@ class EngineRequest:
     priority: int = 0
 
 
+class Aborter(Protocol):
+    """Whoever an OutputStream tells to abort the requests its reader left."""
+
+    def abort(self, request_id: str) -> None: ...
+
+
+class OutputSink(Protocol):
+    """Where the loop thread puts a caller's outputs (and the error that ends them)."""
+
+    def put_threadsafe(self, items: list[RequestOutput | Exception]) -> None: ...
+
+
 class OutputStream:
     """The outputs of one caller's engine requests (an HTTP request's choices), as they come.
 
@@ -56,7 +71,7 @@ class OutputStream:
     never run; RequestRejectedError; EngineDeadError) are raised to the reader.
     """
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
+    def __init__(self, engine: Aborter, request_ids: list[str]) -> None:
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self._ready = asyncio.Event()
@@ -123,7 +138,7 @@ class AsyncEngine:
         self.max_num_seqs = max_num_seqs
         self._cond = threading.Condition()
         # -- guarded by _cond: the inbox and what admission control reads
-        self._adds: list[tuple[OutputStream, EngineRequest, float]] = []
+        self._adds: list[tuple[OutputSink, EngineRequest, float]] = []
         self._aborts: list[str] = []
         self._num_waiting = 0  # the core's waiting queue, as of the last drain or step
         self._num_running = 0  # and its running batch
@@ -132,7 +147,7 @@ class AsyncEngine:
         self._stop_reason = "the engine was shut down"
         self._dead: EngineDeadError | None = None  # why the loop stopped, once it has
         # -- loop thread only
-        self._streams: dict[str, OutputStream] = {}
+        self._streams: dict[str, OutputSink] = {}
         self._deadlines: dict[str, float] = {}  # unscheduled request id -> when to give up
         self._thread = threading.Thread(target=self._run, name="loom-engine-loop", daemon=True)
 
@@ -169,6 +184,12 @@ class AsyncEngine:
         would make more than `max_num_queued_reqs` requests wait, or while draining;
         EngineDeadError when the loop is down."""
         stream = OutputStream(self, [r.request_id for r in requests])
+        self.submit_to(requests, stream)
+        return stream
+
+    def submit_to(self, requests: list[EngineRequest], stream: OutputSink) -> None:
+        """`submit`, with the outputs going to `stream` (from any thread; the engine process
+        sends them on to the server process). Raises as `submit` does."""
         deadline = time.monotonic() + (self.queue_timeout or 0.0)
         with self._cond:
             if self._dead is not None:
@@ -187,7 +208,6 @@ class AsyncEngine:
                     f"(max_num_queued_reqs={self.max_num_queued_reqs}); retry later"))
             self._adds.extend((stream, r, deadline) for r in requests)
             self._cond.notify()
-        return stream
 
     def _reject(self, requests: list[EngineRequest], why: str) -> None:
         self.core.metrics.rejected.inc(len(requests))
@@ -274,7 +294,7 @@ class AsyncEngine:
                     "scheduled (queue_timeout); the server is overloaded, retry later")])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_stream: dict[OutputStream, list[RequestOutput | Exception]] = defaultdict(list)
+        by_stream: dict[OutputSink, list[RequestOutput | Exception]] = defaultdict(list)
         for output in outputs:
             stream = (self._streams.pop(output.request_id, None) if output.finished
                       else self._streams.get(output.request_id))

@@ -64,6 +64,7 @@ COMMANDS = (
             "predict a configuration's latency and throughput without running the model"),
 )
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the engine process's too
 _LOG_LEVEL = {"help": "logging level: DEBUG, INFO, WARNING, ERROR (default: INFO)",
               "metavar": "LEVEL"}
 
@@ -122,7 +123,7 @@ def _generate(args: argparse.Namespace) -> int:
 # -- loom serve ------------------------------------------------------------------------------
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from loom.entrypoints.openai.server import add_serve_args, run_server
+    from loom.entrypoints.openai.launch import add_serve_args, run_server
 
     p = sub.add_parser("serve", help=_help("serve"),
                        description="Serve a model over OpenAI's HTTP API (no arguments: the "
@@ -212,8 +213,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:
         return args.func(args) or 0
     except (ValueError, OSError) as e:

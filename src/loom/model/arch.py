@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from loom.model.gguf_file import GGUFTensor, read_gguf
-from loom.model.tokenizer import Tokenizer
+from loom.model.tokenizer import Tokenizer, bpe_from_gguf_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -211,3 +211,70 @@ def _hf_context_length(config: Mapping[str, Any], model_type: str) -> int:
                        window, window, length)
         return window
     return length
+
+
+# -- the tokenizer alone ------------------------------------------------------------------------
+
+def read_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of the model at `path` (a .gguf file or a Hugging Face folder), without
+    its weights: for a process that serves the model but leaves running it to another."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    if path.is_dir():
+        return tokenizer_from_hf_folder(path, _read_json(path / "config.json"))
+    if path.suffix == ".gguf":
+        return tokenizer_from_gguf(read_gguf(path).metadata)
+    raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a Hugging Face folder")
+
+
+def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Tokenizer:
+    """The tokenizer a GGUF's metadata describes (vocabulary, merges, special ids, template)."""
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return Tokenizer(
+        backend=bpe_from_gguf_metadata(meta),
+        eos_token_ids=[eos] if eos is not None else [],
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
+
+
+def tokenizer_from_hf_folder(path: Path, config: Mapping[str, Any]) -> Tokenizer:
+    """The tokenizer of a Hugging Face folder, with the end-of-sequence ids of all its files."""
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.exists():
+        raise ModelLoadError(f"{str(path)!r} has no tokenizer.json")
+    from tokenizers import Tokenizer as HFTokenizer
+
+    backend = HFTokenizer.from_file(str(tokenizer_file))
+    tok_config = _read_json(path / "tokenizer_config.json")
+    gen_config = _read_json(path / "generation_config.json")
+
+    def token_id(value: Any) -> int | None:
+        if isinstance(value, dict):
+            value = value.get("content")
+        return backend.token_to_id(value) if isinstance(value, str) else None
+
+    # Every id any of the three files names ends generation: Llama-3.x-Instruct's config.json
+    # names <|end_of_text|> while its chat turns end with <|eot_id|> (generation_config.json).
+    eos_ids: list[int] = []
+    for value in (config.get("eos_token_id"), gen_config.get("eos_token_id"),
+                  token_id(tok_config.get("eos_token"))):
+        for eos in value if isinstance(value, list) else [value]:
+            if isinstance(eos, int) and eos not in eos_ids:
+                eos_ids.append(eos)
+    bos_id = token_id(tok_config.get("bos_token"))
+    if bos_id is None:
+        bos_id = config.get("bos_token_id")
+    template = tok_config.get("chat_template")
+    template_file = path / "chat_template.jinja"
+    if template is None and template_file.exists():
+        template = template_file.read_text()
+    return Tokenizer(backend=backend, eos_token_ids=eos_ids, bos_token_id=bos_id,
+                     add_bos_token=bool(tok_config.get("add_bos_token", False)),
+                     chat_template=template)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}

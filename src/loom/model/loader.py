@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -22,9 +22,10 @@ from loom.model.arch import (
     arch_from_gguf,
     arch_from_hf_config,
     default_model_path,
+    tokenizer_from_gguf,
+    tokenizer_from_hf_folder,
 )
 from loom.model.gguf_file import GGUFTensor, read_gguf
-from loom.model.tokenizer import Tokenizer, bpe_from_gguf_metadata
 from loom.model.weights import BlockQuantWeight, LazyWeights, LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -90,14 +91,7 @@ def _load_gguf(path: Path) -> LoadedModel:
         block_quant[name] = bq
         makers[name] = bq.dequantize
 
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    tokenizer = Tokenizer(
-        backend=bpe_from_gguf_metadata(meta),
-        eos_token_ids=[eos] if eos is not None else [],
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        chat_template=meta.get("tokenizer.chat_template"),
-    )
+    tokenizer = tokenizer_from_gguf(meta)
     # The file name, not general.name ("Smollm2 135M 8k ..."): it is what users pass and see.
     return LoadedModel(arch, LazyWeights(makers), tokenizer, path.stem, block_quant)
 
@@ -158,43 +152,4 @@ def _load_hf_folder(path: Path) -> LoadedModel:
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update(load_file(str(file)))
-    return LoadedModel(arch, weights, _hf_tokenizer(path, config), path.name)
-
-
-def _hf_tokenizer(path: Path, config: dict[str, Any]) -> Tokenizer:
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.exists():
-        raise ModelLoadError(f"{str(path)!r} has no tokenizer.json")
-    from tokenizers import Tokenizer as HFTokenizer
-
-    backend = HFTokenizer.from_file(str(tokenizer_file))
-    tok_config = _read_json(path / "tokenizer_config.json")
-    gen_config = _read_json(path / "generation_config.json")
-
-    def token_id(value: Any) -> int | None:
-        if isinstance(value, dict):
-            value = value.get("content")
-        return backend.token_to_id(value) if isinstance(value, str) else None
-
-    # Every id any of the three files names ends generation: Llama-3.x-Instruct's config.json
-    # names <|end_of_text|> while its chat turns end with <|eot_id|> (generation_config.json).
-    eos_ids: list[int] = []
-    for value in (config.get("eos_token_id"), gen_config.get("eos_token_id"),
-                  token_id(tok_config.get("eos_token"))):
-        for eos in value if isinstance(value, list) else [value]:
-            if isinstance(eos, int) and eos not in eos_ids:
-                eos_ids.append(eos)
-    bos_id = token_id(tok_config.get("bos_token"))
-    if bos_id is None:
-        bos_id = config.get("bos_token_id")
-    template = tok_config.get("chat_template")
-    template_file = path / "chat_template.jinja"
-    if template is None and template_file.exists():
-        template = template_file.read_text()
-    return Tokenizer(backend=backend, eos_token_ids=eos_ids, bos_token_id=bos_id,
-                     add_bos_token=bool(tok_config.get("add_bos_token", False)),
-                     chat_template=template)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {}
+    return LoadedModel(arch, weights, tokenizer_from_hf_folder(path, config), path.name)

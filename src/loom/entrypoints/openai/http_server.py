@@ -1,8 +1,7 @@
 """The socket, the connections and the shutdown of `loom serve`, around uvicorn.
 
-- The port is bound before the model loads, so "address already in use" comes at once, not
-  after the load (the socket listens only once the server is ready: until then a client is
-  refused, not left hanging).
+- The port is bound before the model loads (`launch.bind`), so "address already in use" comes
+  at once, not after the load; the socket listens only once the server is ready.
 - Connections are capped below the process's file-descriptor limit: one over the cap is
   answered 503 and closed at once, so idle sockets can never exhaust descriptors and turn
   accept() into a loop of "Too many open files".
@@ -35,22 +34,6 @@ FD_RESERVE = 64  # descriptors kept for the model files, logs and the engine
 QUIET_PATHS = frozenset({"/health", "/metrics"})
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\n"
          b"connection: close\r\ncontent-length: 33\r\n\r\ntoo many connections; retry later")
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (not yet listening). Raises OSError naming the address."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-    except OSError as e:
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
-    return sock
 
 
 def connection_cap(requested: int) -> int:

@@ -1,27 +1,24 @@
-"""`loom serve`: the OpenAI-compatible HTTP server over the async engine.
+"""`loom serve`'s OpenAI-compatible HTTP server over an engine client (its options and start-up
+order are `loom.entrypoints.openai.launch`'s).
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /version. Server
-options live in `ServerConfig` and become flags the same way engine options do, so each is
-spelled once. Everything that can be refused without the model (bad flags, a port in use) is
-refused before the model loads.
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /version.
 
-The app serves any engine client with AsyncEngine's surface (`EngineClient`): the engine in
-this process, or, with `--data-parallel-size N` above 1, N replicas on Ray Serve
-(`loom.cluster`, imported only then).
+The app serves any engine client with AsyncEngine's surface (`EngineClient`): by default the
+engine in a child process (`loom.engine.process`: it loads the model while this process
+imports the HTTP stack, and its step loop has a GIL of its own), with `--engine-in-process`
+the engine on a thread of this process, or, with `--data-parallel-size N` above 1, N replicas
+on Ray Serve (`loom.cluster`, imported only then).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import inspect
 import logging
-import os
+import socket
 from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
@@ -30,11 +27,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import loom
 from loom.cluster.config import ClusterConfig
-from loom.config import EngineConfig, add_cli_args, flag_help, from_cli_args
+from loom.config import EngineConfig
 from loom.engine.async_engine import AsyncEngine, EngineRequest
 from loom.entrypoints.openai import http_server
 from loom.entrypoints.openai.errors import install_error_handlers
 from loom.entrypoints.openai.guards import ApiKeyGuard, BodyGuard, HostGuard, is_loopback
+from loom.entrypoints.openai.launch import ServerConfig
 from loom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,69 +45,7 @@ from loom.entrypoints.openai.serving_tokenize import add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "LOOM_API_KEY"
 _SHUTDOWN_GRACE_S = 5.0  # after shutdown_timeout: time for the last error events to go out
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    CLI_GROUP = "Server"
-
-    host: str = field(default="127.0.0.1", metadata=flag_help(
-        "address to listen on; 0.0.0.0 serves every network the machine is on (set "
-        "--api-key then)"))
-    port: int = field(default=8000, metadata=flag_help("port to listen on"))
-    served_model_name: str | None = field(default=None, metadata=flag_help(
-        "model name in /v1/models and responses; none = the model's own name"))
-    stream_interval: int = field(default=1, metadata=flag_help(
-        "tokens gathered per streamed chunk (fewer, larger chunks under load)"))
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = field(
-        default=None, metadata=flag_help(
-            "how tool calls are read from a chat answer with tool_choice auto; none = picked "
-            "from the model's chat template"))
-    api_key: str | None = field(default=None, metadata=flag_help(
-        f"require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise); default: "
-        f"${API_KEY_ENV} if set, else no key. /health and /metrics stay open"))
-    allowed_origins: str | None = field(default=None, metadata=flag_help(
-        "comma-separated origins whose web pages may call the API (CORS), or '*'; "
-        "none = no cross-origin access"))
-    max_num_queued_reqs: int | None = field(default=None, metadata=flag_help(
-        "answer 503 (with Retry-After) to a request that would make more than this many "
-        "engine requests (prompts x n) wait for a sequence slot; none = no limit", "Admission"))
-    queue_timeout: float | None = field(default=None, metadata=flag_help(
-        "answer 503 for a request not scheduled within this many seconds; none = wait",
-        "Admission"))
-    max_request_body_bytes: int = field(default=4 * 2**20, metadata=flag_help(
-        "largest request body accepted (413 beyond)", "Admission"))
-    read_timeout: float = field(default=10.0, metadata=flag_help(
-        "seconds a client has to send its request (head and body; 408 after the head), and "
-        "that an idle connection stays open"))
-    max_connections: int = field(default=512, metadata=flag_help(
-        "open connections at most (one more is answered 503 and closed); lowered to fit the "
-        "file-descriptor limit", "Admission"))
-    shutdown_timeout: float = field(default=30.0, metadata=flag_help(
-        "on SIGTERM, seconds requests in flight may run on before they are aborted"))
-
-    def __post_init__(self) -> None:
-        positive = {"stream_interval": self.stream_interval,
-                    "max_num_queued_reqs": self.max_num_queued_reqs,
-                    "max_request_body_bytes": self.max_request_body_bytes,
-                    "max_connections": self.max_connections}
-        for name, value in positive.items():
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        timeouts = {"queue_timeout": self.queue_timeout, "read_timeout": self.read_timeout}
-        for name, value in timeouts.items():
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
-        if not self.shutdown_timeout >= 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
-        if self.api_key == "":
-            raise ValueError("api_key must not be empty")
-
-    @property
-    def origins(self) -> list[str]:
-        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
 
 
 class EngineClient(Protocol):
@@ -197,39 +133,8 @@ def _add_guards(app: FastAPI, config: ServerConfig) -> None:
                            allow_headers=["Authorization", "Content-Type"])
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    add_cli_args(parser, ServerConfig)
-    add_cli_args(parser, ClusterConfig)
-
-
-def server_config(args: argparse.Namespace) -> ServerConfig:
-    """The flags, with the API key from the environment when no flag gives one (a flag's
-    value is visible to every user of the machine in `ps`)."""
-    config = from_cli_args(ServerConfig, args)
-    if config.api_key is None and os.environ.get(API_KEY_ENV):
-        config = dataclasses.replace(config, api_key=os.environ[API_KEY_ENV])
-    return config
-
-
-def run_server(args: argparse.Namespace) -> int:
-    config = server_config(args)
-    cluster_config = from_cli_args(ClusterConfig, args)
-    engine_config = EngineConfig.from_cli_args(args)
-    sock = http_server.bind(config.host, config.port)  # before the model: fail in a second
-    if cluster_config.data_parallel_size == 1:
-        return _serve(config, sock, _local_engine(config, engine_config))
-    from loom.cluster.launch import deploy
-    from loom.cluster.replica import ReplicaLimits
-
-    cluster = deploy(cluster_config, engine_config,
-                     ReplicaLimits(config.max_num_queued_reqs, config.queue_timeout))
-    try:
-        return _serve(config, sock, cluster.engine)
-    finally:
-        cluster.shutdown()
-
-
-def _local_engine(config: ServerConfig, engine_config: EngineConfig) -> AsyncEngine:
+def local_engine(config: ServerConfig, engine_config: EngineConfig) -> AsyncEngine:
+    """The engine on a thread of this process (`--engine-in-process`)."""
     from loom.engine.core import EngineCore
 
     return AsyncEngine(EngineCore(engine_config),
@@ -238,7 +143,22 @@ def _local_engine(config: ServerConfig, engine_config: EngineConfig) -> AsyncEng
                        max_num_seqs=engine_config.scheduler.max_num_seqs)
 
 
-def _serve(config: ServerConfig, sock: Any, engine: EngineClient) -> int:
+def serve_cluster(config: ServerConfig, sock: socket.socket, cluster_config: ClusterConfig,
+                  engine_config: EngineConfig) -> int:
+    """Serve `--data-parallel-size N` replicas on Ray Serve."""
+    from loom.cluster.launch import deploy
+    from loom.cluster.replica import ReplicaLimits
+
+    cluster = deploy(cluster_config, engine_config,
+                     ReplicaLimits(config.max_num_queued_reqs, config.queue_timeout))
+    try:
+        return serve(config, sock, cluster.engine)
+    finally:
+        cluster.shutdown()
+
+
+def serve(config: ServerConfig, sock: socket.socket, engine: EngineClient) -> int:
+    """Serve the app over `engine` on `sock` until SIGTERM or Ctrl-C (then drain)."""
     app = build_app(engine, config)
     logging.getLogger("uvicorn.access").addFilter(http_server.QuietPathsFilter())
     # log_config=None: uvicorn's lines go through loom's logging set-up, in one format.

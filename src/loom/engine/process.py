@@ -1,0 +1,271 @@
+"""EngineProcess: `loom serve`'s engine loop in a process of its own, and the engine client
+the server holds (vLLM V1's split of the API server from EngineCore).
+
+Why: in one process start-up is serial (import torch and load the model; import the HTTP stack
+and build the tokenizer: imports hold the GIL, so threads do not overlap them), and while
+serving, the event loop, SSE and detokenizing share one GIL with the step loop. With two
+processes the child imports torch and loads the model while the server imports FastAPI and
+builds its own tokenizer, and the step loop has a GIL of its own.
+
+`EngineProcess(config)` starts the child at once (this module is light, so the server can do
+it before importing anything heavy); `wait_ready()` builds the tokenizer meanwhile and returns
+once the model is loaded, raising the child's error if it is not. The messages and the child's
+side are in `loom.engine.process_main`.
+
+Errors the engine raises for a request (RequestRejectedError, ValueError, EngineDeadError)
+travel as items and are raised to the stream's reader, as in-process. If the child dies, the
+pipe ends: every request in flight gets EngineDeadError and `is_alive` turns False (/health
+503). If the server dies, the child gets SIGKILL (PR_SET_PDEATHSIG on Linux) or else EOF on the
+pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import sys
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from loom.engine.async_engine import EngineDeadError, EngineRequest, OutputStream
+from loom.engine.process_main import (
+    ABORT,
+    DRAIN,
+    METRICS,
+    OUTPUTS,
+    READY,
+    STOP,
+    SUBMIT,
+    EngineFacts,
+    EngineProcessConfig,
+    run_engine_process,
+)
+from loom.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from loom.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def _start_method() -> str:
+    """fork while this process has no other thread (the server at start-up, before it imports
+    anything heavy): the child starts where the server is, with nothing to import again and no
+    interpreter to start. spawn otherwise: a fork would copy locks other threads hold."""
+    return "fork" if sys.platform == "linux" and threading.active_count() == 1 else "spawn"
+
+
+class EngineStartError(RuntimeError):
+    """The engine process ended before its engine was ready (it crashed loading the model)."""
+
+
+class ProcessMetrics:
+    """`core.metrics` of the server: the engine process's Prometheus text, asked for over the
+    pipe."""
+
+    def __init__(self, client: EngineProcess) -> None:
+        self._client = client
+
+    async def prometheus_text(self) -> bytes:
+        return await self._client.fetch_metrics()
+
+
+class ProcessCore:
+    """What the serving layer reads of `engine.core`: the server's own tokenizer and the
+    engine's facts."""
+
+    def __init__(self, tokenizer: Tokenizer, facts: EngineFacts, metrics: ProcessMetrics) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = facts.model_name
+        self.max_model_len = facts.max_model_len
+        self.num_kv_blocks = facts.num_kv_blocks
+        self.block_size = facts.block_size
+        self.metrics = metrics
+
+
+@dataclass
+class _Submission:
+    """One `submit`: its stream and which of its requests have not finished."""
+
+    stream: OutputStream
+    unfinished: set[str]
+
+
+class EngineProcess:
+    """An engine client (the surface the server uses of AsyncEngine) over an engine in a
+    child process, which starts loading as this is made. Serve it after `wait_ready`."""
+
+    def __init__(self, config: EngineProcessConfig) -> None:
+        method = _start_method()
+        context = multiprocessing.get_context(method)
+        self._conn, child_conn = context.Pipe()
+        inherited = self._conn if method == "fork" else None  # the child must close it
+        self._process = context.Process(
+            target=run_engine_process, name="loom-engine", daemon=True,
+            args=(child_conn, config, os.getpid(), inherited))
+        self._process.start()
+        child_conn.close()  # the child's end lives in the child only: its exit ends the pipe
+        self.core: ProcessCore | None = None
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the three below (the reader thread writes them)
+        self._submissions: dict[int, _Submission] = {}
+        self._metrics: dict[int, Future[bytes]] = {}
+        self._dead: str | None = None  # why the engine process is gone, once it is
+        self._ids = itertools.count()
+        self._stop_reason: str | None = None
+        self._reader = threading.Thread(target=self._read, name="loom-engine-reader",
+                                        daemon=True)
+        self._model = config.engine.model.model
+
+    def wait_ready(self) -> None:
+        """Build the tokenizer here while the child loads the model; return once it has.
+        Raises the child's error: ValueError for what the user can fix (a bad model path, a
+        config the engine refuses), EngineStartError for a crash."""
+        from loom.model.arch import default_model_path, read_tokenizer
+
+        try:
+            tokenizer = read_tokenizer(self._model or default_model_path())
+        except Exception:  # noqa: BLE001 - the child reads the same files: its reason first
+            self._await_ready()
+            self.shutdown()
+            raise
+        self.core = ProcessCore(tokenizer, self._await_ready(), ProcessMetrics(self))
+
+    def _await_ready(self) -> EngineFacts:
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            self._process.join()
+            raise EngineStartError(
+                f"the engine process exited (code {self._process.exitcode}) before its model "
+                "was loaded; the log above says why") from None
+        if message[0] == READY:
+            return message[1]
+        self._process.join()
+        _, user_error, why = message
+        raise (ValueError if user_error else EngineStartError)(why)
+
+    # -- the EngineClient surface (on the server's event loop) --------------------------------
+
+    def start(self) -> None:
+        self._reader.start()
+
+    def drain(self) -> None:
+        self._send((DRAIN,))
+
+    def stop(self, reason: str = "the engine was shut down") -> None:
+        """Have the engine fail every request still running with `reason`, then exit."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        self._send((STOP, reason))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine process and wait for it (up to `timeout`, then kill it; at once
+        if it is still loading the model). Idempotent."""
+        if self.core is None:
+            self._process.kill()
+        self.stop()
+        self._process.join(timeout)
+        if self._process.is_alive():
+            logger.warning("The engine process did not stop within %gs: killing it", timeout)
+            self._process.kill()
+            self._process.join()
+        if self._reader.is_alive():
+            self._reader.join()
+        self._conn.close()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._process.is_alive()
+
+    def submit(self, requests: list[EngineRequest]) -> OutputStream:
+        """Send the requests to the engine process; its refusals come out of the stream."""
+        stream = OutputStream(self, [r.request_id for r in requests])
+        sid = next(self._ids)
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
+            self._submissions[sid] = _Submission(stream, {r.request_id for r in requests})
+        if not self._send((SUBMIT, sid, requests)):
+            with self._lock:
+                self._submissions.pop(sid, None)
+            raise EngineDeadError(self._dead or "the engine process is gone")
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._send((ABORT, request_id))
+
+    async def fetch_metrics(self) -> bytes:
+        token = next(self._ids)
+        future: Future[bytes] = Future()
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
+            self._metrics[token] = future
+        self._send((METRICS, token))
+        return await asyncio.wrap_future(future)
+
+    def _send(self, message: tuple[object, ...]) -> bool:
+        """False when the engine process is gone (the reader thread then fails its requests)."""
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):  # a broken pipe, or a closed connection
+                return False
+        return True
+
+    # -- the reader thread --------------------------------------------------------------------
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._conn.recv()
+                if message[0] == OUTPUTS:
+                    self._deliver(message[1], message[2])
+                else:
+                    self._metrics_arrived(message[1], message[2])
+        except (EOFError, OSError):
+            pass
+        self._process.join()  # it closed its end by exiting
+        reason = self._stop_reason or (
+            f"the engine process died (exit code {self._process.exitcode}); the server log "
+            "says why")
+        if self._stop_reason is None:
+            logger.error("The engine process died (exit code %s); /health now reports 503",
+                         self._process.exitcode)
+        self._fail_all(reason)
+
+    def _deliver(self, sid: int, items: list[RequestOutput | Exception]) -> None:
+        with self._lock:
+            submission = self._submissions.get(sid)
+            if submission is None:
+                return
+            for item in items:
+                if isinstance(item, Exception):
+                    submission.unfinished.clear()
+                elif item.finished:
+                    submission.unfinished.discard(item.request_id)
+            if not submission.unfinished:
+                del self._submissions[sid]
+        submission.stream.put_threadsafe(items)
+
+    def _metrics_arrived(self, token: int, text: bytes) -> None:
+        with self._lock:
+            future = self._metrics.pop(token, None)
+        if future is not None:
+            future.set_result(text)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            self._dead = reason
+            submissions, self._submissions = self._submissions, {}
+            waiters, self._metrics = self._metrics, {}
+        for submission in submissions.values():
+            submission.stream.put_threadsafe([EngineDeadError(reason)])
+        for future in waiters.values():
+            future.set_exception(EngineDeadError(reason))
