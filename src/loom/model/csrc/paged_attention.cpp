@@ -237,10 +237,12 @@ static void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_ca
               "caches [blocks, block_size, kv_heads, dim]");
   TORCH_CHECK(k_cache.stride(1) == 1, "K cache needs position stride 1 (see new_kv_cache)");
   TORCH_CHECK(v_cache.stride(3) == 1, "V cache needs dim stride 1");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
-                  block_tables.is_contiguous() && context_lens.scalar_type() == at::kLong &&
-                  context_lens.is_contiguous() && context_lens.size(0) == block_tables.size(0),
-              "block_tables [n, max_blocks] and context_lens [n]: contiguous int64");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kLong &&
+                  context_lens.is_contiguous(), "context_lens: contiguous int64 [n]");
+  TORCH_CHECK(context_lens.size(0) == 0 ||  // no decodes: any empty table
+                  (block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
+                   block_tables.is_contiguous() && block_tables.size(0) == context_lens.size(0)),
+              "block_tables: contiguous int64 [n, max_blocks]");
 }
 
 // Decode attention over the caches for the n = context_lens.size(0) queries at q (rows of
@@ -250,6 +252,7 @@ static void attend(const T* q, int64_t q_row, T* out, int64_t out_row, int64_t H
                    const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                    double scale) {
+  if (context_lens.size(0) == 0) return;
   const int64_t KVH = k_cache.size(2), D = k_cache.size(3);
   DecodeArgs<T> a{q, q_row, out, out_row, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                   {}, {}, block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
