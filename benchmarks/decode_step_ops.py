@@ -65,12 +65,16 @@ def parent(args: argparse.Namespace) -> None:
                 results.setdefault((batch, tree), []).append(result)
                 print(f"B={batch} {tree}: {result}", flush=True)
     print(f"\nhost: {host.describe()}; {args.rounds} rounds x {args.steps} steps\n")
-    print("| B | tree | step ms (median of rounds' medians) | p10 ms | torch ops/step |")
-    print("|---|---|---|---|---|")
+    print(f"| B | tree | step ms (median of rounds' medians) | p10 ms | torch ops/step | "
+          f"step time / {args.trees[0]}'s (median of rounds) |")
+    print("|---|---|---|---|---|---|")
     for (batch, tree), runs in results.items():
         med = statistics.median(r["median_ms"] for r in runs)
         p10 = statistics.median(r["p10_ms"] for r in runs)
-        print(f"| {batch} | {tree} | {med:.2f} | {p10:.2f} | {runs[0]['ops']:.0f} |")
+        first = results[batch, args.trees[0]]
+        ratio = statistics.median(r["median_ms"] / f["median_ms"] for r, f in zip(runs, first))
+        print(f"| {batch} | {tree} | {med:.2f} | {p10:.2f} | {runs[0]['ops']:.0f} | "
+              f"{ratio:.3f} |")
 
 
 def main() -> None:
