@@ -18,6 +18,26 @@
 
 constexpr int64_t kBlockSize = 16;
 
+// Below this much work (context positions x kv heads, summed over the requests) a decode call
+// runs on the calling thread: waking torch's sleeping threads (OMP_WAIT_POLICY=PASSIVE, see
+// loom/threads.py) cost more than splitting saved for a single short request
+// (benchmarks/decode_step_ops.py times the step).
+constexpr int64_t kParallelWork = 2048;
+
+// parallel_dynamic when the work is worth the other threads, else the worker on this thread.
+template <typename Worker>
+static void parallel_if(bool worth_it, int64_t n, const Worker& worker) {
+  if (worth_it) return parallel_dynamic(n, worker);
+  std::atomic<int64_t> next{0};
+  worker(next);
+}
+
+static bool worth_threads(const int64_t* lens, int64_t n, int64_t KVH) {
+  int64_t work = 0;
+  for (int64_t i = 0; i < n && work < kParallelWork; ++i) work += lens[i] * KVH;
+  return work >= kParallelWork;
+}
+
 // Requests arrive sorted by context length, shortest first. Threads take (request, kv head)
 // items one at a time (parallel_dynamic.h), longest request first, so the short ones at the
 // end even out the threads' finishing times.
@@ -97,7 +117,7 @@ static void decode(const DecodeArgs<T>& a) {
   constexpr int64_t BS = kBlockSize;
   constexpr int DC = G <= 4 ? 16 : 8;  // dims per p.V pass: 2 * G (or G) accumulators
   static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 2 vectors");
-  parallel_dynamic(n * KVH, [&](std::atomic<int64_t>& next) {
+  parallel_if(worth_threads(lens, n, KVH), n * KVH, [&](std::atomic<int64_t>& next) {
     std::vector<float> scores;
     for (int64_t idx; (idx = next++) < n * KVH;) {
       const int64_t i = longest_first(idx / KVH, n), kh = idx % KVH, L = lens[i];
@@ -160,7 +180,7 @@ static void decode(const DecodeArgs<T>& a) {
   const int64_t *bt = a.bt, *lens = a.lens, *ks = a.ks, *vs = a.vs;
   const int64_t n = a.n, KVH = a.KVH, max_blocks = a.max_blocks;
   constexpr int64_t BS = kBlockSize;
-  parallel_dynamic(n * KVH, [&](std::atomic<int64_t>& next) {
+  parallel_if(worth_threads(lens, n, KVH), n * KVH, [&](std::atomic<int64_t>& next) {
     std::vector<float> scores;
     for (int64_t idx; (idx = next++) < n * KVH;) {
       const int64_t i = longest_first(idx / KVH, n), kh = idx % KVH, L = lens[i];
