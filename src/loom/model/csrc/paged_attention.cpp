@@ -7,7 +7,9 @@
 // compile time, hence the dispatch over (G query heads per kv head, head dim); other shapes
 // use the torch path (`supported`). Work is split over (request, kv head) pairs. On AVX2 an
 // intrinsics version (below) reads each K block once for all G heads and prefetches the next
-// block; elsewhere a portable version relies on the compiler's vectorizer.
+// block; elsewhere a portable version relies on the compiler's vectorizer. The model calls it
+// through rope_write_decode (at the end), which also ropes q and k and writes the step's K/V:
+// one call per layer from the QKV projection to the decode rows' output.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
