@@ -1,16 +1,27 @@
-"""The native paged decode-attention kernel against the torch gather + SDPA path, on random
-caches with scattered block tables, ragged context lengths and grouped-query heads."""
+"""The native paged decode-attention kernel, and the fused RoPE + KV write + decode attention
+op built on it, against the torch path (RoPE, index_put, gather + SDPA), on random caches with
+scattered block tables, ragged context lengths and grouped-query heads."""
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from loom.model.attention import AttentionMetadata, new_kv_cache, paged_attention
+from loom.core.batch import ScheduledRequest
+from loom.model.attention import (
+    AttentionMetadata,
+    new_kv_cache,
+    paged_attention,
+    rope_write_attend,
+    write_kv,
+)
 from loom.model.kernels import paged_attention_ops
+from loom.model.llama import _rope
 from loom.model.runner import ModelRunner
+from loom.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 
@@ -77,3 +88,122 @@ def test_each_environment_and_checkout_builds_in_its_own_folder(tmp_path, monkey
     monkeypatch.setattr(kernels.sys, "prefix", str(tmp_path / "other-venv"))
     other_venv = kernels._build_directory("k")
     assert len({here, other_checkout, other_venv}) == 3
+
+
+def _scheduled(request_id: str, tokens: int, start: int, blocks: list[int],
+               drafts: int = 0) -> ScheduledRequest:
+    return ScheduledRequest(request_id, [1] * tokens, start, blocks, SamplingParams(), True, [],
+                            num_draft_tokens=drafts)
+
+
+def _step_metadata(items: list[ScheduledRequest], block_size: int, scratch_block: int,
+                   native: bool) -> tuple[list[bool], torch.Tensor, AttentionMetadata]:
+    """(which rows are real, not padding; positions; metadata) from the runner's own input
+    preparation."""
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.block_size, runner.device, runner.scratch_block = block_size, torch.device("cpu"), \
+        scratch_block
+    runner.backends = SimpleNamespace(native_decode=native)
+    items, _, positions, meta = runner._prepare(items)
+    real = [not item.padding for item in items for _ in item.token_ids]
+    return real, positions, meta
+
+
+def _rope_tables(head_dim: int, max_positions: int, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Laid out as LlamaModel's: cos over both halves, sin negated on the first half."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
+    return (torch.cat([freqs.cos(), freqs.cos()], -1).to(dtype),
+            torch.cat([-freqs.sin(), freqs.sin()], -1).to(dtype))
+
+
+def _torch_path(qkv: torch.Tensor, positions: torch.Tensor, tables: tuple[torch.Tensor, ...],
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                num_heads: int) -> torch.Tensor:
+    """LlamaModel's torch path from qkv to the attention output."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    q, k, v = qkv.view(-1, num_heads + 2 * num_kv_heads, head_dim).split(
+        [num_heads, num_kv_heads, num_kv_heads], dim=1)
+    cos, sin = (t[positions].unsqueeze(1) for t in tables)
+    qk = _rope(torch.cat([q, k], dim=1), cos, sin)
+    q, k = qk[:, :num_heads], qk[:, num_heads:]
+    write_kv(k_cache, v_cache, k, v, meta.slots)
+    return paged_attention(q, k, v, k_cache, v_cache, meta)
+
+
+# Decodes at positions on both sides of block boundaries (0, 15, 16, 31, 32, ...), one with two
+# draft tokens crossing a boundary, a prefill with nothing cached and a chunk after a cached
+# prefix that starts mid-block (and, but for prefill-only steps, a padding row).
+MIXED_STEP = [("d0", 1, 0, 0), ("d1", 1, 15, 0), ("d2", 1, 16, 0), ("d3", 1, 31, 0),
+              ("d4", 1, 32, 0), ("d5", 1, 300, 0), ("draft", 3, 46, 2), ("p0", 20, 0, 0),
+              ("p1", 25, 40, 0)]
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
+@pytest.mark.parametrize("step", ["decodes", "prefills", "mixed"])
+def test_fused_rope_write_decode_matches_the_torch_path(dtype, tolerance, num_heads,
+                                                        num_kv_heads, head_dim, step) -> None:
+    """rope_write_attend (one native call per layer) against RoPE + write_kv + the torch
+    attention: the output rows, the caches it wrote and the roped q/k it leaves in qkv."""
+    block_size, num_blocks = 16, 120
+    chosen = {"decodes": MIXED_STEP[:7], "prefills": MIXED_STEP[7:], "mixed": MIXED_STEP}[step]
+    free = random.Random(1).sample(range(num_blocks), num_blocks)
+    items = []
+    for request_id, tokens, start, drafts in chosen:
+        count = -(-(start + tokens) // block_size)
+        items.append(_scheduled(request_id, tokens, start, free[:count], drafts))
+        free = free[count:]
+    if step != "prefills":  # (which then has no decodes at all: an empty block table)
+        items.append(ScheduledRequest("pad", [1], 7, free[:1], SamplingParams(), True, [],
+                                      padding=True))  # a finished request's blocks, as static.py
+    torch.manual_seed(0)
+    caches = new_kv_cache(num_blocks + 1, block_size, num_kv_heads, head_dim, dtype,
+                          torch.device("cpu"))
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape))  # the cached prefixes (and stale slots)
+    tables = _rope_tables(head_dim, 512, dtype)
+    num_tokens = sum(len(item.token_ids) for item in items)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    results = []
+    for native in (False, True):
+        k_cache, v_cache = (c.clone() for c in caches)
+        k_cache = k_cache.as_strided(caches[0].shape, caches[0].stride())  # keep the layout
+        real, positions, meta = _step_metadata(items, block_size, num_blocks, native)
+        x = qkv.clone()
+        if native:
+            out = rope_write_attend(x, num_heads, *tables, positions, k_cache, v_cache, meta)
+        else:
+            out = _torch_path(x, positions, tables, k_cache, v_cache, meta, num_heads)
+        results.append((out.float(), k_cache.float(), v_cache.float()))
+        if native:
+            cos, sin = (t[positions].unsqueeze(1) for t in tables)
+            qk = x.view(num_tokens, -1, head_dim)[:, :num_heads + num_kv_heads]
+            roped = _rope(qkv.view(num_tokens, -1, head_dim)[:, :num_heads + num_kv_heads],
+                          cos, sin)
+            torch.testing.assert_close(qk.float(), roped.float(), atol=tolerance,
+                                       rtol=tolerance)
+    (expected, k_expected, v_expected), (actual, k_actual, v_actual) = results
+    real_rows = torch.tensor(real)  # a padding row's output is discarded
+    torch.testing.assert_close(actual[real_rows], expected[real_rows], atol=tolerance,
+                               rtol=tolerance)
+    torch.testing.assert_close(k_actual, k_expected, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(v_actual, v_expected, atol=0, rtol=0)
+
+
+def test_fused_op_refuses_out_of_range_positions_and_slots() -> None:
+    ops = paged_attention_ops()
+    k_cache, v_cache = new_kv_cache(4, 16, 3, 64, torch.float32, torch.device("cpu"))
+    cos = sin = torch.zeros(32, 64)
+    qkv = torch.zeros(1, 15 * 64)
+    one, tables, lens = torch.ones(1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long), \
+        torch.zeros(0, dtype=torch.long)
+    for positions, blocks, offsets in [(one * 32, one, one), (one, one * 4, one),
+                                       (one, one, one * 16)]:
+        with pytest.raises(RuntimeError, match="out of range"):
+            ops.rope_write_decode(qkv, 9, cos, sin, positions, k_cache, v_cache, blocks,
+                                  offsets, tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match="qkv"):
+        ops.rope_write_decode(torch.zeros(1, 14 * 64), 9, cos, sin, one, k_cache, v_cache, one,
+                              one, tables, lens, 0.125)

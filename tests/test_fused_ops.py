@@ -1,5 +1,6 @@
 """The fused add + RMSNorm and SiLU * up kernels (csrc/fused_ops.cpp) against torch's ops, and
-the model on them against the model on torch's."""
+the model on them against the model on torch's; and the model with its fused RoPE + KV write +
+decode attention op (csrc/paged_attention.cpp) against the model with torch's attention path."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from model_fixtures import (
     Chunk,
     build_tiny_model,
     make_runner,
+    smollm_loaded,
     step_logits,
     write_gguf,
 )
 
-from loom.model.kernels import fused_ops
+from loom.model.backends import Backends
+from loom.model.kernels import fused_ops, paged_attention_ops
+from loom.model.llama import LlamaModel
 from loom.model.loader import load_model
+from loom.model.runner import ModelRunner
 
 ops = fused_ops()
 pytestmark = [pytest.mark.unit,
@@ -80,4 +85,34 @@ def test_model_logits_match_with_and_without_the_fused_kernels(tmp_path) -> None
         unfused, fused = (step_logits(runner, step) for runner in runners)
         for request_id in unfused:
             torch.testing.assert_close(fused[request_id], unfused[request_id], rtol=1e-4,
+                                       atol=1e-4)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(paged_attention_ops() is None, reason="no C++ compiler for the kernels")
+def test_bundled_model_logits_match_with_and_without_the_fused_attention_op() -> None:
+    """SmolLM2 (9 query heads over 3 kv heads of 64, in the native kernel's shapes), one model
+    behind two runners that differ only in the attention path: prefills over several blocks,
+    then steps mixing decodes with a chunk after a cached prefix that starts mid-block, and a
+    decode whose position starts a new block. fp32 matmuls: the native ones quantize
+    activations to int8, which turns rounding-level differences into whole steps of a code."""
+    loaded, cpu = smollm_loaded(), torch.device("cpu")
+    model = LlamaModel(loaded.arch, loaded.weights, torch.float32, cpu, fused_ops=ops)
+    runners = []
+    for native in (False, True):
+        backends = Backends(device=cpu, dtype=torch.float32, num_threads=0,
+                            native_decode=native, linear="torch", fused_ops=ops)
+        runners.append(ModelRunner(model, backends, block_size=16))
+        runners[-1].initialize_kv_cache(16)
+    steps = [
+        [Chunk("a", list(range(100, 132)), 0, [0, 1, 2]), Chunk("b", [7, 8, 9, 10, 11], 0, [3]),
+         Chunk("c", list(range(500, 518)), 0, [4, 5])],
+        [Chunk("a", [40], 32, [0, 1, 2]), Chunk("b", [12], 5, [3]),
+         Chunk("c", list(range(600, 612)), 18, [4, 5])],
+        [Chunk("a", [41], 33, [0, 1, 2]), Chunk("c", [13], 30, [4, 5])],
+    ]
+    for step in steps:
+        expected, actual = (step_logits(runner, step) for runner in runners)
+        for request_id in expected:
+            torch.testing.assert_close(actual[request_id], expected[request_id], rtol=1e-5,
                                        atol=1e-4)

@@ -2,10 +2,12 @@
 
 Requests with a single query token (decodes) go, on CPU, to the native kernel in
 `csrc/paged_attention.cpp` (all of them in one call per layer, reading K/V straight from the
-blocks). The torch fallback batches them into SDPA calls over their gathered, padded contexts —
-one call per group of similar context lengths, so a short chat never pads out to a long
-document's length. Prefill chunks run one SDPA call each, causal within the chunk and over the
-cached context before it.
+blocks). The model calls it through `rope_write_attend`, one call per layer that also applies
+RoPE and writes the step's K/V: about a dozen torch ops fewer per layer, which at one user is
+a large share of what is not matmul. The torch fallback batches them into SDPA calls over
+their gathered, padded contexts — one call per group of similar context lengths, so a short
+chat never pads out to a long document's length. Prefill chunks run one SDPA call each, causal
+within the chunk and over the cached context before it.
 """
 
 from __future__ import annotations
@@ -119,7 +121,36 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         q_dec = q[rows].view(n, num_kv_heads, group, head_dim)
         out[rows] = F.scaled_dot_product_attention(
             q_dec, k_ctx, v_ctx, attn_mask=dec.mask).reshape(n, num_heads, head_dim)
-    for span in meta.prefills:
+    _attend_prefills(q, k, v, k_cache, v_cache, meta.prefills, out)
+    return out.view(num_tokens, num_heads * head_dim)
+
+
+def rope_write_attend(qkv: torch.Tensor, num_heads: int, rope_cos: torch.Tensor,
+                      rope_sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The native path (meta.paged_decodes set) from the fused QKV projection ([tokens,
+    (heads + 2 kv_heads) * head_dim]) to the attention output ([tokens, heads * head_dim]):
+    RoPE (rope_cos/rope_sin: the model's tables, indexed by position), the KV writes and the
+    decode rows' attention are one native call, which ropes q and k inside qkv, in place, so
+    that prefill rows then run SDPA on them as on the torch path."""
+    decodes = meta.paged_decodes
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    out = paged_attention_ops().rope_write_decode(
+        qkv, num_heads, rope_cos, rope_sin, positions, k_cache, v_cache, *meta.slots,
+        decodes.block_tables, decodes.context_lens, head_dim ** -0.5)
+    if meta.prefills:
+        q, k, v = qkv.view(-1, num_heads + 2 * num_kv_heads, head_dim).split(
+            [num_heads, num_kv_heads, num_kv_heads], dim=1)
+        _attend_prefills(q, k, v, k_cache, v_cache, meta.prefills,
+                         out.view(-1, num_heads, head_dim))
+    return out
+
+
+def _attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, prefills: list[PrefillSpan],
+                     out: torch.Tensor) -> None:
+    """One SDPA call per prefill chunk, into its rows of out ([tokens, heads, head_dim])."""
+    for span in prefills:
         rows = slice(span.query_start, span.query_start + span.query_len)
         q_span = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q, head_dim]
         if span.context_len == span.query_len:  # nothing cached before: use this step's K/V
@@ -132,7 +163,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[rows] = F.scaled_dot_product_attention(
             q_span, k_ctx.transpose(0, 1).unsqueeze(0), v_ctx.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, is_causal=causal, enable_gqa=True)[0].transpose(0, 1)
-    return out.view(num_tokens, num_heads * head_dim)
 
 
 def _chunk_causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:

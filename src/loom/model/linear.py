@@ -87,9 +87,11 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
+            flat = x.dim() == 2  # the model's [tokens, features]: no reshape ops around it
             out = self._block_quant_ops.block_quant_linear(
-                x.reshape(-1, self.in_features), self.panels, self.bias, INT8_MAX_ROWS)
-            return out.view(*x.shape[:-1], self.out_features)
+                x if flat else x.reshape(-1, self.in_features), self.panels, self.bias,
+                INT8_MAX_ROWS)
+            return out if flat else out.view(*x.shape[:-1], self.out_features)
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -15,7 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from loom.model.arch import ModelArch, ModelLoadError
-from loom.model.attention import AttentionMetadata, paged_attention, write_kv
+from loom.model.attention import (
+    AttentionMetadata,
+    paged_attention,
+    rope_write_attend,
+    write_kv,
+)
 from loom.model.kernels import block_quant_linear_ops
 from loom.model.linear import Linear
 from loom.model.weights import BlockQuantWeight, LazyWeights
@@ -106,22 +111,34 @@ class LlamaModel:
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """[num_tokens] ids -> [num_tokens, hidden] final hidden states (normed)."""
-        arch = self.arch
-        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
-        num_qk_heads = arch.num_heads + arch.num_kv_heads
+        # On the native path the kernel reads the tables by position itself.
+        rope = None if meta.paged_decodes is not None else (
+            self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
         hidden, delta = self.embed(input_ids), None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             hidden, x = self._add_norm(hidden, delta, layer.input_norm)
-            qkv = layer.qkv(x)
-            qk = _rope(qkv[:, :self.q_size + self.kv_size].view(-1, num_qk_heads, arch.head_dim),
-                       cos, sin)  # q and k heads rotated together: 3 ops per layer
-            q, k = qk[:, :arch.num_heads], qk[:, arch.num_heads:]
-            v = qkv[:, self.q_size + self.kv_size:].reshape(-1, arch.num_kv_heads, arch.head_dim)
-            write_kv(k_cache, v_cache, k, v, meta.slots)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta)
+            attn = self._attention(layer.qkv(x), positions, rope, k_cache, v_cache, meta)
             hidden, x = self._add_norm(hidden, layer.o(attn), layer.post_attn_norm)
             delta = layer.down(self._silu_mul(layer.gate_up(x)))
         return self._add_norm(hidden, delta, self.final_norm)[1]
+
+    def _attention(self, qkv: torch.Tensor, positions: torch.Tensor,
+                   rope: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """[tokens, q + k + v heads] projections -> [tokens, heads * head_dim] attention
+        output, with this step's K/V written to the caches. rope: this step's (cos, sin), for
+        the torch path; None for the native one, one call from qkv to the decode rows' output
+        (model/attention.py: rope_write_attend)."""
+        arch = self.arch
+        if rope is None:
+            return rope_write_attend(qkv, arch.num_heads, self.rope_cos, self.rope_sin,
+                                     positions, k_cache, v_cache, meta)
+        qk = _rope(qkv[:, :self.q_size + self.kv_size].view(
+            -1, arch.num_heads + arch.num_kv_heads, arch.head_dim), *rope)
+        q, k = qk[:, :arch.num_heads], qk[:, arch.num_heads:]  # rotated together: 3 ops
+        v = qkv[:, self.q_size + self.kv_size:].reshape(-1, arch.num_kv_heads, arch.head_dim)
+        write_kv(k_cache, v_cache, k, v, meta.slots)
+        return paged_attention(q, k, v, k_cache, v_cache, meta)
 
     def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,9 @@
 // compile time, hence the dispatch over (G query heads per kv head, head dim); other shapes
 // use the torch path (`supported`). Work is split over (request, kv head) pairs. On AVX2 an
 // intrinsics version (below) reads each K block once for all G heads and prefetches the next
-// block; elsewhere a portable version relies on the compiler's vectorizer.
+// block; elsewhere a portable version relies on the compiler's vectorizer. The model calls it
+// through rope_write_decode (at the end), which also ropes q and k and writes the step's K/V:
+// one call per layer from the QKV projection to the decode rows' output.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -18,18 +20,55 @@
 
 constexpr int64_t kBlockSize = 16;
 
+// Below this much work (context positions x kv heads, summed over the requests) a decode call
+// runs on the calling thread: waking torch's sleeping threads (OMP_WAIT_POLICY=PASSIVE, see
+// loom/threads.py) cost more than splitting saved for a single short request
+// (benchmarks/decode_step_ops.py times the step).
+constexpr int64_t kParallelWork = 2048;
+
+// parallel_dynamic when the work is worth the other threads, else the worker on this thread.
+template <typename Worker>
+static void parallel_if(bool worth_it, int64_t n, const Worker& worker) {
+  if (worth_it) return parallel_dynamic(n, worker);
+  std::atomic<int64_t> next{0};
+  worker(next);
+}
+
+static bool worth_threads(const int64_t* lens, int64_t n, int64_t KVH) {
+  int64_t work = 0;
+  for (int64_t i = 0; i < n && work < kParallelWork; ++i) work += lens[i] * KVH;
+  return work >= kParallelWork;
+}
+
 // Requests arrive sorted by context length, shortest first. Threads take (request, kv head)
 // items one at a time (parallel_dynamic.h), longest request first, so the short ones at the
 // end even out the threads' finishing times.
 static inline int64_t longest_first(int64_t k, int64_t n) { return n - 1 - k; }
 
+// One decode-attention call: query i's head h is at q + i * q_row + h * D and its output at
+// out + i * out_row + h * D (rows of a fused QKV projection, or of a tensor of their own);
+// request i's context is lens[i] positions in the blocks bt[i * max_blocks ...].
+template <typename T>
+struct DecodeArgs {
+  const T* q;
+  int64_t q_row;
+  T* out;
+  int64_t out_row;
+  const T* kc;
+  const T* vc;
+  int64_t ks[4], vs[4];  // cache strides, indexed [block, position, kv head, dim]
+  const int64_t* bt;
+  const int64_t* lens;
+  int64_t n, KVH, max_blocks;
+  float scale;
+};
+
 // The G query heads of kv head kh of request i, scaled, as fp32.
 template <typename T, int G, int D>
-static inline void load_query(const T* q, int64_t i, int64_t H, int64_t kh, float scale,
-                              float (&qf)[G][D]) {
+static inline void load_query(const DecodeArgs<T>& a, int64_t i, int64_t kh, float (&qf)[G][D]) {
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d)
-      qf[g][d] = static_cast<float>(q[(i * H + kh * G + g) * D + d]) * scale;
+      qf[g][d] = static_cast<float>(a.q[i * a.q_row + (kh * G + g) * D + d]) * a.scale;
 }
 
 // Scores of L positions -> probabilities, in place.
@@ -42,11 +81,11 @@ static inline void softmax(float* s, int64_t L) {
 }
 
 template <typename T, int G, int D>
-static inline void store_output(const float (&acc)[G][D], T* out, int64_t i, int64_t H,
+static inline void store_output(const float (&acc)[G][D], const DecodeArgs<T>& a, int64_t i,
                                 int64_t kh) {
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d)
-      out[(i * H + kh * G + g) * D + d] = static_cast<T>(acc[g][d]);
+      a.out[i * a.out_row + (kh * G + g) * D + d] = static_cast<T>(acc[g][d]);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -73,21 +112,21 @@ static inline void prefetch_block(const T* base, int64_t rows, int64_t row_strid
 // heads' accumulators for that slice in registers, so the V block is read from L1 D / DC times
 // instead of the accumulators going through memory for every position.
 template <typename T, int G, int D>
-static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens,
-                   T* out, int64_t n, int64_t KVH, int64_t max_blocks, const int64_t* ks,
-                   const int64_t* vs, float scale) {
+static void decode(const DecodeArgs<T>& a) {
+  const T *kc = a.kc, *vc = a.vc;
+  const int64_t *bt = a.bt, *lens = a.lens, *ks = a.ks, *vs = a.vs;
+  const int64_t n = a.n, KVH = a.KVH, max_blocks = a.max_blocks;
   constexpr int64_t BS = kBlockSize;
   constexpr int DC = G <= 4 ? 16 : 8;  // dims per p.V pass: 2 * G (or G) accumulators
   static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 2 vectors");
-  const int64_t H = G * KVH;
-  parallel_dynamic(n * KVH, [&](std::atomic<int64_t>& next) {
+  parallel_if(worth_threads(lens, n, KVH), n * KVH, [&](std::atomic<int64_t>& next) {
     std::vector<float> scores;
     for (int64_t idx; (idx = next++) < n * KVH;) {
       const int64_t i = longest_first(idx / KVH, n), kh = idx % KVH, L = lens[i];
       const int64_t num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
       const int64_t* table = bt + i * max_blocks;
       float qf[G][D];
-      load_query(q, i, H, kh, scale, qf);
+      load_query(a, i, kh, qf);
       scores.resize(G * Lp);
       for (int64_t b = 0; b < num_blocks; ++b) {
         const T* kb = kc + table[b] * ks[0] + kh * ks[2];
@@ -132,23 +171,23 @@ static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, cons
             for (int j = 0; j < DC / 8; ++j) _mm256_storeu_ps(&acc[g][dc + 8 * j], a[g][j]);
         }
       }
-      store_output(acc, out, i, H, kh);
+      store_output(acc, a, i, kh);
     }
   });
 }
 #else
 template <typename T, int G, int D>
-static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens,
-                   T* out, int64_t n, int64_t KVH, int64_t max_blocks, const int64_t* ks,
-                   const int64_t* vs, float scale) {
+static void decode(const DecodeArgs<T>& a) {
+  const T *kc = a.kc, *vc = a.vc;
+  const int64_t *bt = a.bt, *lens = a.lens, *ks = a.ks, *vs = a.vs;
+  const int64_t n = a.n, KVH = a.KVH, max_blocks = a.max_blocks;
   constexpr int64_t BS = kBlockSize;
-  const int64_t H = G * KVH;
-  parallel_dynamic(n * KVH, [&](std::atomic<int64_t>& next) {
+  parallel_if(worth_threads(lens, n, KVH), n * KVH, [&](std::atomic<int64_t>& next) {
     std::vector<float> scores;
     for (int64_t idx; (idx = next++) < n * KVH;) {
       const int64_t i = longest_first(idx / KVH, n), kh = idx % KVH, L = lens[i];
       float qf[G][D];
-      load_query(q, i, H, kh, scale, qf);
+      load_query(a, i, kh, qf);
       scores.resize(G * (L + BS));
       for (int64_t b = 0; b * BS < L; ++b) {
         const T* kb = kc + bt[i * max_blocks + b] * ks[0] + kh * ks[2];
@@ -176,7 +215,7 @@ static void decode(const T* q, const T* kc, const T* vc, const int64_t* bt, cons
           for (int d = 0; d < D; ++d) acc[g][d] += w * vf[d];
         }
       }
-      store_output(acc, out, i, H, kh);
+      store_output(acc, a, i, kh);
     }
   });
 }
@@ -201,47 +240,169 @@ bool supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_
 }
 
 template <typename T>
-static void decode_shape(const T* q, const T* kc, const T* vc, const int64_t* bt,
-                         const int64_t* lens, T* out, int64_t n, int64_t G, int64_t D,
-                         int64_t KVH, int64_t max_blocks, const int64_t* ks, const int64_t* vs,
-                         float scale) {
-#define LOOM_CALL(g, d) \
-  if (G == g && D == d) return decode<T, g, d>(q, kc, vc, bt, lens, out, n, KVH, max_blocks, \
-                                               ks, vs, scale);
+static void decode_shape(const DecodeArgs<T>& a, int64_t G, int64_t D) {
+#define LOOM_CALL(g, d) if (G == g && D == d) return decode<T, g, d>(a);
   LOOM_FOR_EACH_SHAPE(LOOM_CALL)
 #undef LOOM_CALL
+}
+
+// fn(T{}) for the kernel's element type: float32 or bfloat16 (the others fail `supported`).
+template <typename Fn>
+static void for_dtype(c10::ScalarType dtype, const Fn& fn) {
+  if (dtype == at::kFloat) fn(float{});
+  else fn(c10::BFloat16{});
+}
+
+static void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                         const torch::Tensor& block_tables, const torch::Tensor& context_lens) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "caches [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(k_cache.stride(1) == 1, "K cache needs position stride 1 (see new_kv_cache)");
+  TORCH_CHECK(v_cache.stride(3) == 1, "V cache needs dim stride 1");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kLong &&
+                  context_lens.is_contiguous(), "context_lens: contiguous int64 [n]");
+  TORCH_CHECK(context_lens.size(0) == 0 ||  // no decodes: any empty table
+                  (block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
+                   block_tables.is_contiguous() && block_tables.size(0) == context_lens.size(0)),
+              "block_tables: contiguous int64 [n, max_blocks]");
+}
+
+// Decode attention over the caches for the n = context_lens.size(0) queries at q (rows of
+// q_row elements), into out (rows of out_row).
+template <typename T>
+static void attend(const T* q, int64_t q_row, T* out, int64_t out_row, int64_t H,
+                   const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                   double scale) {
+  if (context_lens.size(0) == 0) return;
+  const int64_t KVH = k_cache.size(2), D = k_cache.size(3);
+  DecodeArgs<T> a{q, q_row, out, out_row, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                  {}, {}, block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                  context_lens.size(0), KVH, block_tables.size(1), static_cast<float>(scale)};
+  for (int j = 0; j < 4; ++j) {
+    a.ks[j] = k_cache.stride(j);
+    a.vs[j] = v_cache.stride(j);
+  }
+  decode_shape<T>(a, H / KVH, D);
 }
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
-              "q [n, heads, dim]; caches [blocks, block_size, kv_heads, dim]");
-  TORCH_CHECK(k_cache.stride(1) == 1, "K cache needs position stride 1 (see new_kv_cache)");
-  TORCH_CHECK(v_cache.stride(3) == 1, "V cache needs dim stride 1");
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
-  TORCH_CHECK(supported(H, KVH, D, k_cache.size(1), q.scalar_type()),
+  TORCH_CHECK(q.dim() == 3, "q [n, heads, dim]");
+  check_caches(k_cache, v_cache, block_tables, context_lens);
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(n == context_lens.size(0), "one context length per query");
+  TORCH_CHECK(supported(H, k_cache.size(2), D, k_cache.size(1), q.scalar_type()) &&
+                  D == k_cache.size(3) && k_cache.scalar_type() == q.scalar_type(),
               "shape or dtype not supported by the native kernel");
   q = q.contiguous();
-  auto bt = block_tables.contiguous();
-  auto lens = context_lens.contiguous();
   auto out = torch::empty_like(q);
-  const int64_t ks[4] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                         k_cache.stride(3)};
-  const int64_t vs[4] = {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                         v_cache.stride(3)};
-  auto run = [&](auto type_tag) {  // float32 and bfloat16 only (checked by `supported`)
-    using T = decltype(type_tag);
-    decode_shape<T>(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                    bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), n,
-                    H / KVH, D, KVH, bt.size(1), ks, vs, static_cast<float>(scale));
-  };
-  if (q.scalar_type() == at::kFloat) run(float{});
-  else run(c10::BFloat16{});
+  for_dtype(q.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    attend<T>(q.data_ptr<T>(), H * D, out.data_ptr<T>(), H * D, H, k_cache, v_cache,
+              block_tables, context_lens, scale);
+  });
+  return out;
+}
+
+// Rotate-half RoPE of one head, in place, with the model's tables (cos repeated over both
+// halves, sin negated on the first half): x = x * cos + (x2, x1) * sin.
+template <typename T>
+static inline void rope_head(T* x, const T* c, const T* s, int64_t D) {
+  const int64_t half = D / 2;
+#pragma omp simd
+  for (int64_t d = 0; d < half; ++d) {
+    const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + half]);
+    x[d] = static_cast<T>(x1 * static_cast<float>(c[d]) + x2 * static_cast<float>(s[d]));
+    x[d + half] = static_cast<T>(x2 * static_cast<float>(c[d + half]) +
+                                 x1 * static_cast<float>(s[d + half]));
+  }
+}
+
+// Tokens per task of the RoPE + KV write: a decode step's few tokens stay on the calling
+// thread (no fork/join), a prefill chunk's are shared out.
+constexpr int64_t kTokensPerTask = 64;
+
+// RoPE on each token's H + KVH query and key heads (rows of qkv, in place), then its keys and
+// values into their cache slots (block, offset).
+template <typename T>
+static void rope_write(T* qkv, int64_t T_, int64_t H, const T* cos, const T* sin,
+                       const int64_t* pos, const int64_t* blocks, const int64_t* offsets,
+                       const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  const int64_t KVH = k_cache.size(2), D = k_cache.size(3), row = (H + 2 * KVH) * D;
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t k0 = k_cache.stride(0), k1 = k_cache.stride(1), k2 = k_cache.stride(2),
+                k3 = k_cache.stride(3), v0 = v_cache.stride(0), v1 = v_cache.stride(1),
+                v2 = v_cache.stride(2);
+  const int64_t tasks = (T_ + kTokensPerTask - 1) / kTokensPerTask;
+  parallel_dynamic(tasks, [&](std::atomic<int64_t>& next) {
+    for (int64_t task; (task = next++) < tasks;) {
+      for (int64_t t = task * kTokensPerTask; t < std::min(T_, (task + 1) * kTokensPerTask);
+           ++t) {
+        T* x = qkv + t * row;
+        for (int64_t h = 0; h < H + KVH; ++h) rope_head(x + h * D, cos + pos[t] * D,
+                                                       sin + pos[t] * D, D);
+        for (int64_t kh = 0; kh < KVH; ++kh) {
+          const T* k = x + (H + kh) * D;
+          T* kdst = kc + blocks[t] * k0 + offsets[t] * k1 + kh * k2;
+          for (int64_t d = 0; d < D; ++d) kdst[d * k3] = k[d];
+          std::copy_n(x + (H + KVH + kh) * D, D, vc + blocks[t] * v0 + offsets[t] * v1 + kh * v2);
+        }
+      }
+    }
+  });
+}
+
+// One layer's work between the QKV projection and the output projection, for the rows the
+// native kernel takes. qkv [tokens, (H + 2 KVH) D] (q heads, k heads, v heads): q and k are
+// roped in place (prefill rows read them back for SDPA), every token's k and v go to its slot
+// (slot_blocks, slot_offsets), and the first n = context_lens.size(0) rows, the decodes,
+// attend over the caches into their rows of the returned [tokens, H D]; its other rows are
+// left for the caller (uninitialized).
+torch::Tensor rope_write_decode(torch::Tensor qkv, int64_t num_heads, torch::Tensor cos,
+                                torch::Tensor sin, torch::Tensor positions,
+                                torch::Tensor k_cache, torch::Tensor v_cache,
+                                torch::Tensor slot_blocks, torch::Tensor slot_offsets,
+                                torch::Tensor block_tables, torch::Tensor context_lens,
+                                double scale) {
+  check_caches(k_cache, v_cache, block_tables, context_lens);
+  const int64_t tokens = qkv.size(0), H = num_heads, KVH = k_cache.size(2), D = k_cache.size(3);
+  const auto dtype = qkv.scalar_type();
+  TORCH_CHECK(supported(H, KVH, D, k_cache.size(1), dtype) &&
+                  k_cache.scalar_type() == dtype && cos.scalar_type() == dtype &&
+                  sin.scalar_type() == dtype,
+              "shape or dtype not supported by the native kernel");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (H + 2 * KVH) * D,
+              "qkv must be a contiguous [tokens, (heads + 2 kv_heads) * head_dim] tensor");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.is_contiguous() &&
+                  sin.sizes() == cos.sizes() && sin.is_contiguous(),
+              "cos, sin: contiguous [positions, head_dim] tables");
+  for (const auto* t : {&positions, &slot_blocks, &slot_offsets})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == tokens && t->scalar_type() == at::kLong &&
+                    t->is_contiguous(), "positions and slots: contiguous int64 [tokens]");
+  TORCH_CHECK(context_lens.size(0) <= tokens, "more decodes than tokens");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
+  const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)  // checked here: a worker thread cannot throw
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0) && blocks[t] >= 0 &&
+                    blocks[t] < k_cache.size(0) && offsets[t] >= 0 &&
+                    offsets[t] < k_cache.size(1), "position or slot out of range");
+  auto out = torch::empty({tokens, H * D}, qkv.options());
+  for_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    rope_write<T>(qkv.data_ptr<T>(), tokens, H, cos.data_ptr<T>(), sin.data_ptr<T>(), pos,
+                  blocks, offsets, k_cache, v_cache);
+    attend<T>(qkv.data_ptr<T>(), qkv.size(1), out.data_ptr<T>(), H * D, H, k_cache, v_cache,
+              block_tables, context_lens, scale);
+  });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("rope_write_decode", &rope_write_decode);
   m.def("supported", &supported);
 }
