@@ -48,7 +48,8 @@ OP_KINDS = {  # torch profiler op name -> kind, first match wins
     "add + RMSNorm, SiLU * up (native)": ("loom::add_rms_norm", "loom::silu_mul"),
     "matmul (linear/mm)": ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul",
                            "aten::bmm"),
-    "decode attention (native kernel)": ("loom::paged_decode_attention",),
+    "RoPE + KV write + decode attention (native)": ("loom::rope_write_decode",
+                                                    "loom::paged_decode_attention"),
     "prefill attention (SDPA)": ("aten::_scaled_dot_product", "aten::scaled_dot_product"),
     "KV gather (index)": ("aten::index", "aten::permute", "aten::reshape", "aten::clone"),
     "KV write (index_copy)": ("aten::index_copy",),
@@ -147,6 +148,7 @@ def label_native_ops() -> None:
     """A pybind call is invisible to the torch profiler: wrap each native kernel in a
     record_function named loom::<kernel> (the model calls them through their modules)."""
     kernels = ((paged_attention_ops(), "paged_decode_attention"),
+               (paged_attention_ops(), "rope_write_decode"),
                (block_quant_linear_ops(), "block_quant_linear"),
                (fused_ops(), "add_rms_norm"), (fused_ops(), "silu_mul"))
     for module, name in kernels:
