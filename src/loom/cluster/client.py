@@ -22,6 +22,7 @@ from loom.cluster.metrics import ROUTER_REGISTRY, merge_replica_texts
 from loom.cluster.replica import DEAD, INVALID, REJECTED, ModelFacts
 from loom.cluster.routing import prompt_block_hashes
 from loom.engine.async_engine import EngineDeadError, EngineRequest, RequestRejectedError
+from loom.engine.facts import ServedCore
 from loom.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -45,18 +46,6 @@ class ClusterMetrics:
 
     async def prometheus_text(self) -> bytes:
         return merge_replica_texts(await self.replica_texts()) + generate_latest(ROUTER_REGISTRY)
-
-
-class ClusterCore:
-    """What the serving layer reads of `engine.core`, from one replica's model facts."""
-
-    def __init__(self, facts: ModelFacts, metrics: ClusterMetrics) -> None:
-        self.tokenizer = facts.tokenizer
-        self.model_name = facts.model_name
-        self.max_model_len = facts.max_model_len
-        self.num_kv_blocks = facts.num_kv_blocks
-        self.block_size = facts.block_size
-        self.metrics = metrics
 
 
 class RemoteStream:
@@ -116,7 +105,7 @@ class ClusterEngine:
 
     def __init__(self, handle: DeploymentHandle, facts: ModelFacts, hub: Any,
                  num_replicas: int) -> None:
-        self.core = ClusterCore(facts, ClusterMetrics(hub, num_replicas))
+        self.core = ServedCore(facts.tokenizer, facts.engine, ClusterMetrics(hub, num_replicas))
         self._handle = handle.options(stream=True, method_name="generate")
         self._streams: dict[str, RemoteStream] = {}
         self._draining = False

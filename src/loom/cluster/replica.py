@@ -26,7 +26,7 @@ from loom.engine.async_engine import (
     EngineRequest,
     RequestRejectedError,
 )
-from loom.engine.core import EngineCore
+from loom.engine.facts import EngineFacts
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,7 @@ class ModelFacts:
     """What the front end needs of the model to validate and tokenize requests itself."""
 
     tokenizer: Any
-    model_name: str
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
+    engine: EngineFacts
 
 
 @ray.remote(num_cpus=0)
@@ -84,10 +81,8 @@ class LoomReplica:
         logging.basicConfig(  # the tag is the `replica` label of this replica's metrics
             level=logging.INFO,
             format=f"%(asctime)s %(levelname)s %(name)s [replica {self.tag}]: %(message)s")
-        self.engine = AsyncEngine(EngineCore(config),
-                                  max_num_queued_reqs=limits.max_num_queued_reqs,
-                                  queue_timeout=limits.queue_timeout,
-                                  max_num_seqs=config.scheduler.max_num_seqs)
+        self.engine = AsyncEngine.from_config(config, limits.max_num_queued_reqs,
+                                              limits.queue_timeout)
         self.engine.start()
         self._hub = ray.get_actor(hub_name)
         self._stop = threading.Event()
@@ -95,9 +90,7 @@ class LoomReplica:
         logger.info("Replica %s serving %s", self.tag, self.engine.core.model_name)
 
     def model_facts(self) -> ModelFacts:
-        core = self.engine.core
-        return ModelFacts(core.tokenizer, core.model_name, core.max_model_len,
-                          core.num_kv_blocks, core.block_size)
+        return ModelFacts(self.engine.core.tokenizer, EngineFacts.of(self.engine.core))
 
     async def generate(self, requests: list[EngineRequest],
                        block_hashes: list[int]) -> AsyncIterator[tuple[str, Any]]:

@@ -29,6 +29,7 @@ from loom.outputs import RequestOutput
 from loom.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the engine process's server side imports this module without the engine
+    from loom.config import EngineConfig
     from loom.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,16 @@ class AsyncEngine:
         self._streams: dict[str, OutputSink] = {}
         self._deadlines: dict[str, float] = {}  # unscheduled request id -> when to give up
         self._thread = threading.Thread(target=self._run, name="loom-engine-loop", daemon=True)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, max_num_queued_reqs: int | None = None,
+                    queue_timeout: float | None = None) -> AsyncEngine:
+        """The engine `config` describes, with these admission limits (the served engine,
+        whether on a thread of the server, in the engine process or in a Ray replica)."""
+        from loom.engine.core import EngineCore  # torch and the model
+
+        return cls(EngineCore(config), max_num_queued_reqs=max_num_queued_reqs,
+                   queue_timeout=queue_timeout, max_num_seqs=config.scheduler.max_num_seqs)
 
     # -- caller side (any thread; the HTTP server's event loop) ---------------------------------
 

@@ -30,9 +30,9 @@ import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from loom.engine.async_engine import EngineDeadError, EngineRequest, OutputStream
+from loom.engine.facts import EngineFacts, ServedCore
 from loom.engine.process_main import (
     ABORT,
     DRAIN,
@@ -41,14 +41,10 @@ from loom.engine.process_main import (
     READY,
     STOP,
     SUBMIT,
-    EngineFacts,
     EngineProcessConfig,
     run_engine_process,
 )
 from loom.outputs import RequestOutput
-
-if TYPE_CHECKING:
-    from loom.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -75,19 +71,6 @@ class ProcessMetrics:
         return await self._client.fetch_metrics()
 
 
-class ProcessCore:
-    """What the serving layer reads of `engine.core`: the server's own tokenizer and the
-    engine's facts."""
-
-    def __init__(self, tokenizer: Tokenizer, facts: EngineFacts, metrics: ProcessMetrics) -> None:
-        self.tokenizer = tokenizer
-        self.model_name = facts.model_name
-        self.max_model_len = facts.max_model_len
-        self.num_kv_blocks = facts.num_kv_blocks
-        self.block_size = facts.block_size
-        self.metrics = metrics
-
-
 @dataclass
 class _Submission:
     """One `submit`: its stream and which of its requests have not finished."""
@@ -110,7 +93,7 @@ class EngineProcess:
             args=(child_conn, config, os.getpid(), inherited))
         self._process.start()
         child_conn.close()  # the child's end lives in the child only: its exit ends the pipe
-        self.core: ProcessCore | None = None
+        self.core: ServedCore | None = None
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the three below (the reader thread writes them)
         self._submissions: dict[int, _Submission] = {}
@@ -134,7 +117,7 @@ class EngineProcess:
             self._await_ready()
             self.shutdown()
             raise
-        self.core = ProcessCore(tokenizer, self._await_ready(), ProcessMetrics(self))
+        self.core = ServedCore(tokenizer, self._await_ready(), ProcessMetrics(self))
 
     def _await_ready(self) -> EngineFacts:
         try:

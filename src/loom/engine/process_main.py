@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 
 from loom.config import EngineConfig
 from loom.engine.async_engine import AsyncEngine, EngineDeadError, RequestRejectedError
+from loom.engine.facts import EngineFacts
 from loom.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -50,16 +51,6 @@ class EngineProcessConfig:
     log_format: str = logging.BASIC_FORMAT
 
 
-@dataclass(frozen=True)
-class EngineFacts:
-    """What the server reads of the engine (`engine.core`), from the ready message."""
-
-    model_name: str
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
-
-
 def run_engine_process(conn: Connection, config: EngineProcessConfig, server_pid: int,
                        server_end: Connection | None = None) -> None:
     """The child's main: load the engine, say it is ready (or why not), then serve the pipe
@@ -73,13 +64,9 @@ def run_engine_process(conn: Connection, config: EngineProcessConfig, server_pid
         server_end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=config.log_level, format=config.log_format)
-    from loom.engine.core import EngineCore  # torch and the model: here, in the child
-
-    try:
-        engine = AsyncEngine(EngineCore(config.engine),
-                             max_num_queued_reqs=config.max_num_queued_reqs,
-                             queue_timeout=config.queue_timeout,
-                             max_num_seqs=config.engine.scheduler.max_num_seqs)
+    try:  # torch and the model: here, in the child
+        engine = AsyncEngine.from_config(config.engine, config.max_num_queued_reqs,
+                                         config.queue_timeout)
     except (ValueError, OSError) as e:  # what the user can fix: a bad path, a bad config
         conn.send((FAILED, True, str(e)))
         sys.exit(1)
@@ -88,9 +75,7 @@ def run_engine_process(conn: Connection, config: EngineProcessConfig, server_pid
         conn.send((FAILED, False, f"the engine failed to start: {type(e).__name__}: {e}"))
         sys.exit(1)
     engine.start()
-    core = engine.core
-    conn.send((READY, EngineFacts(core.model_name, core.max_model_len, core.num_kv_blocks,
-                                  core.block_size)))
+    conn.send((READY, EngineFacts.of(engine.core)))
     sys.exit(0 if _serve_pipe(conn, engine) else 1)
 
 

@@ -115,9 +115,11 @@ def run_server(args: argparse.Namespace) -> int:
 
         return serve_cluster(config, sock, cluster_config, engine_config)
     if config.engine_in_process:
-        from loom.entrypoints.openai.server import local_engine, serve
+        from loom.engine.async_engine import AsyncEngine
+        from loom.entrypoints.openai.server import serve
 
-        return serve(config, sock, local_engine(config, engine_config))
+        return serve(config, sock, AsyncEngine.from_config(
+            engine_config, config.max_num_queued_reqs, config.queue_timeout))
     return _serve_engine_process(config, sock, engine_config)
 
 

@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import loom
 from loom.cluster.config import ClusterConfig
 from loom.config import EngineConfig
-from loom.engine.async_engine import AsyncEngine, EngineRequest
+from loom.engine.async_engine import EngineRequest
 from loom.entrypoints.openai import http_server
 from loom.entrypoints.openai.errors import install_error_handlers
 from loom.entrypoints.openai.guards import ApiKeyGuard, BodyGuard, HostGuard, is_loopback
@@ -131,16 +131,6 @@ def _add_guards(app: FastAPI, config: ServerConfig) -> None:
         app.add_middleware(CORSMiddleware, allow_origins=config.origins,
                            allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
-
-
-def local_engine(config: ServerConfig, engine_config: EngineConfig) -> AsyncEngine:
-    """The engine on a thread of this process (`--engine-in-process`)."""
-    from loom.engine.core import EngineCore
-
-    return AsyncEngine(EngineCore(engine_config),
-                       max_num_queued_reqs=config.max_num_queued_reqs,
-                       queue_timeout=config.queue_timeout,
-                       max_num_seqs=engine_config.scheduler.max_num_seqs)
 
 
 def serve_cluster(config: ServerConfig, sock: socket.socket, cluster_config: ClusterConfig,
