@@ -21,8 +21,9 @@
 constexpr int64_t kBlockSize = 16;
 
 // Below this much work (context positions x kv heads, summed over the requests) a decode call
-// runs on the calling thread: waking torch's sleeping threads (OMP_WAIT_POLICY=PASSIVE, see
-// loom/threads.py) cost more than splitting saved for a single short request
+// runs on the calling thread: handing it to other threads cost more than splitting saved for a
+// single short request. Measured when parallel_dynamic ran on torch's sleeping OpenMP threads;
+// its own helpers (parallel_dynamic.h) wake faster, and the threshold was not re-tuned for them
 // (benchmarks/decode_step_ops.py times the step).
 constexpr int64_t kParallelWork = 2048;
 

@@ -104,7 +104,7 @@ class Pool {
 
   uint32_t wait_for_job(uint32_t seen) {
     auto since = std::chrono::steady_clock::now();
-    for (uint32_t now; (now = generation_.load()) == seen;) {
+    while (generation_.load() == seen) {
       if (yielding_.load() && std::chrono::steady_clock::now() - since < kYieldWindow) {
         sched_yield();
         continue;
