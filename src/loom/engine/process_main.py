@@ -29,6 +29,7 @@ from loom.config import EngineConfig
 from loom.engine.async_engine import AsyncEngine, EngineDeadError, RequestRejectedError
 from loom.engine.facts import EngineFacts
 from loom.outputs import RequestOutput
+from loom.torch_import import defer_unused_modules
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ def run_engine_process(conn: Connection, config: EngineProcessConfig, server_pid
         server_end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=config.log_level, format=config.log_format)
+    defer_unused_modules()  # a spawned child starts without the server's import hook
     try:  # torch and the model: here, in the child
         engine = AsyncEngine.from_config(config.engine, config.max_num_queued_reqs,
                                          config.queue_timeout)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import loom
 from loom.config import EngineConfig, add_cli_args, flag_help, from_cli_args
+from loom.torch_import import defer_unused_modules
 
 DESCRIPTION = """\
 loom: a continuous-batching LLM inference engine and OpenAI-compatible server.
@@ -212,6 +213,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    defer_unused_modules()  # this process is loom's own: it never runs torch's compilers
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -115,6 +114,10 @@ class Tokenizer:
             messages, tools = hermes_tool_messages(messages, tools), None
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        # Imported here: the engine process never renders a template, and jinja2 is one of the
+        # larger imports on its way to ready (the server has imported it by now).
+        import jinja2.sandbox
+
         # The environment transformers renders chat templates in: loop controls ({% break %}),
         # a tojson that keeps non-ASCII and '<' as they are, strftime_now, raise_exception.
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import socket
+import warnings
 from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -42,6 +43,13 @@ from loom.entrypoints.openai.protocol import (
 from loom.entrypoints.openai.serving_chat import ChatServing
 from loom.entrypoints.openai.serving_completion import CompletionServing
 from loom.entrypoints.openai.serving_tokenize import add_tokenize_routes
+
+# FastAPI imports pydantic.v1 (for its compatibility check) the first time it builds a route:
+# import it now, with the rest of the HTTP stack, while the engine process loads the model,
+# not after (build_app runs once the engine is ready).
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import pydantic.v1  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
