@@ -144,3 +144,32 @@ def test_the_engine_in_process_is_a_flag_away() -> None:
         answer = httpx.post(f"{server.url}/v1/completions", timeout=HANG_S,
                             json={"model": "any", "prompt": PROMPT, "max_tokens": 4})
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
+
+
+class ExitingProcess:
+    """A process at the moment it exits: join comes back at once (its sentinel pipe has
+    closed), yet it is listed alive for a few more looks (not reaped yet)."""
+
+    def __init__(self, alive_looks: int) -> None:
+        self.alive_looks = alive_looks
+        self.joins: list[float | None] = []
+
+    def join(self, timeout: float | None = None) -> None:
+        self.joins.append(timeout)
+
+    def is_alive(self) -> bool:
+        self.alive_looks -= 1
+        return self.alive_looks >= 0
+
+
+@pytest.mark.unit
+def test_shutdown_waits_out_an_exit_that_join_saw_early() -> None:
+    from loom.engine.process import _join
+
+    exiting = ExitingProcess(alive_looks=3)
+    _join(exiting, timeout=30.0)
+    assert not exiting.is_alive() and len(exiting.joins) == 4  # not given up after one join
+    stuck = ExitingProcess(alive_looks=10**9)
+    started = time.monotonic()
+    _join(stuck, timeout=0.05)
+    assert stuck.is_alive() and time.monotonic() - started < 5  # the timeout still holds

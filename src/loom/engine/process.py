@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -54,6 +55,16 @@ def _start_method() -> str:
     anything heavy): the child starts where the server is, with nothing to import again and no
     interpreter to start. spawn otherwise: a fork would copy locks other threads hold."""
     return "fork" if sys.platform == "linux" and threading.active_count() == 1 else "spawn"
+
+
+def _join(process: multiprocessing.process.BaseProcess, timeout: float) -> None:
+    """Wait up to `timeout` for `process` to exit. Process.join alone can come back early with
+    the process still listed alive: its exit closes the pipe join watches a moment before the
+    kernel lets it be reaped."""
+    deadline = time.monotonic() + timeout
+    process.join(timeout)
+    while process.is_alive() and time.monotonic() < deadline:
+        process.join(min(0.01, max(0.0, deadline - time.monotonic())))
 
 
 class EngineStartError(RuntimeError):
@@ -153,7 +164,7 @@ class EngineProcess:
         if self.core is None:
             self._process.kill()
         self.stop()
-        self._process.join(timeout)
+        _join(self._process, timeout)
         if self._process.is_alive():
             logger.warning("The engine process did not stop within %gs: killing it", timeout)
             self._process.kill()
