@@ -71,7 +71,7 @@ def two_part_reference(x: torch.Tensor, bq: BlockQuantWeight) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("quant", list(CODES))
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 40])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 17, 32, 40])
 @pytest.mark.parametrize(("out_features", "in_features"), [(16, 64), (48, 96)])
 def test_kernel_paths_match_their_references(quant: str, rows: int, out_features: int,
                                              in_features: int) -> None:
