@@ -15,8 +15,7 @@ from loom import LLM, SamplingParams
 from loom.torch_import import DEFERRED_MODULES
 
 DEFER_AND_IMPORT = ("import json; from loom import torch_import as t; "
-                    "assert t.defer_unused_modules(); import torch\n"
-                    "def deferred(): return [m for m in t.DEFERRED_MODULES if t.is_deferred(m)]\n")
+                    "assert t.defer_unused_modules(); import torch\n")
 
 
 def run_python(code: str) -> dict:
@@ -29,12 +28,12 @@ def run_python(code: str) -> dict:
 @pytest.mark.unit
 def test_deferred_modules_wait_and_eager_torch_works_without_them() -> None:
     result = run_python(DEFER_AND_IMPORT + (
-        "before = deferred()\n"
+        "before = t.still_deferred()\n"
         "meta = list((torch.ones(2, 3, device='meta') @ torch.ones(3, 4, device='meta')).shape)\n"
         "x = torch.arange(6.0).reshape(2, 3)\n"
         "value = torch.nn.functional.softmax(x @ x.T, dim=-1).sum().item()\n"
         "seeded = torch.rand(3, generator=torch.Generator().manual_seed(7)).tolist()\n"
-        "print(json.dumps({'before': before, 'after': deferred(), 'meta': meta, "
+        "print(json.dumps({'before': before, 'after': t.still_deferred(), 'meta': meta, "
         "'value': value, 'seeded': seeded}))"))
     assert sorted(result["before"]) == sorted(DEFERRED_MODULES)
     assert sorted(result["after"]) == sorted(DEFERRED_MODULES)  # eager ops never ran them
@@ -50,7 +49,7 @@ def test_torch_export_and_compile_still_work_and_run_every_deferred_module() -> 
         "class Double(torch.nn.Module):\n"
         "    def forward(self, x): return x * 2\n"
         "program = torch.export.export(Double(), (torch.ones(3),))\n"
-        "after_export = deferred()\n"
+        "after_export = t.still_deferred()\n"
         "compiled = torch.compile(lambda x: (x * 2).sin().sum(), backend='eager')\n"
         "value = compiled(torch.zeros(4)).item()\n"
         "print(json.dumps({'export': type(program).__name__, 'after': after_export, "
@@ -64,7 +63,7 @@ def test_compile_alone_runs_the_meta_registrations_first() -> None:
     run it anyway, or fake tensors would miss its kernels."""
     result = run_python(DEFER_AND_IMPORT + (
         "import torch._dynamo\n"
-        "print(json.dumps({'after': deferred()}))"))
+        "print(json.dumps({'after': t.still_deferred()}))"))
     assert result == {"after": []}
 
 
@@ -73,7 +72,7 @@ def test_nothing_is_deferred_once_torch_is_imported() -> None:
     result = run_python(
         "import json, sys, torch; from loom import torch_import as t\n"
         "print(json.dumps({'done': t.defer_unused_modules(), "
-        "'deferred': [m for m in t.DEFERRED_MODULES if t.is_deferred(m)]}))")
+        "'deferred': t.still_deferred()}))")
     assert result == {"done": False, "deferred": []}
 
 
@@ -94,7 +93,7 @@ def test_the_loom_command_defers_them_and_generates_what_the_whole_torch_does(
         "'--temperature', '0', '--dtype', 'float32', '--kv-cache-memory', '64MiB', "
         "'--max-model-len', '1024'])\n"
         "print(json.dumps({'code': code, 'text': out.getvalue(), "
-        "'deferred': [m for m in t.DEFERRED_MODULES if t.is_deferred(m)]}))")
+        "'deferred': t.still_deferred()}))")
     assert result["code"] == 0
     assert sorted(result["deferred"]) == sorted(DEFERRED_MODULES)
     text = expected[0].outputs[0].text.strip()

@@ -113,7 +113,8 @@ def run_deferred_modules() -> None:
                 module.__dict__["_loom_loader"].exec_module(module)
 
 
-def is_deferred(module_name: str) -> bool:
-    """True if the module was imported deferred and has not run yet."""
-    module = sys.modules.get(module_name)
-    return isinstance(module, DeferredModule) and not module.__dict__.get("_loom_ran", True)
+def still_deferred() -> list[str]:
+    """The DEFERRED_MODULES imported deferred that have not run yet, in torch's order."""
+    return [name for name in DEFERRED_MODULES
+            if isinstance(module := sys.modules.get(name), DeferredModule)
+            and not module.__dict__["_loom_ran"]]
