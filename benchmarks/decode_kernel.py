@@ -1,6 +1,7 @@
 """Decode attention alone, one layer: the native kernel against the torch path (gather each
 request's blocks, pad, SDPA per length group), on random caches with SmolLM2's shape (9 query
-heads, 3 kv heads, head_dim 64, block 16) and scattered blocks. With --against REV, the
+heads, 3 kv heads, head_dim 64, block 16) and scattered blocks; fp32 queries over an fp32 and
+an fp16 cache, bf16 over bf16. With --against REV, the
 kernel's source at git revision REV is compiled too and timed on the same inputs, in the same
 run, for a before/after ratio. Run from the repository root:
 
@@ -53,17 +54,18 @@ def main() -> None:
     args = parser.parse_args()
     old = kernel_at(args.against) if args.against else None
     extra = f" | {args.against} ms/layer | now / {args.against}" if old else ""
-    print("| dtype | decodes | mean context | torch path ms/layer | native ms/layer | native "
-          f"GFLOP/s | speed-up{extra} |\n|---|--:|--:|--:|--:|--:|--:|" + ("--:|--:|" if old
-                                                                         else ""))
+    print("| dtype | KV cache | decodes | mean context | torch path ms/layer | native ms/layer "
+          f"| native GFLOP/s | speed-up{extra} |\n|---|---|--:|--:|--:|--:|--:|--:|"
+          + ("--:|--:|" if old else ""))
     runner = ModelRunner.__new__(ModelRunner)  # only its metadata builders
     runner.block_size, runner.device = BLOCK, torch.device("cpu")
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, cache_dtype in ((torch.float32, torch.float32), (torch.float32, torch.float16),
+                               (torch.bfloat16, torch.bfloat16)):
         for n in (8, 32, 64):
             rng = random.Random(n)
             lens = [rng.randint(50, 1100) for _ in range(n)]
             num_blocks = sum(-(-length // BLOCK) for length in lens) + 1
-            k_cache, v_cache = new_kv_cache(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype,
+            k_cache, v_cache = new_kv_cache(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, cache_dtype,
                                             torch.device("cpu"))
             k_cache.copy_(torch.randn(k_cache.shape))
             v_cache.copy_(torch.randn(v_cache.shape))
@@ -85,10 +87,13 @@ def main() -> None:
             times = [per_layer_ms(lambda m=m, args=args: paged_attention(*args, m))
                      for m in (torch_path, native)]
             flops = 4 * sum(lens) * HEADS * HEAD_DIM
-            row = (f"| {str(dtype).removeprefix('torch.')} | {n} | {sum(lens) // n} | "
+            row = (f"| {str(dtype).removeprefix('torch.')} | "
+                   f"{str(cache_dtype).removeprefix('torch.')} | {n} | {sum(lens) // n} | "
                    f"{times[0]:.3f} | {times[1]:.3f} | {flops / times[1] / 1e6:.0f} | "
                    f"{times[0] / times[1]:.1f}x |")
-            if old is not None:
+            if old is not None and cache_dtype != dtype:  # a kernel before fp16 caches
+                row += " - | - |"
+            elif old is not None:
                 pd = native.paged_decodes
                 old_ms = per_layer_ms(functools.partial(
                     old.paged_decode_attention, q, k_cache, v_cache, pd.block_tables,

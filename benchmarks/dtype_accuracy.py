@@ -183,14 +183,16 @@ def encode(tokenizer: Tokenizer, item: str | list[dict[str, str]], generation: b
 
 
 @torch.inference_mode()
-def passage_logits(model: LlamaModel, token_ids: list[int]) -> torch.Tensor:
+def passage_logits(model: LlamaModel, token_ids: list[int],
+                   kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """[n, vocab] fp32 logits of every position, from one prefill of the whole passage into a
-    fresh paged KV cache (the path the engine's prefill takes)."""
+    fresh paged KV cache of kv_dtype (default: the model's; the path the engine's prefill
+    takes)."""
     arch, n = model.arch, len(token_ids)
-    dtype = model.dtype
     num_blocks = -(-n // BLOCK_SIZE)
-    caches = [new_kv_cache(num_blocks, BLOCK_SIZE, arch.num_kv_heads, arch.head_dim, dtype,
-                           torch.device("cpu")) for _ in range(arch.num_layers)]
+    caches = [new_kv_cache(num_blocks, BLOCK_SIZE, arch.num_kv_heads, arch.head_dim,
+                           kv_dtype or model.dtype, torch.device("cpu"))
+              for _ in range(arch.num_layers)]
     positions = torch.arange(n)
     slots = (positions // BLOCK_SIZE, positions % BLOCK_SIZE)
     meta = AttentionMetadata(slots=slots, decodes=[], prefills=[PrefillSpan(

@@ -35,7 +35,8 @@ def teacher_forced(ref: LLM, test: LLM) -> dict[str, float]:
     kl_sum, kl_max, max_lp_diff, nll_ref, nll_test = 0.0, 0.0, 0.0, 0.0, 0.0
     for passage in PASSAGES.values():
         ids = encode(tokenizer, passage, generation=False)
-        logits = [passage_logits(llm.engine.runner.model, ids) for llm in (ref, test)]
+        logits = [passage_logits(llm.engine.runner.model, ids, llm.engine.runner.backends.kv_dtype)
+                  for llm in (ref, test)]
         r = compare_logits(*logits, ids)
         positions += r["positions"]
         agree += r["top1_agree"]
@@ -62,23 +63,33 @@ def free_running(ref: LLM, test: LLM) -> dict[str, float]:
     return {"identical": same, "prompts": len(PROMPTS), "lp_diff": max_lp_diff}
 
 
-def main() -> None:
-    ref, native = (LLM(dtype="float32", linear_backend=b, kv_cache_memory="128MiB")
-                   for b in ("onednn", "native"))
+def print_header(what: str, ref: str, test: str) -> None:
     hw = hardware()
     print(f"{hw['cpu_model']}, {hw['cpus_usable']} CPUs, torch {torch.__version__}\n")
-    print("| native path | top-1 agree | mean KL | max KL | max abs logprob diff | ppl onednn "
-          "| ppl native | greedy identical | max abs logprob diff, greedy tokens |")
+    print(f"| {what} | top-1 agree | mean KL | max KL | max abs logprob diff | ppl {ref} "
+          f"| ppl {test} | greedy identical | max abs logprob diff, greedy tokens |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+
+
+def print_row(name: str, ref: LLM, test: LLM) -> None:
+    """Both comparisons of `test` against `ref`, as one row of print_header's table."""
+    tf, fr = teacher_forced(ref, test), free_running(ref, test)
+    print(f"| {name} | {tf['top1']:.2f}% of {tf['positions']} | {tf['kl_mean']:.1e} | "
+          f"{tf['kl_max']:.1e} | {tf['lp_diff']:.1e} | {tf['ppl_ref']:.4f} | "
+          f"{tf['ppl_test']:.4f} | {fr['identical']}/{fr['prompts']} | {fr['lp_diff']:.1e} |",
+          flush=True)
+
+
+def main() -> None:
+    ref, native = (LLM(dtype="float32", linear_backend=b, kv_cache_memory="128MiB",
+                       kv_cache_dtype="float32")
+                   for b in ("onednn", "native"))
+    print_header("native path", "onednn", "native")
     engine_rows = linear.INT8_MAX_ROWS
     try:
         for name, rows in PATHS.items():
             linear.INT8_MAX_ROWS = rows
-            tf, fr = teacher_forced(ref, native), free_running(ref, native)
-            print(f"| {name} | {tf['top1']:.2f}% of {tf['positions']} | {tf['kl_mean']:.1e} | "
-                  f"{tf['kl_max']:.1e} | {tf['lp_diff']:.1e} | {tf['ppl_ref']:.4f} | "
-                  f"{tf['ppl_test']:.4f} | {fr['identical']}/{fr['prompts']} | "
-                  f"{fr['lp_diff']:.1e} |", flush=True)
+            print_row(name, ref, native)
     finally:
         linear.INT8_MAX_ROWS = engine_rows
 

@@ -283,8 +283,8 @@ def make_runner(loaded: LoadedModel, num_blocks: int = 64, block_size: int = 4,
     ops = fused_ops() if fused else None
     model = LlamaModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"),
                        fused_ops=ops)
-    backends = Backends(device=torch.device("cpu"), dtype=torch.float32, num_threads=0,
-                        native_decode=False, linear="torch", fused_ops=ops)
+    backends = Backends(device=torch.device("cpu"), dtype=torch.float32, kv_dtype=torch.float32,
+                        num_threads=0, native_decode=False, linear="torch", fused_ops=ops)
     runner = ModelRunner(model, backends, block_size)
     runner.initialize_kv_cache(num_blocks)
     return runner

@@ -36,18 +36,23 @@ def decode_metadata(tables: list[list[int]], lens: list[int], block_size: int,
     return AttentionMetadata(slots, runner._decode_groups(tables, lens), [])
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+# (activations, KV cache, tolerance): fp32 over its own cache or an fp16 one, bf16 over bf16
+DTYPES = [(torch.float32, torch.float32, 1e-5), (torch.float32, torch.float16, 1e-5),
+          (torch.bfloat16, torch.bfloat16, 2e-2)]
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,tolerance", DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
-def test_native_decode_attention_matches_torch(dtype, tolerance, num_heads, num_kv_heads,
-                                               head_dim) -> None:
+def test_native_decode_attention_matches_torch(dtype, cache_dtype, tolerance, num_heads,
+                                               num_kv_heads, head_dim) -> None:
     ops = paged_attention_ops()
     assert ops is not None, "the kernel must build on the test machine"
-    assert ops.supported(num_heads, num_kv_heads, head_dim, 16, dtype)
+    assert ops.supported(num_heads, num_kv_heads, head_dim, 16, dtype, cache_dtype)
     rng = random.Random(0)
     torch.manual_seed(0)
     block_size, num_blocks = 16, 400
-    k_cache, v_cache = new_kv_cache(num_blocks + 1, block_size, num_kv_heads, head_dim, dtype,
-                                    torch.device("cpu"))
+    k_cache, v_cache = new_kv_cache(num_blocks + 1, block_size, num_kv_heads, head_dim,
+                                    cache_dtype, torch.device("cpu"))
     k_cache.copy_(torch.randn(k_cache.shape))
     v_cache.copy_(torch.randn(v_cache.shape))
     lens = sorted(rng.randint(1, 600) for _ in range(12))
@@ -68,10 +73,13 @@ def test_native_decode_attention_matches_torch(dtype, tolerance, num_heads, num_
 
 def test_shapes_outside_the_kernel_are_reported_unsupported() -> None:
     ops = paged_attention_ops()
-    assert not ops.supported(4, 4, 32, 16, torch.float32)  # head_dim
-    assert not ops.supported(9, 3, 64, 8, torch.float32)  # block size
-    assert not ops.supported(9, 3, 64, 16, torch.float16)
-    assert not ops.supported(36, 3, 64, 16, torch.float32)  # 12 heads per kv head
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    assert not ops.supported(4, 4, 32, 16, f32, f32)  # head_dim
+    assert not ops.supported(9, 3, 64, 8, f32, f32)  # block size
+    assert not ops.supported(9, 3, 64, 16, f16, f16)  # fp16 activations
+    assert not ops.supported(9, 3, 64, 16, bf16, f16)  # bf16 activations over an fp16 cache
+    assert not ops.supported(9, 3, 64, 16, f32, bf16)
+    assert not ops.supported(36, 3, 64, 16, f32, f32)  # 12 heads per kv head
 
 
 def test_each_environment_and_checkout_builds_in_its_own_folder(tmp_path, monkeypatch):
@@ -140,10 +148,13 @@ MIXED_STEP = [("d0", 1, 0, 0), ("d1", 1, 15, 0), ("d2", 1, 16, 0), ("d3", 1, 31,
               ("p1", 25, 40, 0)]
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype,cache_dtype,tolerance",
+                         [(torch.float32, torch.float32, 1e-5),
+                          (torch.float32, torch.float16, 2e-3),  # a key's rounding may differ
+                          (torch.bfloat16, torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
 @pytest.mark.parametrize("step", ["decodes", "prefills", "mixed"])
-def test_fused_rope_write_decode_matches_the_torch_path(dtype, tolerance, num_heads,
+def test_fused_rope_write_decode_matches_the_torch_path(dtype, cache_dtype, tolerance, num_heads,
                                                         num_kv_heads, head_dim, step) -> None:
     """rope_write_attend (one native call per layer) against RoPE + write_kv + the torch
     attention: the output rows, the caches it wrote and the roped q/k it leaves in qkv."""
@@ -159,7 +170,7 @@ def test_fused_rope_write_decode_matches_the_torch_path(dtype, tolerance, num_he
         items.append(ScheduledRequest("pad", [1], 7, free[:1], SamplingParams(), True, [],
                                       padding=True))  # a finished request's blocks, as static.py
     torch.manual_seed(0)
-    caches = new_kv_cache(num_blocks + 1, block_size, num_kv_heads, head_dim, dtype,
+    caches = new_kv_cache(num_blocks + 1, block_size, num_kv_heads, head_dim, cache_dtype,
                           torch.device("cpu"))
     for cache in caches:
         cache.copy_(torch.randn(cache.shape))  # the cached prefixes (and stale slots)

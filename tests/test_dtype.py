@@ -46,3 +46,42 @@ def test_bf16_predicts_like_float32(llm: LLM) -> None:
     assert len(top_fp32) > 60
     assert agreement >= 0.9, f"top-1 agreement {agreement:.1%}"
     assert drift < 0.1, f"mean |logprob difference| {drift:.3f}"
+
+
+def test_kv_cache_is_float16_under_float32_on_cpu_and_holds_twice_the_tokens(llm: LLM) -> None:
+    """auto picks an fp16 cache where the native decode kernel runs float32 (the session's
+    llm), which then holds twice the blocks of an fp32 one in the same memory and predicts as
+    it does: same greedy text, the same top-1 at every prompt position, logprobs within
+    rounding."""
+    backends = llm.engine.runner.backends
+    if not backends.native_decode:
+        pytest.skip("no C++ compiler: the torch path keeps the model's dtype")
+    assert (backends.dtype, backends.kv_dtype) == (torch.float32, torch.float16)
+    exact = LLM(kv_cache_memory="64MiB", max_model_len=1024, dtype="float32",
+                kv_cache_dtype="float32")
+    half = LLM(kv_cache_memory="64MiB", max_model_len=1024, dtype="float32")
+    assert exact.engine.runner.backends.kv_dtype == torch.float32
+    assert half.engine.num_kv_blocks == 2 * exact.engine.num_kv_blocks
+    top_exact, logprob_exact = prompt_predictions(exact)
+    top_half, logprob_half = prompt_predictions(half)
+    assert top_half == top_exact
+    assert max(abs(a - b) for a, b in zip(logprob_exact, logprob_half)) < 0.05
+    params = SamplingParams(max_tokens=48, temperature=0)
+    question = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+    assert (half.chat(question, params)[0].outputs[0].token_ids
+            == exact.chat(question, params)[0].outputs[0].token_ids)
+
+
+def test_a_kv_cache_dtype_the_kernel_cannot_read_falls_back_or_is_refused() -> None:
+    """bf16 K/V under float32 activations is no pair the native kernel reads: auto attention
+    takes the torch path (which converts), and asking for the native kernel names why not."""
+    torch_path = LLM(kv_cache_memory="16MiB", max_model_len=256, dtype="float32",
+                     kv_cache_dtype="bfloat16")
+    backends = torch_path.engine.runner.backends
+    assert (backends.kv_dtype, backends.native_decode) == (torch.bfloat16, False)
+    out = torch_path.generate("The capital of France is", SamplingParams(max_tokens=4,
+                                                                         temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="attention_backend 'native'.*KV cache"):
+        LLM(kv_cache_memory="16MiB", max_model_len=256, dtype="float32",
+            kv_cache_dtype="bfloat16", attention_backend="native")

@@ -1,7 +1,9 @@
 """Golden test: loom's greedy tokens for the bundled SmolLM2-135M-Instruct equal transformers'
 greedy `generate` on the same weights (transformers loads the same GGUF) and the same prompt
 token ids, both one request at a time and all requests in one continuous batch whose small token
-budget forces chunked prefills and decodes into the same steps.
+budget forces chunked prefills and decodes into the same steps. In float32 throughout, the KV
+cache included (transformers keeps its K/V in float32; loom's default fp16 cache on CPU is
+measured against an fp32 one in test_dtype.py and benchmarks/kv_dtype_accuracy.py).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def prompt_ids(tokenizer, prompt) -> list[int]:
 def llm_alone():
     """Default token budget (every prompt is one prefill); no prefix caching."""
     return LLM(num_kv_blocks=64, max_model_len=1024, enable_prefix_caching=False, num_threads=1,
-               dtype="float32")
+               dtype="float32", kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +98,7 @@ def test_batch_with_chunked_prefill_matches_transformers(prompts, reference):
     transformers' teacher-forced log-softmax. Then the chat prompts again, which now start from
     prefix-cached KV blocks."""
     llm = LLM(num_kv_blocks=128, max_model_len=1024, max_num_batched_tokens=64, max_num_seqs=16,
-              dtype="float32",
-              num_threads=1)
+              dtype="float32", kv_cache_dtype="float32", num_threads=1)
     steps = []
     execute = llm.engine.runner.execute
 

@@ -42,9 +42,11 @@ def test_prepacked_linear_takes_strided_and_batched_inputs() -> None:
 @pytest.mark.integration
 @needs_onednn
 def test_engine_predicts_the_same_with_prepacked_weights() -> None:
-    """Teacher-forced over a passage: the same top-1 token and logprobs within fp32 noise."""
+    """Teacher-forced over a passage: the same top-1 token and logprobs within fp32 noise (an
+    fp32 KV cache too: an fp16 one rounds some keys to the next value on one side only)."""
     packed, plain = (LLM(kv_cache_memory="64MiB", max_model_len=1024, dtype="float32",
-                         linear_backend=backend) for backend in ("onednn", "torch"))
+                         kv_cache_dtype="float32", linear_backend=backend)
+                     for backend in ("onednn", "torch"))
     assert packed.engine.runner.model.layers[0].qkv.prepacked
     assert not plain.engine.runner.model.layers[0].qkv.prepacked
     passage = ("Every autumn the town holds a fair by the old stone bridge, where traders "

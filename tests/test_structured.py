@@ -57,6 +57,13 @@ SCHEMAS = {
 }
 
 
+@pytest.fixture(scope="module")
+def exact_llm() -> LLM:
+    """The session's engine over an fp32 KV cache: what batch-shape tests compare against."""
+    return LLM(kv_cache_memory="256MiB", max_model_len=2048, dtype="float32",
+               kv_cache_dtype="float32")
+
+
 def chat_prompt(llm: LLM, what: str) -> list[int]:
     text = llm.tokenizer.apply_chat_template([{"role": "user", "content": CHAT.format(what)}])
     return llm.tokenizer.encode(text, add_special_tokens=False)
@@ -165,15 +172,16 @@ def test_a_bad_spec_is_refused_before_it_is_queued(llm: LLM) -> None:
     {"num_kv_blocks": 14, "block_size": 16,  # four answers cannot all fit: preemption
      "enable_prefix_caching": False},  # (the shared system prompt would save blocks)
 ], ids=["async", "ngram", "preempted"])
-def test_scheduling_modes_keep_constrained_answers_valid(llm: LLM, options: dict) -> None:
+def test_scheduling_modes_keep_constrained_answers_valid(exact_llm: LLM, options: dict) -> None:
     """Greedy answers equal the plain engine's: constrained requests wait for their previous
     token (async), verify drafts under the grammar's mask at every position (n-gram), and a
-    recomputed request's matcher stays where it was (preemption)."""
+    recomputed request's matcher stays where it was (preemption). Both over an fp32 KV cache,
+    where the modes' different batch shapes change no greedy choice of these prompts."""
     schemas = [SCHEMAS[n] for n in ("person", "order", "nested", "reading")]
-    prompts = [chat_prompt(llm, n) for n in ("cook", "order", "book", "sensor")]
+    prompts = [chat_prompt(exact_llm, n) for n in ("cook", "order", "book", "sensor")]
     params = [constrained(s, temperature=0) for s in schemas]
-    expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
-    other = LLM(max_model_len=2048, dtype="float32", max_num_seqs=4,
+    expected = [o.outputs[0].text for o in exact_llm.generate(prompts, params)]
+    other = LLM(max_model_len=2048, dtype="float32", max_num_seqs=4, kv_cache_dtype="float32",
                 **({"kv_cache_memory": "256MiB"} | options))
     outs = other.generate(prompts, params)
     for out, schema in zip(outs, schemas):

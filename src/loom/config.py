@@ -99,6 +99,11 @@ class CacheConfig:
         "85%% of free GPU memory"))
     enable_prefix_caching: bool = field(default=True, metadata=flag_help(
         "reuse KV blocks of shared prompt prefixes"))
+    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "float32"] = field(
+        default="auto", metadata=flag_help(
+        "KV cache element type; auto = float16 where the model runs in float32 on CPU with the "
+        "native decode kernel (half the bytes a token, as llama.cpp stores it; scores stay "
+        "float32), else the model's dtype"))
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -8,6 +8,11 @@ a large share of what is not matmul. The torch fallback batches them into SDPA c
 their gathered, padded contexts — one call per group of similar context lengths, so a short
 chat never pads out to a long document's length. Prefill chunks run one SDPA call each, causal
 within the chunk and over the cached context before it.
+
+The cache may hold a narrower type than the model computes in (an fp16 cache under fp32
+activations). Every query then sees K/V as the cache holds them, this step's own included, so
+a prompt gives the same result whether it is prefilled in one chunk or several, from a cached
+prefix or not.
 """
 
 from __future__ import annotations
@@ -92,8 +97,15 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slots: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Store this step's keys/values ([tokens, kv_heads, head_dim]) into their slots."""
-    k_cache.index_put_(slots, k)  # through the view, into the [block, head, dim, pos] storage
-    v_cache.index_put_(slots, v)
+    # through the view, into the [block, head, dim, pos] storage
+    k_cache.index_put_(slots, k.to(k_cache.dtype))
+    v_cache.index_put_(slots, v.to(v_cache.dtype))
+
+
+def _as_cached(x: torch.Tensor, cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V as the cache holds it, in the compute dtype: x rounded through the cache's type
+    when that is narrower; x itself when they are the same."""
+    return x.to(cache.dtype).to(dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -114,10 +126,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         rows = slice(dec.query_start, dec.query_start + dec.num_queries)
         n = dec.num_queries
         # [n, blocks, block_size, kv_heads, D] -> contiguous [n, kv_heads, ctx, D]
-        k_ctx = k_cache[dec.block_tables].permute(0, 3, 1, 2, 4).reshape(n, num_kv_heads, -1,
-                                                                           head_dim)
-        v_ctx = v_cache[dec.block_tables].permute(0, 3, 1, 2, 4).reshape(n, num_kv_heads, -1,
-                                                                           head_dim)
+        k_ctx = k_cache[dec.block_tables].permute(0, 3, 1, 2, 4).reshape(
+            n, num_kv_heads, -1, head_dim).to(q.dtype)
+        v_ctx = v_cache[dec.block_tables].permute(0, 3, 1, 2, 4).reshape(
+            n, num_kv_heads, -1, head_dim).to(q.dtype)
         q_dec = q[rows].view(n, num_kv_heads, group, head_dim)
         out[rows] = F.scaled_dot_product_attention(
             q_dec, k_ctx, v_ctx, attn_mask=dec.mask).reshape(n, num_heads, head_dim)
@@ -154,10 +166,12 @@ def _attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         rows = slice(span.query_start, span.query_start + span.query_len)
         q_span = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q, head_dim]
         if span.context_len == span.query_len:  # nothing cached before: use this step's K/V
-            k_ctx, v_ctx, mask, causal = k[rows], v[rows], None, True
+            k_ctx, v_ctx = _as_cached(k[rows], k_cache, q.dtype), _as_cached(v[rows], v_cache,
+                                                                           q.dtype)
+            mask, causal = None, True
         else:
-            k_ctx = k_cache[span.block_ids].flatten(0, 1)[:span.context_len]
-            v_ctx = v_cache[span.block_ids].flatten(0, 1)[:span.context_len]
+            k_ctx = k_cache[span.block_ids].flatten(0, 1)[:span.context_len].to(q.dtype)
+            v_ctx = v_cache[span.block_ids].flatten(0, 1)[:span.context_len].to(q.dtype)
             mask = _chunk_causal_mask(span.query_len, span.context_len, q.device)
             causal = False
         out[rows] = F.scaled_dot_product_attention(

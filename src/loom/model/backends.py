@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 
 from loom import host
-from loom.config import ModelConfig
+from loom.config import CacheConfig, ModelConfig
 from loom.model.arch import ModelArch
 from loom.model.kernels import block_quant_linear_ops, fused_ops, paged_attention_ops
 from loom.model.linear import onednn_prepack_supported
@@ -25,6 +25,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Backends:
     device: torch.device
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # what the KV cache holds: dtype, or narrower (read as dtype)
     num_threads: int  # torch's intra-op threads on CPU; 0 on GPU
     native_decode: bool  # decode attention through the C++ paged kernel
     linear: str  # projection matmuls: "native" (GGUF blocks), "onednn" (prepacked) or "torch"
@@ -39,6 +40,7 @@ class Backends:
         """The start-up log's words for these choices."""
         matmuls = {"native": "native on the GGUF's blocks", "onednn": "oneDNN prepacked"}
         parts = [f"dtype {str(self.dtype).removeprefix('torch.')}",
+                 f"KV cache {str(self.kv_dtype).removeprefix('torch.')}",
                  f"decode attention {'native kernel' if self.native_decode else 'torch'}",
                  f"matmuls {matmuls.get(self.linear, 'torch')}",
                  f"add + norm and SiLU * up {'fused kernels' if self.fused_ops else 'torch'}"]
@@ -47,7 +49,7 @@ class Backends:
         return ", ".join(parts)
 
 
-def resolve_backends(config: ModelConfig, arch: ModelArch, block_size: int,
+def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
                      has_block_quant: bool) -> Backends:
     """The backends for this model on this machine. Raises ValueError when a backend asked for
     by name cannot run here, naming what it needs."""
@@ -58,9 +60,16 @@ def resolve_backends(config: ModelConfig, arch: ModelArch, block_size: int,
         from loom.threads import configure_threads
 
         num_threads = configure_threads(config.num_threads)
+    kv_dtype = dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
+    native_decode = _native_decode(config.attention_backend, arch, cache.block_size, device,
+                                   dtype, kv_dtype)
+    if cache.kv_cache_dtype == "auto" and native_decode and dtype == torch.float32:
+        # the kernel reads an fp16 cache as fp32 (F16C) at the cost of one instruction a
+        # vector, and decode attention over long contexts is bound by its reads
+        kv_dtype = torch.float16
     return Backends(
-        device=device, dtype=dtype, num_threads=num_threads,
-        native_decode=_native_decode(config.attention_backend, arch, block_size, device, dtype),
+        device=device, dtype=dtype, kv_dtype=kv_dtype, num_threads=num_threads,
+        native_decode=native_decode,
         linear=_linear_backend(config.linear_backend, has_block_quant, device, dtype),
         fused_ops=fused_ops() if device.type == "cpu" and dtype == torch.float32 else None)
 
@@ -80,18 +89,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _native_decode(backend: str, arch: ModelArch, block_size: int, device: torch.device,
-                   dtype: torch.dtype) -> bool:
+                   dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
     if backend == "torch" or (backend == "auto" and device.type != "cpu"):
         return False
     ops = paged_attention_ops() if device.type == "cpu" else None
     if ops is not None and ops.supported(arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                         block_size, dtype):
+                                         block_size, dtype, kv_dtype):
         return True
     if backend == "native":
         raise ValueError(
             "attention_backend 'native' is unavailable: it needs a CPU device, a C++ "
             "compiler (see any warning above), block_size 16, head_dim 64 or 128, 1-8 "
-            "query heads per kv head and float32/bfloat16; use 'torch' or 'auto'")
+            "query heads per kv head and float32 (KV cache float32 or float16) or bfloat16 "
+            "(KV cache bfloat16); use 'torch' or 'auto'")
     return False
 
 

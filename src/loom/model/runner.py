@@ -66,7 +66,7 @@ class ModelRunner:
         """Load the model, pick its backends for this machine and build it (no KV cache yet)."""
         loaded = load_model(config.model.model)
         block_size = config.cache.block_size
-        backends = resolve_backends(config.model, loaded.arch, block_size,
+        backends = resolve_backends(config.model, config.cache, loaded.arch,
                                     has_block_quant=bool(loaded.block_quant))
         model = LlamaModel(loaded.arch, loaded.weights, backends.dtype, backends.device,
                            prepack=backends.prepack,
@@ -83,7 +83,7 @@ class ModelRunner:
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec.for_model(self.model.arch, self.backends.dtype.itemsize)
+        return KVCacheSpec.for_model(self.model.arch, self.backends.kv_dtype.itemsize)
 
     def determine_num_kv_blocks(self, cache: CacheConfig, max_model_len: int) -> int:
         """KV blocks for this cache config on this device: the count asked for, or what the
@@ -120,7 +120,7 @@ class ModelRunner:
         arch = self.model.arch
         self.scratch_block = num_blocks
         self.kv_caches = [new_kv_cache(num_blocks + 1, self.block_size, arch.num_kv_heads,
-                                       arch.head_dim, self.backends.dtype, self.device)
+                                       arch.head_dim, self.backends.kv_dtype, self.device)
                           for _ in range(arch.num_layers)]
 
     @torch.inference_mode()

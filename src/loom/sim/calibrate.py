@@ -156,8 +156,7 @@ def calibrate(config: EngineConfig, grid_name: str, repeats: int) -> Profile:
     config = replace(config, scheduler=replace(config.scheduler, async_scheduling=False))
     bench = _Bench(config)
     arch = read_arch(config.model.model or default_model_path())
-    dtype_bytes = getattr(bench.engine, "dtype", None)
-    shape = ModelShape.of(arch, 1, dtype_bytes.itemsize if dtype_bytes is not None else 4, 0)
+    shape = ModelShape.of(arch, 1, bench.engine.runner.backends.kv_dtype.itemsize, 0)
     wall = time.perf_counter()
     samples = measure(bench, GRIDS[grid_name], repeats)
     wall = time.perf_counter() - wall

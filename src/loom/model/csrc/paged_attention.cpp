@@ -10,6 +10,10 @@
 // block; elsewhere a portable version relies on the compiler's vectorizer. The model calls it
 // through rope_write_decode (at the end), which also ropes q and k and writes the step's K/V:
 // one call per layer from the QKV projection to the decode rows' output.
+//
+// The caches may hold a narrower type than the queries: fp32 queries over an fp16 cache (the
+// layout llama.cpp uses by default) read half the bytes, and decode attention over long
+// contexts is bound by those reads. Scores and sums stay fp32 either way.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -49,14 +53,14 @@ static inline int64_t longest_first(int64_t k, int64_t n) { return n - 1 - k; }
 // One decode-attention call: query i's head h is at q + i * q_row + h * D and its output at
 // out + i * out_row + h * D (rows of a fused QKV projection, or of a tensor of their own);
 // request i's context is lens[i] positions in the blocks bt[i * max_blocks ...].
-template <typename T>
+template <typename T, typename C>
 struct DecodeArgs {
   const T* q;
   int64_t q_row;
   T* out;
   int64_t out_row;
-  const T* kc;
-  const T* vc;
+  const C* kc;
+  const C* vc;
   int64_t ks[4], vs[4];  // cache strides, indexed [block, position, kv head, dim]
   const int64_t* bt;
   const int64_t* lens;
@@ -65,8 +69,8 @@ struct DecodeArgs {
 };
 
 // The G query heads of kv head kh of request i, scaled, as fp32.
-template <typename T, int G, int D>
-static inline void load_query(const DecodeArgs<T>& a, int64_t i, int64_t kh, float (&qf)[G][D]) {
+template <typename T, typename C, int G, int D>
+static inline void load_query(const DecodeArgs<T, C>& a, int64_t i, int64_t kh, float (&qf)[G][D]) {
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d)
       qf[g][d] = static_cast<float>(a.q[i * a.q_row + (kh * G + g) * D + d]) * a.scale;
@@ -81,8 +85,8 @@ static inline void softmax(float* s, int64_t L) {
   for (int64_t p = 0; p < L; ++p) s[p] *= inv;
 }
 
-template <typename T, int G, int D>
-static inline void store_output(const float (&acc)[G][D], const DecodeArgs<T>& a, int64_t i,
+template <typename T, typename C, int G, int D>
+static inline void store_output(const float (&acc)[G][D], const DecodeArgs<T, C>& a, int64_t i,
                                 int64_t kh) {
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d)
@@ -96,6 +100,9 @@ static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline __m256 load8(const c10::Half* p) {  // F16C, which every AVX2 CPU has
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // Block tables scatter a request's context, so the hardware prefetcher stalls at every block:
@@ -112,9 +119,9 @@ static inline void prefetch_block(const T* base, int64_t rows, int64_t row_strid
 // registers), and p.V runs over a block's positions for a slice of DC dims at a time, the G
 // heads' accumulators for that slice in registers, so the V block is read from L1 D / DC times
 // instead of the accumulators going through memory for every position.
-template <typename T, int G, int D>
-static void decode(const DecodeArgs<T>& a) {
-  const T *kc = a.kc, *vc = a.vc;
+template <typename T, typename C, int G, int D>
+static void decode(const DecodeArgs<T, C>& a) {
+  const C *kc = a.kc, *vc = a.vc;
   const int64_t *bt = a.bt, *lens = a.lens, *ks = a.ks, *vs = a.vs;
   const int64_t n = a.n, KVH = a.KVH, max_blocks = a.max_blocks;
   constexpr int64_t BS = kBlockSize;
@@ -130,9 +137,9 @@ static void decode(const DecodeArgs<T>& a) {
       load_query(a, i, kh, qf);
       scores.resize(G * Lp);
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const T* kb = kc + table[b] * ks[0] + kh * ks[2];
+        const C* kb = kc + table[b] * ks[0] + kh * ks[2];
         if (b + 1 < num_blocks)
-          prefetch_block(kc + table[b + 1] * ks[0] + kh * ks[2], D, ks[3], BS * sizeof(T));
+          prefetch_block(kc + table[b + 1] * ks[0] + kh * ks[2], D, ks[3], BS * sizeof(C));
         __m256 s[G][2];
         for (int g = 0; g < G; ++g) s[g][0] = s[g][1] = _mm256_setzero_ps();
         for (int d = 0; d < D; ++d) {
@@ -151,16 +158,16 @@ static void decode(const DecodeArgs<T>& a) {
       for (int g = 0; g < G; ++g) softmax(&scores[g * Lp], L);
       float acc[G][D] = {};
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const T* vb = vc + table[b] * vs[0] + kh * vs[2];
+        const C* vb = vc + table[b] * vs[0] + kh * vs[2];
         if (b + 1 < num_blocks)
-          prefetch_block(vc + table[b + 1] * vs[0] + kh * vs[2], BS, vs[1], D * sizeof(T));
+          prefetch_block(vc + table[b + 1] * vs[0] + kh * vs[2], BS, vs[1], D * sizeof(C));
         const int64_t positions = std::min(BS, L - b * BS);
         for (int dc = 0; dc < D; dc += DC) {
           __m256 a[G][DC / 8];
           for (int g = 0; g < G; ++g)
             for (int j = 0; j < DC / 8; ++j) a[g][j] = _mm256_loadu_ps(&acc[g][dc + 8 * j]);
           for (int64_t p = 0; p < positions; ++p) {
-            const T* v = vb + p * vs[1] + dc;
+            const C* v = vb + p * vs[1] + dc;
             __m256 vv[DC / 8];
             for (int j = 0; j < DC / 8; ++j) vv[j] = load8(v + 8 * j);
             for (int g = 0; g < G; ++g) {
@@ -177,9 +184,9 @@ static void decode(const DecodeArgs<T>& a) {
   });
 }
 #else
-template <typename T, int G, int D>
-static void decode(const DecodeArgs<T>& a) {
-  const T *kc = a.kc, *vc = a.vc;
+template <typename T, typename C, int G, int D>
+static void decode(const DecodeArgs<T, C>& a) {
+  const C *kc = a.kc, *vc = a.vc;
   const int64_t *bt = a.bt, *lens = a.lens, *ks = a.ks, *vs = a.vs;
   const int64_t n = a.n, KVH = a.KVH, max_blocks = a.max_blocks;
   constexpr int64_t BS = kBlockSize;
@@ -191,12 +198,12 @@ static void decode(const DecodeArgs<T>& a) {
       load_query(a, i, kh, qf);
       scores.resize(G * (L + BS));
       for (int64_t b = 0; b * BS < L; ++b) {
-        const T* kb = kc + bt[i * max_blocks + b] * ks[0] + kh * ks[2];
+        const C* kb = kc + bt[i * max_blocks + b] * ks[0] + kh * ks[2];
         for (int g = 0; g < G; ++g) {
           float s[BS] = {};
           for (int d = 0; d < D; ++d) {
             const float qd = qf[g][d];
-            const T* krow = kb + d * ks[3];
+            const C* krow = kb + d * ks[3];
 #pragma omp simd
             for (int64_t p = 0; p < BS; ++p) s[p] += qd * static_cast<float>(krow[p]);
           }
@@ -206,7 +213,7 @@ static void decode(const DecodeArgs<T>& a) {
       for (int g = 0; g < G; ++g) softmax(&scores[g * (L + BS)], L);
       float acc[G][D] = {};
       for (int64_t p = 0; p < L; ++p) {
-        const T* v = vc + bt[i * max_blocks + p / BS] * vs[0] + (p % BS) * vs[1] + kh * vs[2];
+        const C* v = vc + bt[i * max_blocks + p / BS] * vs[0] + (p % BS) * vs[1] + kh * vs[2];
         float vf[D];
 #pragma omp simd
         for (int d = 0; d < D; ++d) vf[d] = static_cast<float>(v[d]);
@@ -228,10 +235,16 @@ static void decode(const DecodeArgs<T>& a) {
   X(1, 64) X(2, 64) X(3, 64) X(4, 64) X(5, 64) X(6, 64) X(7, 64) X(8, 64) \
   X(1, 128) X(2, 128) X(3, 128) X(4, 128) X(5, 128) X(6, 128) X(7, 128) X(8, 128)
 
+// The (query, cache) types instantiated: fp32 over fp32 or fp16, bf16 over bf16.
+static bool supported_types(c10::ScalarType dtype, c10::ScalarType cache_dtype) {
+  return (dtype == at::kFloat && (cache_dtype == at::kFloat || cache_dtype == at::kHalf)) ||
+         (dtype == at::kBFloat16 && cache_dtype == at::kBFloat16);
+}
+
 bool supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-               c10::ScalarType dtype) {
+               c10::ScalarType dtype, c10::ScalarType cache_dtype) {
   if (block_size != kBlockSize || num_heads % num_kv_heads != 0 ||
-      (dtype != at::kFloat && dtype != at::kBFloat16))
+      !supported_types(dtype, cache_dtype))
     return false;
   const int64_t G = num_heads / num_kv_heads;
 #define LOOM_MATCH(g, d) if (G == g && head_dim == d) return true;
@@ -240,24 +253,26 @@ bool supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_
   return false;
 }
 
-template <typename T>
-static void decode_shape(const DecodeArgs<T>& a, int64_t G, int64_t D) {
-#define LOOM_CALL(g, d) if (G == g && D == d) return decode<T, g, d>(a);
+template <typename T, typename C>
+static void decode_shape(const DecodeArgs<T, C>& a, int64_t G, int64_t D) {
+#define LOOM_CALL(g, d) if (G == g && D == d) return decode<T, C, g, d>(a);
   LOOM_FOR_EACH_SHAPE(LOOM_CALL)
 #undef LOOM_CALL
 }
 
-// fn(T{}) for the kernel's element type: float32 or bfloat16 (the others fail `supported`).
+// fn(T{}, C{}) for the query and cache element types (the pairs `supported_types` admits).
 template <typename Fn>
-static void for_dtype(c10::ScalarType dtype, const Fn& fn) {
-  if (dtype == at::kFloat) fn(float{});
-  else fn(c10::BFloat16{});
+static void for_dtypes(c10::ScalarType dtype, c10::ScalarType cache_dtype, const Fn& fn) {
+  if (dtype == at::kBFloat16) fn(c10::BFloat16{}, c10::BFloat16{});
+  else if (cache_dtype == at::kHalf) fn(float{}, c10::Half{});
+  else fn(float{}, float{});
 }
 
 static void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                          const torch::Tensor& block_tables, const torch::Tensor& context_lens) {
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "caches [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "caches [blocks, block_size, kv_heads, dim], of one dtype");
   TORCH_CHECK(k_cache.stride(1) == 1, "K cache needs position stride 1 (see new_kv_cache)");
   TORCH_CHECK(v_cache.stride(3) == 1, "V cache needs dim stride 1");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kLong &&
@@ -270,21 +285,21 @@ static void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_ca
 
 // Decode attention over the caches for the n = context_lens.size(0) queries at q (rows of
 // q_row elements), into out (rows of out_row).
-template <typename T>
+template <typename T, typename C>
 static void attend(const T* q, int64_t q_row, T* out, int64_t out_row, int64_t H,
                    const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                    double scale) {
   if (context_lens.size(0) == 0) return;
   const int64_t KVH = k_cache.size(2), D = k_cache.size(3);
-  DecodeArgs<T> a{q, q_row, out, out_row, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+  DecodeArgs<T, C> a{q, q_row, out, out_row, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
                   {}, {}, block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
                   context_lens.size(0), KVH, block_tables.size(1), static_cast<float>(scale)};
   for (int j = 0; j < 4; ++j) {
     a.ks[j] = k_cache.stride(j);
     a.vs[j] = v_cache.stride(j);
   }
-  decode_shape<T>(a, H / KVH, D);
+  decode_shape<T, C>(a, H / KVH, D);
 }
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -294,15 +309,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   check_caches(k_cache, v_cache, block_tables, context_lens);
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
   TORCH_CHECK(n == context_lens.size(0), "one context length per query");
-  TORCH_CHECK(supported(H, k_cache.size(2), D, k_cache.size(1), q.scalar_type()) &&
-                  D == k_cache.size(3) && k_cache.scalar_type() == q.scalar_type(),
+  TORCH_CHECK(supported(H, k_cache.size(2), D, k_cache.size(1), q.scalar_type(),
+                        k_cache.scalar_type()) && D == k_cache.size(3),
               "shape or dtype not supported by the native kernel");
   q = q.contiguous();
   auto out = torch::empty_like(q);
-  for_dtype(q.scalar_type(), [&](auto tag) {
+  for_dtypes(q.scalar_type(), k_cache.scalar_type(), [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
-    attend<T>(q.data_ptr<T>(), H * D, out.data_ptr<T>(), H * D, H, k_cache, v_cache,
-              block_tables, context_lens, scale);
+    using C = decltype(cache_tag);
+    attend<T, C>(q.data_ptr<T>(), H * D, out.data_ptr<T>(), H * D, H, k_cache, v_cache,
+                 block_tables, context_lens, scale);
   });
   return out;
 }
@@ -326,14 +342,14 @@ static inline void rope_head(T* x, const T* c, const T* s, int64_t D) {
 constexpr int64_t kTokensPerTask = 64;
 
 // RoPE on each token's H + KVH query and key heads (rows of qkv, in place), then its keys and
-// values into their cache slots (block, offset).
-template <typename T>
+// values into their cache slots (block, offset), converted to the cache's type.
+template <typename T, typename C>
 static void rope_write(T* qkv, int64_t T_, int64_t H, const T* cos, const T* sin,
                        const int64_t* pos, const int64_t* blocks, const int64_t* offsets,
                        const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
   const int64_t KVH = k_cache.size(2), D = k_cache.size(3), row = (H + 2 * KVH) * D;
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  C* kc = k_cache.data_ptr<C>();
+  C* vc = v_cache.data_ptr<C>();
   const int64_t k0 = k_cache.stride(0), k1 = k_cache.stride(1), k2 = k_cache.stride(2),
                 k3 = k_cache.stride(3), v0 = v_cache.stride(0), v1 = v_cache.stride(1),
                 v2 = v_cache.stride(2);
@@ -347,9 +363,13 @@ static void rope_write(T* qkv, int64_t T_, int64_t H, const T* cos, const T* sin
                                                        sin + pos[t] * D, D);
         for (int64_t kh = 0; kh < KVH; ++kh) {
           const T* k = x + (H + kh) * D;
-          T* kdst = kc + blocks[t] * k0 + offsets[t] * k1 + kh * k2;
-          for (int64_t d = 0; d < D; ++d) kdst[d * k3] = k[d];
-          std::copy_n(x + (H + KVH + kh) * D, D, vc + blocks[t] * v0 + offsets[t] * v1 + kh * v2);
+          const T* v = x + (H + KVH + kh) * D;
+          C* kdst = kc + blocks[t] * k0 + offsets[t] * k1 + kh * k2;
+          C* vdst = vc + blocks[t] * v0 + offsets[t] * v1 + kh * v2;
+          for (int64_t d = 0; d < D; ++d) {
+            kdst[d * k3] = static_cast<C>(static_cast<float>(k[d]));
+            vdst[d] = static_cast<C>(static_cast<float>(v[d]));
+          }
         }
       }
     }
@@ -371,9 +391,8 @@ torch::Tensor rope_write_decode(torch::Tensor qkv, int64_t num_heads, torch::Ten
   check_caches(k_cache, v_cache, block_tables, context_lens);
   const int64_t tokens = qkv.size(0), H = num_heads, KVH = k_cache.size(2), D = k_cache.size(3);
   const auto dtype = qkv.scalar_type();
-  TORCH_CHECK(supported(H, KVH, D, k_cache.size(1), dtype) &&
-                  k_cache.scalar_type() == dtype && cos.scalar_type() == dtype &&
-                  sin.scalar_type() == dtype,
+  TORCH_CHECK(supported(H, KVH, D, k_cache.size(1), dtype, k_cache.scalar_type()) &&
+                  cos.scalar_type() == dtype && sin.scalar_type() == dtype,
               "shape or dtype not supported by the native kernel");
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (H + 2 * KVH) * D,
               "qkv must be a contiguous [tokens, (heads + 2 kv_heads) * head_dim] tensor");
@@ -392,12 +411,13 @@ torch::Tensor rope_write_decode(torch::Tensor qkv, int64_t num_heads, torch::Ten
                     blocks[t] < k_cache.size(0) && offsets[t] >= 0 &&
                     offsets[t] < k_cache.size(1), "position or slot out of range");
   auto out = torch::empty({tokens, H * D}, qkv.options());
-  for_dtype(dtype, [&](auto tag) {
+  for_dtypes(dtype, k_cache.scalar_type(), [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
-    rope_write<T>(qkv.data_ptr<T>(), tokens, H, cos.data_ptr<T>(), sin.data_ptr<T>(), pos,
-                  blocks, offsets, k_cache, v_cache);
-    attend<T>(qkv.data_ptr<T>(), qkv.size(1), out.data_ptr<T>(), H * D, H, k_cache, v_cache,
-              block_tables, context_lens, scale);
+    using C = decltype(cache_tag);
+    rope_write<T, C>(qkv.data_ptr<T>(), tokens, H, cos.data_ptr<T>(), sin.data_ptr<T>(), pos,
+                     blocks, offsets, k_cache, v_cache);
+    attend<T, C>(qkv.data_ptr<T>(), qkv.size(1), out.data_ptr<T>(), H * D, H, k_cache,
+                 v_cache, block_tables, context_lens, scale);
   });
   return out;
 }

@@ -1,0 +1,32 @@
+"""An fp16 KV cache (what `--kv-cache-dtype auto` picks for float32 on CPU) against an fp32 one,
+on the same model and the same native matmuls: dtype_accuracy.py's six passages teacher-forced
+(every position's next-token distribution, prefilled through the paged cache), and its ten
+prompts' greedy completions, up to 64 tokens, token for token through the engine (prefill,
+then decode steps that read every earlier key and value back from the cache). Run from the
+repository root:
+
+    python benchmarks/kv_dtype_accuracy.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+sys.path.insert(0, "benchmarks")
+from native_accuracy import print_header, print_row  # noqa: E402
+
+from loom import LLM  # noqa: E402
+
+
+def main() -> None:
+    ref, test = (LLM(dtype="float32", kv_cache_memory="128MiB", kv_cache_dtype=kv)
+                 for kv in ("float32", "float16"))
+    print_header("KV cache", "fp32 KV", "fp16 KV")
+    print_row("float16", ref, test)
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
