@@ -51,10 +51,11 @@ class SoakReport:
 
 
 def counted(m: dict[str, float]) -> float:
-    """Requests /metrics has seen end, each once: finished for any reason, or rejected."""
+    """Requests /metrics has seen end, each once: finished for any reason, rejected, or left by
+    their client before the server read them (a timed-out client on a busy server)."""
     return sum(m.get(f'loom:request_success_total{{finished_reason="{r}"}}', 0.0)
                for r in ("stop", "length", "abort", "error")) + m.get(
-        "loom:request_rejected_total", 0.0)
+        "loom:request_rejected_total", 0.0) + m.get("loom:http_requests_abandoned_total", 0.0)
 
 
 def _metrics(text: str) -> dict[str, float]:
@@ -176,7 +177,8 @@ def markdown(report: SoakReport) -> str:
         ("refused with 503", report.outcomes["rejected"]),
         ("given up by their client (disconnect / timeout)", report.outcomes["cancelled"]),
         ("errors (5xx, error events, lost)", report.outcomes["error"]),
-        ("counted in /metrics (stop + length + abort + error + rejected)", int(report.counted)),
+        ("counted in /metrics (stop + length + abort + error + rejected + abandoned)",
+         int(report.counted)),
         ("preemptions", int(m.get("loom:num_preemptions_total", 0))),
         ("KV cache usage at the end", m.get("loom:kv_cache_usage_perc")),
         ("running / waiting at the end", f"{m.get('loom:num_requests_running'):.0f} / "

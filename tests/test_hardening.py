@@ -8,6 +8,7 @@ import asyncio
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -104,6 +105,26 @@ def test_body_over_the_limit_is_413(guarded) -> None:
     assert chunked.status_code == 413
     assert httpx.post(f"{guarded.url}/v1/completions", json=BODY,
                       headers=AUTH).status_code == 200
+
+
+def test_a_client_that_leaves_before_its_body_is_read_is_counted(guarded) -> None:
+    """Its request never reaches the engine, so only the server can count it: /metrics still
+    accounts for every request a client started (a timed-out client on a busy server)."""
+    def abandoned() -> float:
+        return metric(scrape(guarded.url), "loom:http_requests_abandoned_total")
+
+    before = abandoned()
+    host, port = guarded.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                     b'{"prompt": ')
+    deadline = time.monotonic() + 30
+    while abandoned() == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert abandoned() == before + 1
+    assert httpx.post(f"{guarded.url}/v1/completions", json=BODY, headers=AUTH).status_code == 200
 
 
 # -- admission -------------------------------------------------------------------------------------

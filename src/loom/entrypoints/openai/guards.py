@@ -8,7 +8,9 @@ lines, none buffering a streamed response):
   `--api-key` does; /health, /metrics, /version and the OpenAPI schema stay open.
 - `BodyGuard`: the request body is read whole up front, at most `max_bytes` (413) and within
   `read_timeout` seconds (408), so a client that announces a body and sends it slowly, or
-  never, cannot hold a handler (or a shutdown) forever.
+  never, cannot hold a handler (or a shutdown) forever. A client that leaves before its body
+  is read (uvicorn then reports the disconnect, not the body) is counted by `on_abandoned`:
+  its request never reaches the engine, so the engine's counters cannot see it.
 """
 
 from __future__ import annotations
@@ -88,10 +90,12 @@ class _BodyTooLarge(Exception):
 
 
 class BodyGuard:
-    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout: float) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout: float,
+                 on_abandoned: Callable[[], None]) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.read_timeout = read_timeout
+        self.on_abandoned = on_abandoned
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -111,8 +115,10 @@ class BodyGuard:
             await self._refuse(408, f"request body not received within {self.read_timeout:g}"
                                " s (--read-timeout)", scope, receive, send)
             return
-        if body is not None:  # else the client left: nobody to answer
-            await self.app(scope, _replay(body, receive), send)
+        if body is None:  # the client left: nobody to answer
+            self.on_abandoned()
+            return
+        await self.app(scope, _replay(body, receive), send)
 
     async def _read(self, receive: Receive) -> bytes | None:
         """The whole body; None if the client disconnected before sending it."""

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 import loom
 from loom.cluster.config import ClusterConfig
@@ -88,7 +88,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="loom", version=loom.__version__, lifespan=lifespan)
     install_error_handlers(app)
-    _add_guards(app, config)
+    http_metrics = HTTPMetrics(engine.core.model_name)
+    _add_guards(app, config, http_metrics)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -115,7 +116,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         text = engine.core.metrics.prometheus_text()
         if inspect.isawaitable(text):  # replicas elsewhere: their series are fetched
             text = await text
-        return Response(text, media_type=CONTENT_TYPE_LATEST)
+        return Response(text + http_metrics.prometheus_text(), media_type=CONTENT_TYPE_LATEST)
 
     @get("/version")
     async def version() -> dict[str, str]:
@@ -126,11 +127,25 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     return app
 
 
-def _add_guards(app: FastAPI, config: ServerConfig) -> None:
+class HTTPMetrics:
+    """What only the HTTP server sees, served after the engine's series on /metrics."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.abandoned = Counter(
+            "loom:http_requests_abandoned", "HTTP requests whose client left before the server "
+            "read their body; they never reached the engine", ["model_name"],
+            registry=self.registry).labels(model_name=model_name)
+
+    def prometheus_text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _add_guards(app: FastAPI, config: ServerConfig, http_metrics: HTTPMetrics) -> None:
     """Innermost first: the body limit, the key, the Host check, then CORS outermost (so a
     browser's preflight is answered before the key is asked for)."""
     app.add_middleware(BodyGuard, max_bytes=config.max_request_body_bytes,
-                       read_timeout=config.read_timeout)
+                       read_timeout=config.read_timeout, on_abandoned=http_metrics.abandoned.inc)
     if config.api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=config.api_key)
     if is_loopback(config.host):
