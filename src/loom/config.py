@@ -60,8 +60,9 @@ class ModelConfig:
         "GGUF file or Hugging Face folder; default: the bundled SmolLM2-135M-Instruct"))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
         default="auto",
-        metadata=flag_help("weight, activation and KV dtype; auto = bfloat16 on CUDA and on "
-                           "CPUs with native bf16 (avx512_bf16/AMX), else float32"))
+        metadata=flag_help("weight and activation dtype (the KV cache's: --kv-cache-dtype); "
+                           "auto = bfloat16 on CUDA and on CPUs with native bf16 "
+                           "(avx512_bf16/AMX), else float32"))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=flag_help(
         "auto = cuda when available, else cpu"))
     max_model_len: int | None = field(default=None, metadata=flag_help(
