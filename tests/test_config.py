@@ -48,6 +48,12 @@ def test_bad_values_are_rejected_naming_the_option() -> None:
         CacheConfig(kv_cache_memory="lots")
     with pytest.raises(TypeError, match="unknown engine option"):
         EngineConfig.from_kwargs(block_sise=16)
+    # keywords no parser sees (LLM(...)) still take one of a Literal's values
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of 'auto', 'float16'"):
+        EngineConfig.from_kwargs(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig.from_kwargs(attention_backend="flash")
+    assert EngineConfig.from_kwargs(kv_cache_dtype="float16").cache.kv_cache_dtype == "float16"
     parser = build_parser(["generate"])
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "hi", "--scheduler", "sometimes"])

@@ -211,6 +211,19 @@ class EngineConfig:
 
     SECTIONS = ("model", "cache", "scheduler")
 
+    def __post_init__(self) -> None:
+        """A field typed as a Literal takes one of its values: the CLI's choices say so, and
+        `LLM(...)` keywords, which no parser sees, are checked here, once."""
+        for name in self.SECTIONS:
+            section = getattr(self, name)
+            hints = typing.get_type_hints(type(section))
+            for f in dataclasses.fields(section):
+                choices = _flag_type(hints[f.name])[1]
+                value = getattr(section, f.name)
+                if choices is not None and value not in choices:
+                    raise ValueError(f"{f.name} must be one of "
+                                     f"{', '.join(map(repr, choices))}; got {value!r}")
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Flat keyword arguments (as `LLM(...)` takes them) -> nested config."""
