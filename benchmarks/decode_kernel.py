@@ -7,6 +7,7 @@ run, for a before/after ratio. Run from the repository root:
 
     python benchmarks/decode_kernel.py
     python benchmarks/decode_kernel.py --against 1207948
+    python benchmarks/decode_kernel.py --contexts 20-60    # short contexts: per-request costs
 """
 
 from __future__ import annotations
@@ -38,11 +39,17 @@ def per_layer_ms(fn, repeats: int = 20) -> float:
 
 
 def kernel_at(rev: str) -> ModuleType:
-    """The decode-attention extension as it was at git revision `rev`."""
-    source = subprocess.run(["git", "show", f"{rev}:src/loom/model/csrc/paged_attention.cpp"],
-                            check=True, capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "paged_attention.cpp"
-    path.write_text(source)
+    """The decode-attention extension as it was at git revision `rev` (with that revision's
+    headers)."""
+    directory = Path(tempfile.mkdtemp())
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:src/loom/model/csrc"],
+                           check=True, capture_output=True, text=True).stdout.split()
+    for name in names:
+        if name == "paged_attention.cpp" or name.endswith(".h"):
+            (directory / name).write_text(subprocess.run(
+                ["git", "show", f"{rev}:src/loom/model/csrc/{name}"], check=True,
+                capture_output=True, text=True).stdout)
+    path = directory / "paged_attention.cpp"
     return load(name=f"loom_paged_attention_{rev}", sources=[str(path)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                 extra_ldflags=["-fopenmp"])
@@ -51,7 +58,10 @@ def kernel_at(rev: str) -> ModuleType:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--against", help="also time the kernel of this git revision")
+    parser.add_argument("--contexts", default="50-1100",
+                        help="context lengths drawn uniformly from LO-HI (default 50-1100)")
     args = parser.parse_args()
+    low, high = (int(x) for x in args.contexts.split("-"))
     old = kernel_at(args.against) if args.against else None
     extra = f" | {args.against} ms/layer | now / {args.against}" if old else ""
     print("| dtype | KV cache | decodes | mean context | torch path ms/layer | native ms/layer "
@@ -63,7 +73,7 @@ def main() -> None:
                                (torch.bfloat16, torch.bfloat16)):
         for n in (8, 32, 64):
             rng = random.Random(n)
-            lens = [rng.randint(50, 1100) for _ in range(n)]
+            lens = [rng.randint(low, high) for _ in range(n)]
             num_blocks = sum(-(-length // BLOCK) for length in lens) + 1
             k_cache, v_cache = new_kv_cache(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, cache_dtype,
                                             torch.device("cpu"))

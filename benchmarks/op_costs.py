@@ -7,7 +7,8 @@ model's shapes. Run from the repository root:
    heads, dim 64): torch's SDPA with the chunk's causal mask, in fp32 and bf16, against a bare
    bf16 bmm of the same q.K scores (a lower bound on what a native kernel would pay).
 2. Sampling 32 rows of a 49,152-token vocabulary: the exponential race (one random number
-   per vocabulary entry) against inverse-CDF sampling (one per row), which loom uses.
+   per vocabulary entry) against inverse-CDF sampling (one per row), which loom uses; and
+   greedy, torch's argmax against numpy's (loom.model.sampler.row_argmax).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.model.attention import _chunk_causal_mask
+from loom.model.sampler import row_argmax
 
 
 def ms(fn: Callable[[], object], repeats: int = 10) -> float:
@@ -62,6 +64,8 @@ def sampling() -> None:
     print("sampling 32 rows x 49,152 tokens:")
     print(f"  exponential race: {ms(exponential_race):.2f} ms")
     print(f"  inverse CDF: {ms(inverse_cdf):.2f} ms")
+    print(f"  greedy, torch argmax: {ms(lambda: logits.argmax(-1), 50):.2f} ms")
+    print(f"  greedy, row_argmax (numpy): {ms(lambda: row_argmax(logits), 50):.2f} ms")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loom.engine.detokenizer import IncrementalDetokenizer
-from loom.model.sampler import Sampler, apply_token_bitmask, apply_top_k_top_p
+from loom.model.sampler import Sampler, apply_token_bitmask, apply_top_k_top_p, row_argmax
 from loom.sampling import SamplingParams, SamplingParamsError, valid_unicode
 
 pytestmark = pytest.mark.unit
@@ -20,6 +20,18 @@ def test_top_k_and_top_p_keep_only_the_allowed_tokens() -> None:
     assert torch.isfinite(masked[0]).tolist() == [True, True, False, False]
     # top_p=0.7: 0.5 alone is below 0.7, 0.5 + 0.3 reaches it, so two tokens stay
     assert torch.isfinite(masked[1]).tolist() == [True, True, False, False]
+
+
+def test_row_argmax_is_torchs_first_largest_index() -> None:
+    logits = torch.randn(6, 1000)
+    logits[1, [3, 700]] = 50.0  # a tie: the first index, as torch's argmax
+    logits[2, :] = 1.0
+    assert row_argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert row_argmax(logits)[1:3].tolist() == [3, 0]
+    rows = logits[::2]  # not contiguous
+    assert row_argmax(rows).tolist() == rows.argmax(dim=-1).tolist()
+    assert row_argmax(logits.to(torch.bfloat16)).tolist() == \
+        logits.to(torch.bfloat16).argmax(dim=-1).tolist()
 
 
 def test_rows_are_sampled_with_their_own_parameters() -> None:

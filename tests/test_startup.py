@@ -31,6 +31,19 @@ def test_built_kernels_load_without_the_build_tools() -> None:
 
 @needs_kernels
 @pytest.mark.unit
+def test_the_extensions_share_one_thread_pool() -> None:
+    """Both extensions with parallel loops run them on one pool of helpers, whichever is
+    loaded first (csrc/parallel_dynamic.h: separate pools took turns on the cores)."""
+    code = ("from loom.model import kernels; "
+            "a, b = kernels.paged_attention_ops(), kernels.block_quant_linear_ops(); "
+            "print(a.pool_address() == b.pool_address() != 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "True"
+
+
+@needs_kernels
+@pytest.mark.unit
 def test_a_stale_stamp_goes_through_the_build(tmp_path: Path, monkeypatch) -> None:
     """A library whose stamp names other sources (or flags) is not imported; torch's build
     is asked (it rebuilds what changed) and the stamp is renewed; a matching stamp skips it."""

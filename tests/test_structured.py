@@ -6,6 +6,7 @@ right."""
 from __future__ import annotations
 
 import json
+import math
 from concurrent.futures import Future
 
 import jsonschema
@@ -154,6 +155,23 @@ def test_choice_regex_grammar_and_json_object(llm: LLM) -> None:
     assert texts[2] in ("red", "green", "blue")
     assert isinstance(json.loads(texts[3]), dict)
     assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+@pytest.mark.integration
+def test_logprobs_are_the_models_own_not_the_masked_ones(llm: LLM) -> None:
+    """The grammar's mask picks the token, but logprobs show the model's distribution: the
+    mask goes onto a copy, even where the sampler reads the logits in place (a step's rows
+    are consecutive: a view, no copy)."""
+    choices = ["yes", "no", "maybe"]
+    out = llm.generate(["Is the sky blue? Answer:"], SamplingParams(
+        max_tokens=8, temperature=0, logprobs=5,
+        structured_outputs=StructuredOutputsParams(choice=choices)))[0].outputs[0]
+    assert out.text in choices
+    first = out.logprobs[0]
+    assert first.token_id == out.token_ids[0]
+    texts = [llm.tokenizer.decode([token_id]) for token_id, _ in first.top]
+    assert all(math.isfinite(logprob) for _, logprob in first.top)
+    assert any(not any(c.startswith(t) for c in choices) for t in texts), texts
 
 
 @pytest.mark.integration

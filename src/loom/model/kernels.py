@@ -80,7 +80,7 @@ def _build(name: str, source: str, what: str, fallback: str) -> ModuleType | Non
     key = _source_key(source)
     if library.exists() and stamp.exists() and stamp.read_text() == key:
         try:
-            return _import_library(name, library)
+            return _join_pool(_import_library(name, library))
         except ImportError as e:  # e.g. a half-written file: build again below
             logger.debug("rebuilding the %s: %s", what, e)
     from torch.utils.cpp_extension import load
@@ -94,6 +94,22 @@ def _build(name: str, source: str, what: str, fallback: str) -> ModuleType | Non
                        type(e).__name__, e, fallback)
         return None
     stamp.write_text(key)
+    return _join_pool(module)
+
+
+_pool_owner: ModuleType | None = None  # the extension whose thread pool all of them use
+
+
+def _join_pool(module: ModuleType) -> ModuleType:
+    """Let the extension run its parallel work on the process's one pool of helper threads
+    (csrc/parallel_dynamic.h says why one), made by the first extension loaded that has one."""
+    global _pool_owner
+    if not hasattr(module, "adopt_pool"):
+        return module
+    if _pool_owner is None:
+        _pool_owner = module
+    else:
+        module.adopt_pool(_pool_owner.pool_address())
     return module
 
 

@@ -132,8 +132,7 @@ class ModelRunner:
         rows, sample_rows, prompt_rows = _logit_rows(items)
         output = ModelRunnerOutput()
         if rows:
-            logits = self.model.compute_logits(
-                hidden[torch.tensor(rows, device=self.device)]).float()
+            logits = self.model.compute_logits(_take_rows(hidden, rows)).float()
             self._sample(items, logits, sample_rows, batch.grammar_bitmask, output)
             self._score_prompts(items, logits, prompt_rows, output)
         return output
@@ -147,8 +146,8 @@ class ModelRunner:
         mask_rows = bitmask.first_rows() if bitmask is not None else {}
         plain = [s for s in items if s.sample and not s.num_draft_tokens]
         if plain:
-            rows = torch.tensor([sample_rows[s.request_id] for s in plain], device=self.device)
-            token_ids = self.sampler(self._constrain(logits[rows], plain, bitmask, mask_rows),
+            rows = _take_rows(logits, [sample_rows[s.request_id] for s in plain])
+            token_ids = self.sampler(self._constrain(rows, plain, bitmask, mask_rows),
                                      [s.sampling_params for s in plain],
                                      [self._generator(s) for s in plain]).tolist()
             for s, token_id in zip(plain, token_ids):
@@ -173,15 +172,16 @@ class ModelRunner:
 
     def _constrain(self, logits: torch.Tensor, plain: list[ScheduledRequest],
                    bitmask: GrammarBitmask | None, mask_rows: dict[str, int]) -> torch.Tensor:
-        """Mask the rows of constrained requests (structured outputs); the others, and batches
-        with none, pass untouched."""
+        """Mask the rows of constrained requests (structured outputs) in a copy (`logits` may
+        be a view of the model's, which logprobs read); the others, and batches with none,
+        pass untouched."""
         if bitmask is None:
             return logits
         rows = [j for j, s in enumerate(plain) if s.request_id in mask_rows]
         if rows:
             masks = bitmask.bitmask[[mask_rows[plain[j].request_id] for j in rows]]
             index = torch.tensor(rows, device=self.device)
-            logits[index] = apply_token_bitmask(logits[index], masks)
+            logits = logits.index_put((index,), apply_token_bitmask(logits[index], masks))
         return logits
 
     def _score_prompts(self, items: list[ScheduledRequest], logits: torch.Tensor,
@@ -277,6 +277,14 @@ class ModelRunner:
             groups.append(DecodeGroup(lo, hi - lo, block_tables,
                                       mask.view(hi - lo, 1, 1, max_blocks * self.block_size)))
         return groups
+
+
+def _take_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """tensor[rows]: a view where the rows are consecutive, as in a decode-only step, where
+    the copy (32 rows of a 49k vocabulary) cost as much as the sampling."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return tensor[rows[0]:rows[0] + len(rows)]
+    return tensor[torch.tensor(rows, device=tensor.device)]
 
 
 def _decode_like(item: ScheduledRequest) -> bool:

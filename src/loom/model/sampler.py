@@ -23,7 +23,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> torch.Tensor:
         logits = logits.float()
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = row_argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
             return greedy_ids
@@ -39,6 +39,15 @@ class Sampler:
                 uniform[j] = torch.rand(1, device=device, generator=generators[i])
         greedy_ids[rows] = inverse_cdf(sub.softmax(dim=-1), uniform)
         return greedy_ids
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's largest value, as `argmax(dim=-1)`. On a CPU numpy's
+    vectorised argmax, about a tenth of torch's time over a 32 x 49k logits matrix, where
+    torch's was 2% of a decode step (benchmarks/op_costs.py)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(np.argmax(logits.contiguous().numpy(), axis=1))
 
 
 def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from loom.model.sampler import apply_top_k_top_p, inverse_cdf
+from loom.model.sampler import apply_top_k_top_p, inverse_cdf, row_argmax
 from loom.sampling import SamplingParams
 
 
@@ -27,7 +27,7 @@ def verify_drafts(logits: torch.Tensor, drafts: list[int], params: SamplingParam
     len(drafts) + 1 rows."""
     logits = logits.float()
     if params.greedy:
-        choices = logits.argmax(dim=-1).tolist()
+        choices = row_argmax(logits).tolist()
         accepted = 0
         while accepted < len(drafts) and choices[accepted] == drafts[accepted]:
             accepted += 1

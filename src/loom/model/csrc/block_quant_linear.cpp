@@ -34,6 +34,7 @@
 #include <cstring>
 #include <vector>
 
+#include "avx2_reduce.h"
 #include "parallel_dynamic.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -67,18 +68,6 @@ static LOOM_INLINE __m256i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
-}
-
-static LOOM_INLINE float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-static LOOM_INLINE float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
 // One row of x, per block of 32, as two int8 parts: x ~ dx * (q1 + q2 / 256), q1 = round(x / dx)
@@ -414,4 +403,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quant_linear", &block_quant_linear, py::call_guard<py::gil_scoped_release>());
   m.def("panels_from_blocks", &panels_from_blocks, py::call_guard<py::gil_scoped_release>());
   m.def("supported", &supported);
+  LOOM_POOL_BINDINGS(m);
 }

@@ -18,8 +18,10 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
+#include "avx2_reduce.h"
 #include "parallel_dynamic.h"
 
 constexpr int64_t kBlockSize = 16;
@@ -76,14 +78,6 @@ static inline void load_query(const DecodeArgs<T, C>& a, int64_t i, int64_t kh, 
       qf[g][d] = static_cast<float>(a.q[i * a.q_row + (kh * G + g) * D + d]) * a.scale;
 }
 
-// Scores of L positions -> probabilities, in place.
-static inline void softmax(float* s, int64_t L) {
-  const float m = *std::max_element(s, s + L);
-  float sum = 0.f;
-  for (int64_t p = 0; p < L; ++p) { s[p] = std::exp(s[p] - m); sum += s[p]; }
-  const float inv = 1.f / sum;
-  for (int64_t p = 0; p < L; ++p) s[p] *= inv;
-}
 
 template <typename T, typename C, int G, int D>
 static inline void store_output(const float (&acc)[G][D], const DecodeArgs<T, C>& a, int64_t i,
@@ -103,6 +97,50 @@ static inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bi
 }
 static inline __m256 load8(const c10::Half* p) {  // F16C, which every AVX2 CPU has
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// e^x for x <= 0 (scores minus their maximum), 8 at a time: x = n ln 2 + r, |r| <= ln 2 / 2,
+// e^r by Cephes' degree-5 polynomial (about 1 ulp), times 2^n through the exponent bits. Below
+// -87 the result would be denormal: it is 0, as expf's would round to within 1e-38 of.
+static inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lowest);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                        5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
+}
+
+// Scores of L positions -> probabilities, in place, 8 positions a vector: at short contexts
+// std::exp one position at a time was most of a request's attention.
+static inline void softmax(float* s, int64_t L) {
+  const int64_t L8 = L / 8 * 8;
+  __m256 mv = _mm256_set1_ps(s[0]);  // L >= 1
+  for (int64_t p = 0; p < L8; p += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + p));
+  float m = hmax(mv);
+  for (int64_t p = L8; p < L; ++p) m = std::max(m, s[p]);
+  const __m256 mb = _mm256_set1_ps(m);
+  __m256 sv = _mm256_setzero_ps();
+  for (int64_t p = 0; p < L8; p += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + p), mb));
+    _mm256_storeu_ps(s + p, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  float sum = hsum(sv);
+  for (int64_t p = L8; p < L; ++p) { s[p] = std::exp(s[p] - m); sum += s[p]; }
+  const __m256 inv = _mm256_set1_ps(1.f / sum);
+  for (int64_t p = 0; p < L8; p += 8)
+    _mm256_storeu_ps(s + p, _mm256_mul_ps(inv, _mm256_loadu_ps(s + p)));
+  for (int64_t p = L8; p < L; ++p) s[p] *= 1.f / sum;
 }
 
 // Block tables scatter a request's context, so the hardware prefetcher stalls at every block:
@@ -184,6 +222,15 @@ static void decode(const DecodeArgs<T, C>& a) {
   });
 }
 #else
+// Scores of L positions -> probabilities, in place.
+static inline void softmax(float* s, int64_t L) {
+  const float m = *std::max_element(s, s + L);
+  float sum = 0.f;
+  for (int64_t p = 0; p < L; ++p) { s[p] = std::exp(s[p] - m); sum += s[p]; }
+  const float inv = 1.f / sum;
+  for (int64_t p = 0; p < L; ++p) s[p] *= inv;
+}
+
 template <typename T, typename C, int G, int D>
 static void decode(const DecodeArgs<T, C>& a) {
   const C *kc = a.kc, *vc = a.vc;
@@ -337,6 +384,29 @@ static inline void rope_head(T* x, const T* c, const T* s, int64_t D) {
   }
 }
 
+// One head's D values into a cache row of the cache's type (element stride `stride`).
+template <typename T, typename C>
+static inline void store_head(const T* x, C* dst, int64_t D, int64_t stride) {
+  for (int64_t d = 0; d < D; ++d) dst[d * stride] = static_cast<C>(static_cast<float>(x[d]));
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+// fp32 into an fp16 cache, eight at a time with F16C (round to nearest even, as c10::Half's
+// conversion, which one value at a time was half of a decode step's RoPE + KV write).
+static inline void store_head(const float* x, c10::Half* dst, int64_t D, int64_t stride) {
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT);
+    if (stride == 1) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), h);
+      continue;
+    }
+    alignas(16) uint16_t bits[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(bits), h);
+    for (int j = 0; j < 8; ++j) std::memcpy(dst + (d + j) * stride, &bits[j], 2);
+  }
+}
+#endif
+
 // Tokens per task of the RoPE + KV write: a decode step's few tokens stay on the calling
 // thread (no fork/join), a prefill chunk's are shared out.
 constexpr int64_t kTokensPerTask = 64;
@@ -366,10 +436,8 @@ static void rope_write(T* qkv, int64_t T_, int64_t H, const T* cos, const T* sin
           const T* v = x + (H + KVH + kh) * D;
           C* kdst = kc + blocks[t] * k0 + offsets[t] * k1 + kh * k2;
           C* vdst = vc + blocks[t] * v0 + offsets[t] * v1 + kh * v2;
-          for (int64_t d = 0; d < D; ++d) {
-            kdst[d * k3] = static_cast<C>(static_cast<float>(k[d]));
-            vdst[d] = static_cast<C>(static_cast<float>(v[d]));
-          }
+          store_head(k, kdst, D, k3);
+          store_head(v, vdst, D, 1);
         }
       }
     }
@@ -426,4 +494,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("rope_write_decode", &rope_write_decode);
   m.def("supported", &supported);
+  LOOM_POOL_BINDINGS(m);
 }

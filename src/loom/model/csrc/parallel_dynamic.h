@@ -25,7 +25,12 @@
 // A helper enters only while the job is open and the caller returns only once no helper is
 // inside, so the job (on the caller's stack) outlives every use of it. One job at a time per
 // pool: a call that finds the pool busy (another thread's, or nested) runs on its own thread.
-// Each extension has its own pool (the header is compiled into each).
+// One pool for all the extensions. Each compiles this header, so each would have a pool of its
+// own, and a step alternates between them (matmul, attention, matmul): their helpers, one per
+// extension per spare core, took turns on the cores, and a helper asleep by the time its
+// extension's next call came was woken for each one, which made a decode step's attention
+// calls twice as long in the engine as alone. So the first extension kernels.py loads makes
+// the pool and the others adopt it (LOOM_POOL_BINDINGS) before any job.
 #pragma once
 #include <ATen/Parallel.h>
 #include <linux/futex.h>
@@ -53,10 +58,27 @@ class Pool {
  public:
   using Task = void (*)(const void* worker, std::atomic<int64_t>& next);
 
+  // The process's pool: the first extension to run a job makes it, unless kernels.py has
+  // already handed this one another extension's (`adopt`). Never destroyed: helpers may still
+  // be waiting at exit.
   static Pool& instance() {
-    static Pool* pool = new Pool();  // never destroyed: helpers may still be waiting at exit
+    Pool* pool = slot().load();
+    if (pool != nullptr) return *pool;
+    Pool* fresh = new Pool();  // no helpers until its first job, so a losing one is just freed
+    if (slot().compare_exchange_strong(pool, fresh)) return *fresh;
+    delete fresh;
     return *pool;
   }
+
+  static void adopt(Pool* pool) { slot().store(pool); }
+
+ private:
+  static std::atomic<Pool*>& slot() {
+    static std::atomic<Pool*> pool{nullptr};
+    return pool;
+  }
+
+ public:
 
   // Runs task(worker, next) on this thread and on up to `helpers` helpers; returns when all
   // are done. False (nothing run) when the pool is busy with another call.
@@ -149,3 +171,12 @@ inline void parallel_dynamic(int64_t n, const Worker& worker) {
       !loom_parallel::Pool::instance().run(num_threads - 1, task, &worker, next))
     worker(next);
 }
+
+// The Python side of the shared pool (kernels.py): `pool_address` of the first extension
+// loaded, handed to `adopt_pool` of each other one.
+#define LOOM_POOL_BINDINGS(m)                                                        \
+  m.def("pool_address",                                                             \
+        [] { return reinterpret_cast<intptr_t>(&loom_parallel::Pool::instance()); }); \
+  m.def("adopt_pool", [](intptr_t address) {                                        \
+    loom_parallel::Pool::adopt(reinterpret_cast<loom_parallel::Pool*>(address));    \
+  })
