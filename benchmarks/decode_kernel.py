@@ -38,18 +38,23 @@ def per_layer_ms(fn, repeats: int = 20) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-def kernel_at(rev: str) -> ModuleType:
-    """The decode-attention extension as it was at git revision `rev` (with that revision's
-    headers)."""
+def csrc_at(rev: str, source: str) -> Path:
+    """A folder holding the kernel source `source` and the csrc headers as they were at git
+    revision `rev`, to compile side by side with today's."""
     directory = Path(tempfile.mkdtemp())
     names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:src/loom/model/csrc"],
                            check=True, capture_output=True, text=True).stdout.split()
     for name in names:
-        if name == "paged_attention.cpp" or name.endswith(".h"):
+        if name == source or name.endswith(".h"):
             (directory / name).write_text(subprocess.run(
                 ["git", "show", f"{rev}:src/loom/model/csrc/{name}"], check=True,
                 capture_output=True, text=True).stdout)
-    path = directory / "paged_attention.cpp"
+    return directory
+
+
+def kernel_at(rev: str) -> ModuleType:
+    """The decode-attention extension as it was at git revision `rev`."""
+    path = csrc_at(rev, "paged_attention.cpp") / "paged_attention.cpp"
     return load(name=f"loom_paged_attention_{rev}", sources=[str(path)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                 extra_ldflags=["-fopenmp"])

@@ -21,20 +21,22 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import tempfile
+import sys
 import time
 import types
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load
 
-from loom import LLM
-from loom.bench.sysinfo import hardware
-from loom.model.linear import INT8_MAX_ROWS, Linear
-from loom.model.loader import load_model
-from loom.model.weights import BlockQuantWeight
+sys.path.insert(0, "benchmarks")
+from decode_kernel import csrc_at  # noqa: E402
+
+from loom import LLM  # noqa: E402
+from loom.bench.sysinfo import hardware  # noqa: E402
+from loom.model.linear import INT8_MAX_ROWS, Linear  # noqa: E402
+from loom.model.loader import load_model  # noqa: E402
+from loom.model.weights import BlockQuantWeight  # noqa: E402
 
 
 def chain_ms(linears: list[Linear], m: int, rounds: int) -> float:
@@ -125,9 +127,7 @@ def linears_at(rev: str) -> list[Linear]:
         return subprocess.run(["git", "show", f"{rev}:{path}"], check=True,
                               capture_output=True, text=True).stdout
 
-    folder = Path(tempfile.mkdtemp())
-    for name in ("block_quant_linear.cpp", "parallel_dynamic.h"):
-        (folder / name).write_text(show(f"src/loom/model/csrc/{name}"))
+    folder = csrc_at(rev, "block_quant_linear.cpp")
     ops = load(name=f"loom_block_quant_linear_{rev}",
                sources=[str(folder / "block_quant_linear.cpp")],
                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
