@@ -17,7 +17,6 @@ slot: arrivals that the next step will schedule at once do not fill the queue.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -73,6 +72,8 @@ class OutputStream:
     """
 
     def __init__(self, engine: Aborter, request_ids: list[str]) -> None:
+        import asyncio  # here: the engine process, which never makes a stream, skips it
+
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self._ready = asyncio.Event()

@@ -21,7 +21,6 @@ pipe.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import multiprocessing
@@ -195,6 +194,8 @@ class EngineProcess:
         self._send((ABORT, request_id))
 
     async def fetch_metrics(self) -> bytes:
+        import asyncio  # not at the top: the server starts the engine process before it
+
         token = next(self._ids)
         future: Future[bytes] = Future()
         with self._lock:
