@@ -18,28 +18,31 @@ needs_kernels = pytest.mark.skipif(kernels.paged_attention_ops() is None,
                                    reason="no C++ compiler")
 
 
+def _fresh_python(code: str) -> str:
+    """What `code` prints in a fresh interpreter (nothing loaded yet)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
 @needs_kernels
 @pytest.mark.integration
 def test_built_kernels_load_without_the_build_tools() -> None:
-    code = ("import sys; from loom.model import kernels; "
-            "assert None not in (kernels.paged_attention_ops(), kernels.block_quant_linear_ops(), "
-            "kernels.fused_ops()); print('torch.utils.cpp_extension' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-    assert out.stdout.strip() == "False"
+    assert _fresh_python(
+        "import sys; from loom.model import kernels; "
+        "assert None not in (kernels.paged_attention_ops(), kernels.block_quant_linear_ops(), "
+        "kernels.fused_ops()); print('torch.utils.cpp_extension' in sys.modules)") == "False"
 
 
 @needs_kernels
 @pytest.mark.unit
-def test_the_extensions_share_one_thread_pool() -> None:
+@pytest.mark.parametrize("first", ["paged_attention_ops", "block_quant_linear_ops"])
+def test_the_extensions_share_one_thread_pool(first: str) -> None:
     """Both extensions with parallel loops run them on one pool of helpers, whichever is
     loaded first (csrc/parallel_dynamic.h: separate pools took turns on the cores)."""
-    code = ("from loom.model import kernels; "
-            "a, b = kernels.paged_attention_ops(), kernels.block_quant_linear_ops(); "
-            "print(a.pool_address() == b.pool_address() != 0)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-    assert out.stdout.strip() == "True"
+    second = ({"paged_attention_ops", "block_quant_linear_ops"} - {first}).pop()
+    assert _fresh_python(
+        f"from loom.model import kernels; a = kernels.{first}(); b = kernels.{second}(); "
+        "print(a.pool_address() == b.pool_address() != 0)") == "True"
 
 
 @needs_kernels
