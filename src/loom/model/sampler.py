@@ -42,9 +42,9 @@ class Sampler:
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """The first index of each row's largest value, as `argmax(dim=-1)`. On a CPU numpy's
-    vectorised argmax, about a tenth of torch's time over a 32 x 49k logits matrix, where
-    torch's was 2% of a decode step (benchmarks/op_costs.py)."""
+    """The first index of each row's largest value, as `argmax(dim=-1)`. On a CPU, numpy's
+    vectorised argmax: torch's scalar one was a visible part of a batched decode step
+    (benchmarks/op_costs.py times both)."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32:
         return logits.argmax(dim=-1)
     return torch.from_numpy(np.argmax(logits.contiguous().numpy(), axis=1))

@@ -137,10 +137,10 @@ static inline void softmax(float* s, int64_t L) {
   }
   float sum = hsum(sv);
   for (int64_t p = L8; p < L; ++p) { s[p] = std::exp(s[p] - m); sum += s[p]; }
-  const __m256 inv = _mm256_set1_ps(1.f / sum);
+  const float inv = 1.f / sum;
   for (int64_t p = 0; p < L8; p += 8)
-    _mm256_storeu_ps(s + p, _mm256_mul_ps(inv, _mm256_loadu_ps(s + p)));
-  for (int64_t p = L8; p < L; ++p) s[p] *= 1.f / sum;
+    _mm256_storeu_ps(s + p, _mm256_mul_ps(_mm256_set1_ps(inv), _mm256_loadu_ps(s + p)));
+  for (int64_t p = L8; p < L; ++p) s[p] *= inv;
 }
 
 // Block tables scatter a request's context, so the hardware prefetcher stalls at every block:

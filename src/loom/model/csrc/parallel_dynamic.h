@@ -28,9 +28,9 @@
 // One pool for all the extensions. Each compiles this header, so each would have a pool of its
 // own, and a step alternates between them (matmul, attention, matmul): their helpers, one per
 // extension per spare core, took turns on the cores, and a helper asleep by the time its
-// extension's next call came was woken for each one, which made a decode step's attention
-// calls twice as long in the engine as alone. So the first extension kernels.py loads makes
-// the pool and the others adopt it (LOOM_POOL_BINDINGS) before any job.
+// extension's next call came had to be woken for it (BENCHMARKS.md has the A/B). So the first
+// extension kernels.py loads makes the pool and the others adopt it (LOOM_POOL_BINDINGS)
+// before any job.
 #pragma once
 #include <ATen/Parallel.h>
 #include <linux/futex.h>
@@ -72,14 +72,6 @@ class Pool {
 
   static void adopt(Pool* pool) { slot().store(pool); }
 
- private:
-  static std::atomic<Pool*>& slot() {
-    static std::atomic<Pool*> pool{nullptr};
-    return pool;
-  }
-
- public:
-
   // Runs task(worker, next) on this thread and on up to `helpers` helpers; returns when all
   // are done. False (nothing run) when the pool is busy with another call.
   bool run(int64_t helpers, Task task, const void* worker, std::atomic<int64_t>& next) {
@@ -102,6 +94,11 @@ class Pool {
   }
 
  private:
+  static std::atomic<Pool*>& slot() {  // this extension's pointer to the process's pool
+    static std::atomic<Pool*> pool{nullptr};
+    return pool;
+  }
+
   void grow(int64_t helpers) {
     for (; started_ < helpers; ++started_) std::thread([this] { serve(); }).detach();
   }
