@@ -4,6 +4,8 @@ value and tensor type the loader meets, and its errors on files it cannot read."
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -11,13 +13,20 @@ import pytest
 from model_fixtures import TINY_SPECS, build_tiny_model, write_gguf
 
 from loom.model.arch import default_model_path
-from loom.model.gguf_file import GGUFFormatError, read_gguf
+from loom.model.gguf_file import (
+    _NATIVE_TYPES,
+    GGUFFormatError,
+    GGUFTensor,
+    dequantize,
+    read_gguf,
+    tensor_type,
+)
 
 
 def reference(path) -> tuple[dict, list[tuple[str, tuple[int, ...], object, np.ndarray]]]:
     reader = gguf.GGUFReader(str(path))
     metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    tensors = [(t.name, tuple(reversed(t.shape.tolist())), t.tensor_type,
+    tensors = [(t.name, tuple(reversed(t.shape.tolist())), t.tensor_type.name,
                 np.asarray(t.data).view(np.uint8).reshape(-1)) for t in reader.tensors]
     return metadata, tensors
 
@@ -86,3 +95,34 @@ def test_errors_name_the_problem(tmp_path, tiny_llama) -> None:
         path.write_bytes(content)
         with pytest.raises(GGUFFormatError, match=message):
             read_gguf(path)
+
+
+@pytest.mark.unit
+def test_types_it_sizes_itself_are_sized_as_gguf_sizes_them() -> None:
+    for type_id, (name, block, size) in _NATIVE_TYPES.items():
+        kind = gguf.GGMLQuantizationType(type_id)
+        assert (kind.name, block, size) == (name, *gguf.GGML_QUANT_SIZES[kind])
+    assert tensor_type(gguf.GGMLQuantizationType.Q6_K) == ("Q6_K", 256, 210)  # gguf's table
+    with pytest.raises(ValueError):
+        tensor_type(9999)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q8_0"])
+def test_dequantize_gives_what_gguf_gives(kind) -> None:
+    values = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    quant = gguf.GGMLQuantizationType[kind]
+    data = gguf.quants.quantize(values, quant).view(np.uint8).reshape(3, -1)
+    ours = dequantize(GGUFTensor("t", (3, 64), kind, data))
+    assert ours.dtype == np.float32 and ours.shape == (3, 64)
+    np.testing.assert_array_equal(ours, gguf.quants.dequantize(data, quant).reshape(3, 64))
+
+
+@pytest.mark.integration
+def test_loading_the_bundled_model_never_imports_gguf() -> None:
+    """Its tensors are all of types loom sizes and reads itself: the gguf package's import
+    stays out of start-up."""
+    code = ("import sys; from loom.model.loader import load_model; m = load_model(None); "
+            "m.weights['model.norm.weight']; print('gguf' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"

@@ -14,7 +14,7 @@ import torch
 from loom import LLM, SamplingParams
 from loom.torch_import import DEFERRED_MODULES
 
-DEFER_AND_IMPORT = ("import json; from loom import torch_import as t; "
+DEFER_AND_IMPORT = ("import json, sys; from loom import torch_import as t; "
                     "assert t.defer_unused_modules(); import torch\n")
 
 
@@ -34,13 +34,14 @@ def test_deferred_modules_wait_and_eager_torch_works_without_them() -> None:
         "value = torch.nn.functional.softmax(x @ x.T, dim=-1).sum().item()\n"
         "seeded = torch.rand(3, generator=torch.Generator().manual_seed(7)).tolist()\n"
         "print(json.dumps({'before': before, 'after': t.still_deferred(), 'meta': meta, "
-        "'value': value, 'seeded': seeded}))"))
+        "'value': value, 'seeded': seeded, 'prims': 'torch._prims' in sys.modules}))"))
     assert sorted(result["before"]) == sorted(DEFERRED_MODULES)
     assert sorted(result["after"]) == sorted(DEFERRED_MODULES)  # eager ops never ran them
     assert result["meta"] == [2, 4]
     assert result["value"] == pytest.approx(2.0)
-    # torch.Generator needs a metaclass the meta registrations' imports set: still imported
+    # torch.Generator needs a metaclass the meta registrations' imports set: set without them
     assert result["seeded"] == torch.rand(3, generator=torch.Generator().manual_seed(7)).tolist()
+    assert result["prims"] is False
 
 
 @pytest.mark.unit

@@ -25,16 +25,35 @@ import importlib.machinery
 import sys
 import threading
 import types
+from collections.abc import Callable
 from typing import Any
+
+
+def _set_generator_metaclass() -> None:
+    """What torch.Generator needs of the meta registrations' imports: torch._C leaves the
+    Generator's metaclass to torch._prims.rng_prims, which torch imports on its way to the
+    meta registrations; that module imports all of torch._prims (its fake tensors, its
+    decompositions), one of the larger parts of torch's import. Where this torch lacks the
+    hook, rng_prims itself."""
+    import torch
+
+    set_metaclass = getattr(torch._C, "_set_generator_metaclass", None)
+    if set_metaclass is None:
+        importlib.import_module("torch._prims.rng_prims")
+        return
+    from torch._opaque_base import OpaqueBaseMeta
+
+    set_metaclass(OpaqueBaseMeta)
+
 
 # In the order torch imports them; the first use of any runs them all in this order, as torch
 # would have (torch.export's later imports count on the meta registrations' having run). With
-# each, what torch needs of it in any case, imported for real in its place: the meta
-# registrations' imports set the metaclass torch.Generator needs (torch._prims.rng_prims).
-_STILL_IMPORTED = {
-    "torch.export": (),
-    "torch.distributed._meta_registrations": (),
-    "torch._meta_registrations": ("torch._prims.rng_prims",),
+# each, what torch needs of it in any case, done in its place (rng_prims sets the metaclass
+# again, and registers the Generator for torch.compile, when the registrations do run).
+_STILL_IMPORTED: dict[str, Callable[[], None] | None] = {
+    "torch.export": None,
+    "torch.distributed._meta_registrations": None,
+    "torch._meta_registrations": _set_generator_metaclass,
 }
 DEFERRED_MODULES = tuple(_STILL_IMPORTED)
 
@@ -62,8 +81,8 @@ class _DeferringLoader:
         self._loader = loader
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        for name in _STILL_IMPORTED[spec.name]:
-            importlib.import_module(name)
+        if (needed := _STILL_IMPORTED[spec.name]) is not None:
+            needed()
         module = DeferredModule(spec.name)
         module.__dict__.update(_loom_ran=False, _loom_loader=self._loader)
         return module

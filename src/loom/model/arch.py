@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from loom.model.gguf_file import GGUFTensor, read_gguf
+from loom.model.gguf_file import GGUFTensor, dequantize, read_gguf
 from loom.model.tokenizer import Tokenizer, bpe_from_gguf_metadata
 
 logger = logging.getLogger(__name__)
@@ -137,10 +137,8 @@ def _gguf_rope_scaling(rope_freqs: GGUFTensor | None, meta: Mapping[str, Any], p
                        ) -> dict[str, Any] | None:
     """RoPE scaling as llama.cpp stores it. Llama-3 style scaling has no metadata: the converter
     writes a `rope_freqs` tensor of per-frequency divisors instead; linear scaling is metadata."""
-    from gguf.quants import dequantize
-
     if rope_freqs is not None:
-        factors = dequantize(rope_freqs.data, rope_freqs.kind).astype(np.float64).reshape(-1)
+        factors = dequantize(rope_freqs).astype(np.float64).reshape(-1)
         return {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
     kind = meta.get(p + "rope.scaling.type")
     if kind in (None, "none"):

@@ -24,6 +24,13 @@ _LENGTH = struct.Struct("<Q")  # a string's byte count
 # -, uint64, int64, float64).
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
             12: "d"}
+# Tensor type id -> (name, values per block, bytes per block) for the types loom computes with
+# itself, so that loading such a model never imports the gguf package (its import pulls in
+# yaml and more: a slice of every start-up). Other types' sizes are gguf's, and so is the
+# decoding of every block-quantized type (loom's kernels read Q4_0, Q4_1 and Q8_0 blocks as
+# they are).
+_NATIVE_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+                 8: ("Q8_0", 32, 34), 30: ("BF16", 1, 2)}
 
 
 class GGUFFormatError(ValueError):
@@ -34,7 +41,7 @@ class GGUFFormatError(ValueError):
 class GGUFTensor:
     name: str
     shape: tuple[int, ...]  # row-major, as numpy and torch index it (GGUF stores it reversed)
-    kind: Any  # gguf.GGMLQuantizationType
+    kind: str  # the GGML type's name: "F32", "Q4_1", ...
     data: np.ndarray  # uint8 [*shape[:-1], bytes per row], a view of the file map
 
 
@@ -47,8 +54,6 @@ class GGUFFile:
 def read_gguf(path: Path) -> GGUFFile:
     """The metadata and tensors of a GGUF file. Tensor data stays in the memory map until
     someone reads it."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     with open(path, "rb") as f:
         # Copy-on-write: tensors can be handed to torch as they are (it wants writable
         # memory), and nothing is copied unless written, which loom never does.
@@ -76,11 +81,10 @@ def read_gguf(path: Path) -> GGUFFile:
     tensors = []
     for name, shape, raw_kind, offset in index:
         try:
-            kind = GGMLQuantizationType(raw_kind)
+            kind, block_size, type_size = tensor_type(raw_kind)
         except ValueError:
             raise GGUFFormatError(f"{path.name}: tensor {name!r} has unknown type {raw_kind}") \
                 from None
-        block_size, type_size = GGML_QUANT_SIZES[kind]
         row_bytes = shape[-1] // block_size * type_size
         num_bytes = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes
         start = data_start + offset
@@ -89,6 +93,35 @@ def read_gguf(path: Path) -> GGUFFile:
         data = file_bytes[start:start + num_bytes].reshape(*shape[:-1], row_bytes)
         tensors.append(GGUFTensor(name, shape, kind, data))
     return GGUFFile(metadata, tensors)
+
+
+def tensor_type(type_id: int) -> tuple[str, int, int]:
+    """(name, values per block, bytes per block) of a GGML tensor type; ValueError if the type
+    is unknown."""
+    if type_id in _NATIVE_TYPES:
+        return _NATIVE_TYPES[type_id]
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    kind = GGMLQuantizationType(type_id)
+    return (kind.name, *GGML_QUANT_SIZES[kind])
+
+
+def dequantize(tensor: GGUFTensor) -> np.ndarray:
+    """The tensor's values as float32 [*shape]: F32 as a view of the file map, F16 and BF16
+    converted here, every other type by gguf's decoders."""
+    if tensor.kind == "F32":
+        values = tensor.data.view(np.float32)
+    elif tensor.kind == "F16":
+        values = tensor.data.view(np.float16).astype(np.float32)
+    elif tensor.kind == "BF16":  # the top half of a float32
+        values = (tensor.data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+
+        values = gguf_dequantize(tensor.data, GGMLQuantizationType[tensor.kind])
+        values = values.astype(np.float32, copy=False)
+    return values.reshape(tensor.shape)
 
 
 class _Cursor:

@@ -25,7 +25,7 @@ from loom.model.arch import (
     tokenizer_from_gguf,
     tokenizer_from_hf_folder,
 )
-from loom.model.gguf_file import GGUFTensor, read_gguf
+from loom.model.gguf_file import GGUFTensor, dequantize, read_gguf
 from loom.model.weights import BlockQuantWeight, LazyWeights, LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -98,10 +98,7 @@ def _load_gguf(path: Path) -> LoadedModel:
 
 def _dequantized(tensor: GGUFTensor, heads: int | None) -> torch.Tensor:
     """A GGUF tensor in fp32, Q/K rows un-permuted (heads given) to transformers' layout."""
-    from gguf.quants import dequantize
-
-    array = dequantize(tensor.data, tensor.kind).astype(np.float32, copy=False)
-    array = array.reshape(tensor.shape)
+    array = dequantize(tensor)
     if heads is not None:
         array = _unpermute_rope(array, heads)
     return torch.from_numpy(np.ascontiguousarray(array))
@@ -120,9 +117,7 @@ def _permuted_heads(name: str, arch: ModelArch) -> int | None:
 
 def _block_quant(tensor: GGUFTensor) -> BlockQuantWeight | None:
     """A 2-D Q4_0, Q4_1 or Q8_0 tensor as its blocks (a view of the file map); else None."""
-    import gguf
-
-    kind = gguf.GGMLQuantizationType(tensor.kind).name
+    kind = tensor.kind
     if kind not in ("Q4_0", "Q4_1", "Q8_0") or len(tensor.shape) != 2:
         return None
     rows, cols = tensor.shape
