@@ -29,10 +29,11 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loom.engine.async_engine import EngineDeadError, EngineRequest, OutputStream
 from loom.engine.facts import EngineFacts, ServedCore
+from loom.engine.output_delta import DeltaDecoder, OutputDelta
 from loom.engine.process_main import (
     ABORT,
     DRAIN,
@@ -44,7 +45,6 @@ from loom.engine.process_main import (
     EngineProcessConfig,
     run_engine_process,
 )
-from loom.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class _Submission:
 
     stream: OutputStream
     unfinished: set[str]
+    decoder: DeltaDecoder = field(default_factory=DeltaDecoder)
 
 
 class EngineProcess:
@@ -235,7 +236,7 @@ class EngineProcess:
                          self._process.exitcode)
         self._fail_all(reason)
 
-    def _deliver(self, sid: int, items: list[RequestOutput | Exception]) -> None:
+    def _deliver(self, sid: int, items: list[OutputDelta | Exception]) -> None:
         with self._lock:
             submission = self._submissions.get(sid)
             if submission is None:
@@ -247,7 +248,9 @@ class EngineProcess:
                     submission.unfinished.discard(item.request_id)
             if not submission.unfinished:
                 del self._submissions[sid]
-        submission.stream.put_threadsafe(items)
+        decode = submission.decoder.decode
+        submission.stream.put_threadsafe([
+            item if isinstance(item, Exception) else decode(item) for item in items])
 
     def _metrics_arrived(self, token: int, text: bytes) -> None:
         with self._lock:

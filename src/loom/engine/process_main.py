@@ -4,11 +4,12 @@ sides speak. Plain pickled tuples cross one duplex pipe:
     server -> engine   (SUBMIT, sid, [EngineRequest]) | (ABORT, request_id) | (DRAIN,)
                        | (STOP, reason) | (METRICS, token)
     engine -> server   (READY, EngineFacts) | (FAILED, user_error, message)    once, first
-                       (OUTPUTS, sid, [RequestOutput | Exception]) | (METRICS, token, bytes)
+                       (OUTPUTS, sid, [OutputDelta | Exception]) | (METRICS, token, bytes)
 
 The engine is the in-process server's `AsyncEngine(EngineCore)`: admission control, queue
 timeouts and aborts stay its own. Its loop thread sends each step's outputs down the pipe as
-the step ends, with no event loop in between.
+the step ends, with no event loop in between, each as what it added to its request's previous
+output (loom.engine.output_delta).
 
 This module imports neither torch nor the engine until the child runs it: the server imports
 it to start the child, before anything heavy.
@@ -28,6 +29,7 @@ from multiprocessing.connection import Connection
 from loom.config import EngineConfig
 from loom.engine.async_engine import AsyncEngine, EngineDeadError, RequestRejectedError
 from loom.engine.facts import EngineFacts
+from loom.engine.output_delta import DeltaEncoder
 from loom.outputs import RequestOutput
 from loom.torch_import import defer_unused_modules
 
@@ -140,16 +142,17 @@ class _PipeSink:
     def __init__(self, sender: _Sender, sid: int) -> None:
         self._sender = sender
         self._sid = sid
+        self._encoder = DeltaEncoder()
 
     def put_threadsafe(self, items: list[RequestOutput | Exception]) -> None:
-        self._sender.send((OUTPUTS, self._sid, [_portable(item) for item in items]))
+        self._sender.send((OUTPUTS, self._sid, [
+            _portable(item) if isinstance(item, Exception) else self._encoder.encode(item)
+            for item in items]))
 
 
-def _portable(item: RequestOutput | Exception) -> RequestOutput | Exception:
+def _portable(item: Exception) -> Exception:
     """An exception the server can unpickle and map to a status as in-process (any exception
     pickles; not every one unpickles)."""
-    if not isinstance(item, Exception):
-        return item
     for kind in (RequestRejectedError, EngineDeadError, ValueError):
         if isinstance(item, kind):
             return kind(str(item))
