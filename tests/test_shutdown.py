@@ -92,10 +92,11 @@ def test_connections_over_the_cap_are_refused_at_once(strict_server) -> None:
     assert httpx.get(f"{strict_server.url}/health").status_code == 200
 
 
-def _stream_events(url: str, started: threading.Barrier, events: list[str]) -> None:
+def _stream_events(url: str, started: threading.Barrier, events: list[str],
+                   body: dict = LONG) -> None:
     """Read one stream to its end; `events` gets every SSE data line."""
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=LONG,
+        with httpx.stream("POST", f"{url}/v1/completions", json=body,
                           timeout=SLOW_CLIENT_S) as response:
             lines = (line for line in response.iter_lines() if line.startswith("data: "))
             events.append(next(lines)[6:])
@@ -140,3 +141,31 @@ def test_sigterm_drains_streams_and_exits() -> None:
             assert last["choices"][0]["finish_reason"] == "length"
     assert aborted > 0, "no stream was still running at the shutdown timeout"
     assert "shutdown_timeout reached" in log
+
+
+def test_sigterm_to_every_process_still_drains() -> None:
+    """systemd's default (KillMode=control-group), `pkill` or `kill -- -PGID` send SIGTERM to
+    the engine process too: it must leave the stopping to the server, so that the streams in
+    flight still finish, whole, before the server exits."""
+    body = {**LONG, "max_tokens": 80}
+    with serve_process("--kv-cache-memory", "256MiB", "--shutdown-timeout", "120") as server:
+        started = threading.Barrier(5)
+        events: list[list[str]] = [[] for _ in range(4)]
+        readers = [threading.Thread(target=_stream_events, args=(server.url, started, e, body))
+                   for e in events]
+        for reader in readers:
+            reader.start()
+        started.wait(timeout=SLOW_CLIENT_S)
+
+        os.killpg(server.pid, signal.SIGTERM)  # its own session: the server and its engine
+        server.proc.wait(timeout=SLOW_CLIENT_S)
+        for reader in readers:
+            reader.join(timeout=SLOW_CLIENT_S)
+        log = server.log_path.read_text()
+
+    assert "engine process died" not in log, log[-3000:]
+    for stream in events:
+        assert stream[-1] == "[DONE]", (stream[-3:], log[-3000:])
+        chunks = [json.loads(event) for event in stream[:-1]]
+        assert all("error" not in chunk for chunk in chunks), (chunks[-1], log[-3000:])
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -59,13 +59,15 @@ def run_engine_process(conn: Connection, config: EngineProcessConfig, server_pid
     """The child's main: load the engine, say it is ready (or why not), then serve the pipe
     until told to stop or the server goes away. `server_end`, the server's end of the pipe
     when the child was forked with it, is closed here, so that the server's exit ends the pipe.
-    SIGINT is ignored: a Ctrl-C reaches the whole process group, and the server must be the
-    one to drain and stop. (SIGTERM is not: under systemd, KillMode=mixed sends it to the
-    server alone.)"""
+    SIGINT and SIGTERM are ignored: a Ctrl-C reaches the whole process group, and systemd's
+    default KillMode (control-group), `pkill` or a kill of the group send SIGTERM to every
+    process, while the server must be the one to drain and stop. The server's exit still ends
+    this process (SIGKILL, or EOF on the pipe)."""
     _exit_with(server_pid)
     if server_end is not None:
         server_end.close()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, signal.SIG_IGN)
     logging.basicConfig(level=config.log_level, format=config.log_format)
     defer_unused_modules()  # a spawned child starts without the server's import hook
     try:  # torch and the model: here, in the child
