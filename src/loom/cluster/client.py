@@ -23,6 +23,7 @@ from loom.cluster.replica import DEAD, INVALID, REJECTED, ModelFacts
 from loom.cluster.routing import prompt_block_hashes
 from loom.engine.async_engine import EngineDeadError, EngineRequest, RequestRejectedError
 from loom.engine.facts import ServedCore
+from loom.engine.output_delta import DeltaDecoder
 from loom.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class RemoteStream:
         self._unfinished = set(self._ids)
         self._call = call
         self._closed = False
+        self._decoder = DeltaDecoder()
 
     def __aiter__(self) -> RemoteStream:
         return self
@@ -82,12 +84,13 @@ class RemoteStream:
             self._end()
             raise {REJECTED: RequestRejectedError, INVALID: ValueError,
                    DEAD: EngineDeadError}[kind](value)
-        for output in value:
+        outputs = [self._decoder.decode(delta) for delta in value]
+        for output in outputs:
             if output.finished:
                 self._unfinished.discard(output.request_id)
         if not self._unfinished:
             self._end()
-        return value
+        return outputs
 
     def _end(self) -> None:
         self._closed = True

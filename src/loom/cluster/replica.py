@@ -27,13 +27,14 @@ from loom.engine.async_engine import (
     RequestRejectedError,
 )
 from loom.engine.facts import EngineFacts
+from loom.engine.output_delta import DeltaEncoder
 
 logger = logging.getLogger(__name__)
 
 METRICS_PUSH_INTERVAL_S = 1.0
 METRICS_STALE_AFTER_S = 5 * METRICS_PUSH_INTERVAL_S
-# What a replica yields: ("outputs", [RequestOutput, ...]) as they come, or one of these with
-# a message, after which the call ends.
+# What a replica yields: ("outputs", [OutputDelta, ...]) as they come (RemoteStream rebuilds the
+# RequestOutputs), or one of these with a message, after which the call ends.
 REJECTED, INVALID, DEAD = "rejected", "invalid", "dead"
 
 
@@ -107,9 +108,10 @@ class LoomReplica:
         except EngineDeadError as e:
             yield DEAD, str(e)
             return
+        encoder = DeltaEncoder()  # each output as what it added (loom.engine.output_delta)
         try:
             async for outputs in stream:
-                yield "outputs", outputs
+                yield "outputs", [encoder.encode(output) for output in outputs]
         except ValueError as e:
             yield INVALID, str(e)
         except RequestRejectedError as e:
