@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
+from source_trees import SERVE, add_src_argument, source_trees  # beside this script
 
 from loom.bench.server import LocalServer
 
@@ -57,28 +57,22 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--src", action="append", default=None, metavar="LABEL=DIR[=FLAGS]",
-                        help="a source tree to put first on PYTHONPATH, and flags for its "
-                             "`loom serve` (repeatable); default: this checkout's src")
+    add_src_argument(parser)
     parser.add_argument("--server-flags", default="--kv-cache-memory 512MiB")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--logprobs", type=int, default=5, help="top-N logprobs; 0: none")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    runs = {}
-    for spec in args.src or ["loom=src"]:
-        label, src, *flags = spec.split("=", 2)
-        runs[label] = (src, " ".join([args.server_flags, *flags]))
-    template = f"{sys.executable} -m loom.entrypoints.cli serve --port {{port}}"
+    runs = source_trees(args, args.server_flags)
     results: dict[str, list[dict[str, float]]] = {label: [] for label in runs}
     with tempfile.TemporaryDirectory() as logs:
         for r in range(-1, args.rounds):
             order = list(runs.items()) if r % 2 == 0 else list(reversed(runs.items()))
             for label, (src, flags) in order:
-                env = {"PYTHONPATH": str(Path(src).resolve())}
+                env = {"PYTHONPATH": src}
                 log = Path(logs) / f"{label.replace('/', '-')}-{r}.log"
-                with LocalServer(template, flags, log, env=env) as server:
+                with LocalServer(SERVE, flags, log, env=env) as server:
                     if r < 0:
                         continue  # the warm-up start builds the kernels
                     result = measure(server.url, args)

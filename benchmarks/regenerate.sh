@@ -13,7 +13,7 @@ OUT=benchmarks/results/head
 NGRAM='{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'
 mkdir -p "$OUT"
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(host startup roofline static http prefix spec peers)  # spec-http: by HTTP too
+[ ${#parts[@]} -gt 0 ] || parts=(host startup roofline static long http prefix spec peers)  # spec-http: by HTTP too
 
 run() {  # name, command...: one benchmark, its output kept, under the shared lock
     local name=$1; shift
@@ -29,6 +29,8 @@ for part in "${parts[@]}"; do
         roofline) run roofline $PY benchmarks/roofline.py --out "$OUT/roofline.json" ;;
         static) run continuous-vs-static bash -c \
                 "cd benchmarks && ../$PY continuous_vs_static.py --max-num-seqs 16 --rounds 2" ;;
+        long) run long-outputs $PY benchmarks/long_outputs.py --concurrency 8 --max-tokens 400 \
+                --logprobs 5 --rounds 2 ;;
         http) run http-vs-offline $PY benchmarks/http_vs_offline.py --concurrency 1,32 ;;
         prefix) run prefix-cache $LOOM bench compare --trace benchmarks/traces/rag-20.jsonl \
                 --rates 0.5 --output-dir "$OUT/prefix-cache" --config prefix-cache= \

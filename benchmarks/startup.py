@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from pathlib import Path
+
+from source_trees import SERVE, add_src_argument, source_trees  # beside this script
 
 from loom.bench.server import LocalServer
 from loom.bench.sysinfo import process_memory
@@ -32,24 +33,18 @@ def memory_mib(pid: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--src", action="append", default=None, metavar="LABEL=DIR[=FLAGS]",
-                        help="a source tree to put first on PYTHONPATH, and flags for its "
-                             "`loom serve` (repeatable); default: this checkout's src")
+    add_src_argument(parser)
     parser.add_argument("--server-flags", default="", help="flags for every `loom serve`")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    runs = {}
-    for spec in args.src or ["loom=src"]:
-        label, src, *flags = spec.split("=", 2)
-        runs[label] = (src, " ".join([args.server_flags, *flags]))
-    template = f"{sys.executable} -m loom.entrypoints.cli serve --port {{port}}"
+    runs = source_trees(args, args.server_flags)
     results: dict[str, list[tuple[float, float, float]]] = {label: [] for label in runs}
     with tempfile.TemporaryDirectory() as logs:
         for r in range(-1, args.rounds):
             for label, (src, flags) in runs.items():
-                env = {"PYTHONPATH": str(Path(src).resolve())}
+                env = {"PYTHONPATH": src}
                 log = Path(logs) / f"{label.replace('/', '-')}-{r}.log"
-                with LocalServer(template, flags, log, env=env) as server:
+                with LocalServer(SERVE, flags, log, env=env) as server:
                     mem = memory_mib(server.pid)
                 if r < 0:
                     continue  # the warm-up start
