@@ -1,21 +1,21 @@
-"""What crosses the engine process's pipe for a request's output: what it added since the last.
+"""What crosses a process boundary for a request's output (the engine process's pipe, a Ray
+replica's stream): what it added since the last.
 
 The engine hands out cumulative RequestOutputs (its text, token ids and logprobs so far, the
 prompt with them), as vLLM's does; in one process that costs a list copy a step. Pickled
-whole at every step they cost the square of the output's length: a 500-token answer with
-top-5 logprobs is 500 TokenLogprob objects pickled, sent and unpickled again at its 500th
-step, for 32 such requests tens of milliseconds of the engine loop's time a step. So the
-engine process sends each output as an OutputDelta against the one before it, and the server
-side rebuilds the cumulative output before anything reads it:
+whole at every step they cost the square of the output's length: at an answer's n-th token,
+all n TokenLogprob objects of its logprobs are pickled, sent and unpickled again, on the
+engine loop's time. So each output goes as an OutputDelta against the one before it, and the
+receiving side rebuilds the cumulative output before anything reads it:
 
-    engine   RequestOutput --DeltaEncoder.encode--> OutputDelta ==pipe==>
+    engine   RequestOutput --DeltaEncoder.encode--> OutputDelta ==pipe / Ray==>
     server   OutputDelta --DeltaDecoder.decode--> RequestOutput (the same fields)
 
 Every sequence is sent as (start, tail): the receiver keeps its first `start` items and
 appends `tail`. The engine's sequences only grow, so `start` is what was sent before; a text
-that stopped extending the one sent (nothing does so today) is sent whole. The prompt, its
-ids and everything that does not grow with the output go with a request's first delta only.
-One encoder and one decoder per submission: their state ends with it.
+that stopped extending the one sent (nothing does so today) is sent whole. The prompt and its
+ids go with a request's first delta only, the small fields (finish reason, metrics, ...) with
+every one. One encoder and one decoder per submission: their state ends with it.
 """
 
 from __future__ import annotations
