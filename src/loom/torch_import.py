@@ -50,12 +50,12 @@ def _set_generator_metaclass() -> None:
 # would have (torch.export's later imports count on the meta registrations' having run). With
 # each, what torch needs of it in any case, done in its place (rng_prims sets the metaclass
 # again, and registers the Generator for torch.compile, when the registrations do run).
-_STILL_IMPORTED: dict[str, Callable[[], None] | None] = {
+_DONE_IN_PLACE: dict[str, Callable[[], None] | None] = {
     "torch.export": None,
     "torch.distributed._meta_registrations": None,
     "torch._meta_registrations": _set_generator_metaclass,
 }
-DEFERRED_MODULES = tuple(_STILL_IMPORTED)
+DEFERRED_MODULES = tuple(_DONE_IN_PLACE)
 
 # Importing one of these runs the deferred modules first: torch.compile's fake tensors need the
 # meta kernels registered, though nothing reads an attribute of the module that registers them.
@@ -81,7 +81,7 @@ class _DeferringLoader:
         self._loader = loader
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        if (needed := _STILL_IMPORTED[spec.name]) is not None:
+        if (needed := _DONE_IN_PLACE[spec.name]) is not None:
             needed()
         module = DeferredModule(spec.name)
         module.__dict__.update(_loom_ran=False, _loom_loader=self._loader)
