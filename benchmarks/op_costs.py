@@ -1,5 +1,5 @@
-"""Two single-op costs that BENCHMARKS.md's speed section leans on, timed alone at this
-model's shapes. Run from the repository root:
+"""Single-op costs that BENCHMARKS.md's speed sections lean on, timed alone at this model's
+shapes. Run from the repository root:
 
     python benchmarks/op_costs.py
 
@@ -9,18 +9,25 @@ model's shapes. Run from the repository root:
 2. Sampling 32 rows of a 49,152-token vocabulary: the exponential race (one random number
    per vocabulary entry) against inverse-CDF sampling (one per row), which loom uses; and
    greedy, torch's argmax against numpy's (loom.model.sampler.row_argmax).
+3. One step's outputs of 32 requests (1,000-token prompts, top-5 logprobs) crossing the engine
+   process's pipe at their 10th, 500th and 2,000th token: pickled and unpickled whole (the
+   cumulative RequestOutput), against as what they added since the step before
+   (loom.engine.output_delta).
 """
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from loom.engine.output_delta import DeltaDecoder, DeltaEncoder
 from loom.model.attention import _chunk_causal_mask
 from loom.model.sampler import row_argmax
+from loom.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 
 def ms(fn: Callable[[], object], repeats: int = 10) -> float:
@@ -68,6 +75,52 @@ def sampling() -> None:
     print(f"  greedy, row_argmax (numpy): {ms(lambda: row_argmax(logits), 50):.2f} ms")
 
 
+def step_outputs(num_tokens: int, requests: int = 32, prompt_len: int = 1000
+                 ) -> list[RequestOutput]:
+    """Distinct objects everywhere, as the engine's are: pickle sends a shared one once."""
+    def logprobs() -> list[TokenLogprob]:
+        return [TokenLogprob(7, -0.5, [(i, -0.1 * i) for i in range(5)])
+                for _ in range(num_tokens)]
+
+    return [RequestOutput(f"r{i}", "word " * prompt_len, list(range(prompt_len)),
+                          [CompletionOutput(0, "word " * num_tokens, list(range(num_tokens)),
+                                            logprobs=logprobs())], False)
+            for i in range(requests)]
+
+
+def best_ms(fn: Callable[[], object], repeats: int = 3) -> float:
+    """Best of `repeats` calls: a collection of the garbage collector lands in some of them."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def as_deltas_s(before: list[RequestOutput], now: list[RequestOutput]) -> float:
+    """Seconds to encode, pickle, unpickle and decode `now`, each request's previous step
+    (`before`) sent first, untimed."""
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    for output in before:
+        decoder.decode(encoder.encode(output))
+    start = time.perf_counter()
+    for delta in pickle.loads(pickle.dumps([encoder.encode(output) for output in now])):
+        decoder.decode(delta)
+    return time.perf_counter() - start
+
+
+def pipe_outputs() -> None:
+    print("one step's outputs of 32 requests (1,000-token prompts, top-5 logprobs) over the "
+          "pipe, pickle + unpickle (best of 3):")
+    for num_tokens in (10, 500, 2000):
+        before, now = step_outputs(num_tokens - 1), step_outputs(num_tokens)
+        whole = best_ms(lambda now=now: pickle.loads(pickle.dumps(now)))
+        deltas = min(as_deltas_s(before, now) for _ in range(3)) * 1e3
+        print(f"  at token {num_tokens}: whole {whole:.2f} ms, as deltas {deltas:.2f} ms")
+
+
 if __name__ == "__main__":
     prefill_attention()
     sampling()
+    pipe_outputs()
