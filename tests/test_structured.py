@@ -182,6 +182,42 @@ def test_a_bad_spec_is_refused_before_it_is_queued(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
 
 
+# The bundled vocabulary has no token for byte 0xF1, which starts U+40000's UTF-8 (nor for
+# 0x04): no token sequence writes these characters.
+UNWRITABLE = "\U00040000"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("choice", [UNWRITABLE, "\x04", f"ok{UNWRITABLE}"])
+def test_a_choice_the_vocabulary_cannot_write_is_refused_before_it_is_queued(
+        llm: LLM, choice: str) -> None:
+    with pytest.raises(ValueError, match="structured_outputs choice: .*cannot write"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(
+            choice=["fine", choice])))
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("spec", [
+    StructuredOutputsParams(regex=f"x{UNWRITABLE}+"),
+    StructuredOutputsParams(json={"type": "object", "required": ["a"],
+                                  "properties": {"a": {"const": UNWRITABLE}}}),
+], ids=["regex", "json"])
+def test_a_grammar_that_needs_unwritable_text_fails_alone_as_the_clients_error(
+        llm: LLM, spec: StructuredOutputsParams) -> None:
+    """Only a step reaches such text: the request ends with an error the server answers as
+    400, and its neighbour's answer is whole."""
+    from loom.structured import GRAMMAR_ERROR_PREFIX
+
+    plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    failed, neighbour = llm.generate(["x", "The capital of France is"], [
+        SamplingParams(max_tokens=16, structured_outputs=spec), plain])
+    assert failed.finished and failed.error.startswith(GRAMMAR_ERROR_PREFIX), failed.error
+    assert "cannot write" in failed.error
+    assert neighbour.error is None and len(neighbour.outputs[0].token_ids) == 8
+    assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("options", [
     {"async_scheduling": True},
@@ -265,13 +301,13 @@ def test_a_grammar_that_fails_to_compile_is_the_clients_400_not_a_500():
     from loom.entrypoints.openai.errors import APIError
     from loom.entrypoints.openai.serving import check_failed
     from loom.outputs import RequestOutput
-    from loom.structured import COMPILE_ERROR_PREFIX
+    from loom.structured import GRAMMAR_ERROR_PREFIX
 
     def output(error: str) -> RequestOutput:
         return RequestOutput("r", None, [1], [], finished=True, error=error)
 
     with pytest.raises(APIError) as refused:
-        check_failed(output(f"{COMPILE_ERROR_PREFIX}no token can start the grammar"))
+        check_failed(output(f"{GRAMMAR_ERROR_PREFIX}no token can start the grammar"))
     assert refused.value.status == 400 and refused.value.param == "structured_outputs"
     with pytest.raises(APIError) as failed:
         check_failed(output("RuntimeError: the step failed"))

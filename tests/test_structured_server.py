@@ -77,3 +77,23 @@ def test_a_spec_that_cannot_compile_is_a_400_naming_the_field(client: openai.Ope
         client.chat.completions.create(model="any", max_tokens=4, extra_body=body,
                                        messages=[{"role": "user", "content": "hi"}])
     assert caught.value.body["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(("body", "param"), [
+    ({"guided_choice": ["\U00040000"]}, "guided_choice"),
+    ({"guided_regex": "\U00040000"}, "structured_outputs"),
+])
+def test_text_the_vocabulary_cannot_write_is_a_400_not_a_500(client: openai.OpenAI, body: dict,
+                                                             param: str, stream: bool) -> None:
+    """A choice is checked against the tokenizer before it is queued; a regex needing such
+    text fails at its first step, before the response's status is sent."""
+    for create in (client.completions.create, client.chat.completions.create):
+        prompt = ({"prompt": "x"} if create == client.completions.create
+                  else {"messages": [{"role": "user", "content": "hi"}]})
+        with pytest.raises(openai.BadRequestError) as caught:
+            answer = create(model="any", max_tokens=4, stream=stream, extra_body=body, **prompt)
+            list(answer) if stream else None
+        assert caught.value.body["param"] == param
+        assert "cannot write" in caught.value.body["message"]
+    assert chat(client, False, response_format={"type": "json_object"})[1] in ("stop", "length")

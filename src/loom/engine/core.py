@@ -324,7 +324,7 @@ class EngineCore:
         for update in updates:
             request, state = update.request, self.states[update.request.request_id]
             if request.status == RequestStatus.FINISHED_ERROR:  # a token its grammar refused
-                state.error = "the grammar refused a sampled token (structured outputs)"
+                state.error = request.grammar.error
             if state.logprobs is not None:  # such requests get no drafts: one token a step
                 state.logprobs.append(runner_output.logprobs[request.request_id])
             new_token_ids = update.new_token_ids

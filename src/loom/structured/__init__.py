@@ -7,6 +7,7 @@ fills the token bitmask of each step; `state` is one request's matcher. Torch-fr
 scheduler and the engine loop use it; the batched sampler applies the bitmask.
 """
 
-# How a request's error starts when its grammar could not be compiled: the client's spec was
-# wrong, so the server answers 400, not 500.
-COMPILE_ERROR_PREFIX = "structured_outputs: "
+# How a request's error starts when its constraint failed: its grammar could not be compiled,
+# or it needs text the model's vocabulary cannot write. The client's spec, so the server
+# answers 400, not 500.
+GRAMMAR_ERROR_PREFIX = "structured_outputs: "

@@ -2,13 +2,15 @@
 
 Checking needs no tokenizer and takes well under a millisecond for the usual schemas, so the
 HTTP layer runs it before admitting a request (a 400 naming the problem, never a 500) and the
-engine runs it again for offline callers; both hit the same cache.
+engine runs it again for offline callers; both hit the same cache. Whether a choice can be
+written at all depends on the model's vocabulary, so that check takes the tokenizer.
 """
 
 from __future__ import annotations
 
 import json
 from functools import lru_cache
+from typing import Any
 
 from loom.sampling import SamplingParamsError, StructuredOutputsParams
 
@@ -45,6 +47,21 @@ def _checked_grammar(kind: str, spec: str) -> str:
     if error:
         raise StructuredOutputsError(kind, error.strip())
     return grammar
+
+
+def check_writable(params: StructuredOutputsParams, tokenizer: Any) -> None:
+    """Raise StructuredOutputsError naming a choice this model's vocabulary cannot write: a
+    byte-level vocabulary may lack a byte (SmolLM2's has no token for 0xF1, the first byte of
+    U+40000), and the grammar engine would then force tokens it refuses a step later. Regexes,
+    schemas and grammars that need such text fail when they reach it, with the same prefix."""
+    kind, spec = params.key
+    if kind != "choice":
+        return
+    for choice in json.loads(spec):
+        if tokenizer.decode(tokenizer.encode(choice, add_special_tokens=False),
+                            skip_special_tokens=False) != choice:
+            raise StructuredOutputsError(
+                kind, f"{choice!r} has characters this model's vocabulary cannot write")
 
 
 def _to_grammar(kind: str, spec: str) -> str:

@@ -16,7 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from loom.sampling import StructuredOutputsParams
-from loom.structured.grammar import grammar_for
+from loom.structured.grammar import check_writable, grammar_for
 from loom.structured.state import GrammarState
 
 _CACHE_SIZE = 256
@@ -39,6 +39,7 @@ class StructuredOutputManager:
         """Check the constraint now (raises StructuredOutputsError naming the problem) and
         compile it on the worker."""
         grammar = grammar_for(params)
+        check_writable(params, self._tokenizer)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="loom-grammar")
         future = self._executor.submit(self._matcher, params.key, grammar)

@@ -13,7 +13,7 @@ import logging
 from concurrent.futures import Future
 from typing import Any
 
-from loom.structured import COMPILE_ERROR_PREFIX
+from loom.structured import GRAMMAR_ERROR_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class GrammarState:
             try:
                 self._matcher = self._compiled.result()
             except Exception as e:  # noqa: BLE001 - the request fails alone, with the reason
-                self.error = f"{COMPILE_ERROR_PREFIX}{e}"
+                self.error = f"{GRAMMAR_ERROR_PREFIX}{e}"
         return self._matcher is not None or self.error is not None
 
     @property
@@ -48,12 +48,16 @@ class GrammarState:
         return self._matcher.validate_tokens(token_ids)
 
     def accept(self, token_id: int) -> bool:
-        """Advance by a sampled token; False if the grammar refuses it (the mask allowed it,
-        so this is a bug), which leaves the matcher in its error state."""
+        """Advance by a sampled token; False if the grammar refuses it, and `error` says why.
+        The mask allowed the token, so the grammar needs text the vocabulary cannot write
+        (llguidance then forces a token its parser refuses): the client's constraint."""
         if self._matcher.consume_token(token_id):
             return True
-        logger.error("request %s: the grammar refused token %d: %s", self.request_id, token_id,
-                     self._matcher.get_error())
+        reason = self._matcher.get_error().splitlines()[0]
+        logger.warning("request %s: the grammar refused token %d: %s", self.request_id,
+                       token_id, reason)
+        self.error = (f"{GRAMMAR_ERROR_PREFIX}the constraint needs text this model's "
+                      f"vocabulary cannot write ({reason})")
         return False
 
     @property

@@ -36,8 +36,8 @@ from loom.sampling import (
     SamplingParamsError,
     StructuredOutputsParams,
 )
-from loom.structured import COMPILE_ERROR_PREFIX
-from loom.structured.grammar import StructuredOutputsError, grammar_for
+from loom.structured import GRAMMAR_ERROR_PREFIX
+from loom.structured.grammar import StructuredOutputsError, check_writable, grammar_for
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +163,7 @@ class OpenAIServing:
         try:
             spec = StructuredOutputsParams(**fields)
             await asyncio.to_thread(grammar_for, spec)
+            check_writable(spec, self.tokenizer)
         except StructuredOutputsError as e:
             raise APIError(400, f"{param}: {e.reason}", param) from e
         except SamplingParamsError as e:
@@ -240,7 +241,8 @@ class OpenAIServing:
                      prompt_param: str) -> tuple[ClientStream, list[RequestOutput]] | None:
         """Submit and wait for the engine's first outputs; None if the client left first.
         Raises what the status should say: APIError(400) for a prompt the engine can never
-        run, RequestRejectedError (503) from admission control, EngineDeadError (503)."""
+        run or a constraint that failed, RequestRejectedError (503) from admission control,
+        EngineDeadError (503)."""
         stream = ClientStream(self.engine.submit(requests), raw_request)
         try:
             first = await anext(stream, None)
@@ -253,6 +255,12 @@ class OpenAIServing:
         if first is None:
             stream.close()
             return None
+        try:
+            for output in first:  # a request that failed at once: its status, not an event
+                check_failed(output)
+        except APIError:
+            stream.close()
+            raise
         return stream, first
 
     @staticmethod
@@ -301,7 +309,7 @@ class OpenAIServing:
 def check_failed(output: RequestOutput) -> None:
     if output.error is None:
         return
-    if output.error.startswith(COMPILE_ERROR_PREFIX):  # the client's grammar, not the server
+    if output.error.startswith(GRAMMAR_ERROR_PREFIX):  # the client's constraint, not the server
         raise APIError(400, output.error, "structured_outputs")
     raise APIError(500, INTERNAL_ERROR, type_="internal_server_error")  # the engine logged why
 
