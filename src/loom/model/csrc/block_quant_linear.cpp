@@ -20,10 +20,10 @@
 //   no decode of the weight to floats; per block, in fp32, y += d * dx * sum(q * qx) + m *
 //   sum(x), with the exact sum of x, so that the offset term carries no rounding of x. The
 //   weight streams at its packed size.
-// - more rows (prefill): two panels are decoded once to fp32 (K x 16 floats, at most ~100 KB,
-//   so it stays in L2) and a 6 x 16 register tile runs over it, per k two panel loads, six
-//   broadcasts and twelve FMAs, the classic AVX2 sgemm micro-kernel: the fp32 product with the
-//   file's weights (only the summation order differs from F.linear), the decode amortised over
+// - more rows (batched decode, prefill): two panels are decoded once to fp32 (K x 16 floats, at
+//   most ~100 KB, so it stays in L2) and 6 x 16 register tiles run over it, per k two panel
+//   loads, six broadcasts and twelve FMAs, the classic AVX2 sgemm micro-kernel: the fp32
+//   product with the file's weights (only the summation order differs from F.linear), the decode amortised over
 //   every row.
 // Threads take work units of a few panels from a shared counter (parallel_dynamic.h). Needs
 // AVX2, FMA and F16C.
@@ -230,29 +230,28 @@ static void int8_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
   });
 }
 
-// One 8-channel panel to fp32, into columns half * 8 .. half * 8 + 7 of w [K, 16].
+// One 8-channel panel to fp32, into columns half * 8 .. half * 8 + 7 of w [K, 16]. Word c of a
+// code group holds channel c's 4 inputs, one per byte (a nibble of it for 4-bit codes), so
+// input j's 8 channels are the group's 8 words shifted and masked: no byte shuffles.
 template <int Bits>
 static void decode_panel(const uint8_t* panel, int64_t nb, int half, float* w) {
   constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
-  // within each 128-bit lane, bytes (channel, input) -> (input, channel); then the dwords so
-  // that each 64 bits hold the 8 channels of one input
-  const __m256i by_input = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11,
-                                            15, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7,
-                                            11, 15);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec = panel + b * record;
     const __m256 d = load_half8(rec + record - kScaleBytes);
     const __m256 m = load_half8(rec + record - kScaleBytes / 2);
+    float* wb = w + b * kQuantBlock * 16 + 8 * half;
     for (int g = 0; g < 8; ++g) {
-      const __m256i c = _mm256_permutevar8x32_epi32(
-          _mm256_shuffle_epi8(code_group<Bits>(rec, g), by_input), order);
+      // 4-bit: 32-byte chunk g / 2, low nibbles for even g
+      const __m256i words = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(rec + 32 * (Bits == 4 ? g / 2 : g)));
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        const __m128i lane = j < 2 ? _mm256_castsi256_si128(c) : _mm256_extracti128_si256(c, 1);
-        const __m128i bytes = j % 2 == 0 ? lane : _mm_srli_si128(lane, 8);
-        const __m256i ints = Bits == 4 ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
-        _mm256_store_ps(w + (b * kQuantBlock + 4 * g + j) * 16 + 8 * half,
-                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), d, m));
+        const __m256i q =
+            Bits == 4 ? _mm256_and_si256(_mm256_srli_epi32(words, 8 * j + 4 * (g % 2)), low4)
+                      : _mm256_srai_epi32(_mm256_slli_epi32(words, 24 - 8 * j), 24);
+        _mm256_store_ps(wb + (4 * g + j) * 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
       }
     }
   }
@@ -285,28 +284,51 @@ static inline void panel_tile(const float* x, int64_t K, const float* w, float* 
   }
 }
 
+// Rows r .. r + R - 1 of one decoded panel pair, R <= kTileRows.
+static void panel_rows(int64_t R, const float* x, int64_t K, const float* w, float* y,
+                       int64_t N, const float* bias) {
+  switch (R) {
+    case 6: return panel_tile<6>(x, K, w, y, N, bias);
+    case 5: return panel_tile<5>(x, K, w, y, N, bias);
+    case 4: return panel_tile<4>(x, K, w, y, N, bias);
+    case 3: return panel_tile<3>(x, K, w, y, N, bias);
+    case 2: return panel_tile<2>(x, K, w, y, N, bias);
+    default: return panel_tile<1>(x, K, w, y, N, bias);
+  }
+}
+
+// Each thread holds the index of the pair it does next, taken from the counter before it
+// starts the current one, and prefetches that pair's records a share before each row tile: a
+// pair is a few KB in two short runs, which the hardware prefetcher does not pick up in time,
+// so without this the decode waited on memory. (A thread descheduled by a busy machine then
+// holds two pairs up instead of one: a few microseconds more work after its time slice.) The
+// rows are split into tiles of near-equal
+// size (32 = 6 + 6 + 5 + 5 + 5 + 5, not 6 x 5 + 2): a tile of one or two rows has too few
+// accumulators to keep the FMA units busy.
 template <int Bits>
 static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P,
                       const float* bp, float* yp) {
   constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
   const int64_t nb = K / kQuantBlock, N = P * kPanel, pairs = P / 2;
+  const int64_t pair_bytes = 2 * nb * record, pair_lines = (pair_bytes + 63) / 64;
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t lines_per_tile = (pair_lines + tiles - 1) / tiles;
   parallel_dynamic(pairs, [&](std::atomic<int64_t>& next) {
     float* w = static_cast<float*>(std::aligned_alloc(64, K * 16 * 4));
-    for (int64_t p; (p = next++) < pairs;) {
+    for (int64_t p = next++, following; p < pairs; p = following) {
+      following = next++;
+      const char* ahead = reinterpret_cast<const char*>(wp + following * pair_bytes);
       decode_panel<Bits>(wp + 2 * p * nb * record, nb, 0, w);
       decode_panel<Bits>(wp + (2 * p + 1) * nb * record, nb, 1, w);
       const float* pb = bp == nullptr ? nullptr : bp + p * 16;
-      for (int64_t r = 0; r < M; r += kTileRows) {
-        const float* xr = xp + r * K;
-        float* yr = yp + r * N + p * 16;
-        switch (std::min<int64_t>(kTileRows, M - r)) {
-          case 6: panel_tile<6>(xr, K, w, yr, N, pb); break;
-          case 5: panel_tile<5>(xr, K, w, yr, N, pb); break;
-          case 4: panel_tile<4>(xr, K, w, yr, N, pb); break;
-          case 3: panel_tile<3>(xr, K, w, yr, N, pb); break;
-          case 2: panel_tile<2>(xr, K, w, yr, N, pb); break;
-          default: panel_tile<1>(xr, K, w, yr, N, pb); break;
-        }
+      for (int64_t r = 0, t = 0; t < tiles; ++t) {
+        if (following < pairs)
+          for (int64_t l = t * lines_per_tile; l < std::min(pair_lines, (t + 1) * lines_per_tile);
+               ++l)
+            _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+        const int64_t rows = (M - r) / (tiles - t);
+        panel_rows(rows, xp + r * K, K, w, yp + r * N + p * 16, N, pb);
+        r += rows;
       }
     }
     std::free(w);
