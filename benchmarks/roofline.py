@@ -143,8 +143,9 @@ def model_shapes(model: LlamaModel) -> dict[str, tuple[int, int]]:
     return {name: (lin.in_features, lin.out_features) for name, lin in linears.items()}
 
 
-def model_figures(model: LlamaModel) -> dict[str, Any]:
-    """Parameters and bytes one decode step reads, independent of the batch."""
+def model_figures(model: LlamaModel, kv_dtype: torch.dtype) -> dict[str, Any]:
+    """Parameters and bytes one decode step reads, independent of the batch; the KV cache's
+    bytes at its own dtype (float16 by default on a CPU, whatever the model's)."""
     arch = model.arch
     linears = [lin for layer in model.layers for lin in (
         layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -165,7 +166,8 @@ def model_figures(model: LlamaModel) -> dict[str, Any]:
         "block_quant_weight_bytes": (block_quant_bytes + norm_bytes
                                      if any(lin.panels is not None for lin in linears)
                                      else None),
-        "kv_bytes_per_token": 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize,
+        "kv_bytes_per_token": (2 * arch.num_layers * arch.num_kv_heads * arch.head_dim
+                               * kv_dtype.itemsize),
         "attn_flops_per_token_per_ctx": 4 * arch.num_layers * arch.num_heads * arch.head_dim,
         "num_layers": arch.num_layers,
     }
@@ -343,7 +345,7 @@ def main() -> None:
                   max_num_batched_tokens=max(512, max(batches)))
         model = llm.engine.runner.model
         shapes = model_shapes(model)
-        figures[dtype_name] = model_figures(model)
+        figures[dtype_name] = model_figures(model, llm.engine.runner.kv_caches[0][0].dtype)
         decodes[dtype_name] = []
         for b in batches:
             result = measure_decode(llm, b, steps, warmup, args.prompt_len)
