@@ -154,16 +154,20 @@ class OpenAIServing:
                                  ) -> StructuredOutputsParams | None:
         """The request's constraint, from whichever spelling it used (vLLM's
         `structured_outputs`, a `guided_*` field, OpenAI's `response_format`), checked here
-        on a worker thread so a spec that cannot compile is a 400 naming the field; the engine
-        finds it in the same cache."""
+        on a worker thread so a spec that cannot compile, or a choice the vocabulary cannot
+        write, is a 400 naming the field; the engine finds the grammar in the same cache."""
         found = _structured_spec(request)
         if found is None:
             return None
         param, fields = found
         try:
             spec = StructuredOutputsParams(**fields)
-            await asyncio.to_thread(grammar_for, spec)
-            check_writable(spec, self.tokenizer)
+
+            def check() -> None:
+                grammar_for(spec)
+                check_writable(spec, self.tokenizer)
+
+            await asyncio.to_thread(check)
         except StructuredOutputsError as e:
             raise APIError(400, f"{param}: {e.reason}", param) from e
         except SamplingParamsError as e:
