@@ -49,7 +49,9 @@ def chain_ms(linears: list[Linear], m: int, rounds: int) -> float:
     return best_ms(step, rounds)
 
 
-def best_ms(fn: Callable[[], None], rounds: int) -> float:
+def best_ms(fn: Callable[[], object], rounds: int) -> float:
+    """Best of `rounds` calls after one warm-up: other load on the machine, or a collection of
+    the garbage collector, lands in some of them."""
     fn()
     best = float("inf")
     for _ in range(rounds):

@@ -18,16 +18,20 @@ shapes. Run from the repository root:
 from __future__ import annotations
 
 import pickle
+import sys
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from loom.engine.output_delta import DeltaDecoder, DeltaEncoder
-from loom.model.attention import _chunk_causal_mask
-from loom.model.sampler import row_argmax
-from loom.outputs import CompletionOutput, RequestOutput, TokenLogprob
+sys.path.insert(0, "benchmarks")
+from linear_layout import best_ms  # noqa: E402
+
+from loom.engine.output_delta import DeltaDecoder, DeltaEncoder  # noqa: E402
+from loom.model.attention import _chunk_causal_mask  # noqa: E402
+from loom.model.sampler import row_argmax  # noqa: E402
+from loom.outputs import CompletionOutput, RequestOutput, TokenLogprob  # noqa: E402
 
 
 def ms(fn: Callable[[], object], repeats: int = 10) -> float:
@@ -88,16 +92,6 @@ def step_outputs(num_tokens: int, requests: int = 32, prompt_len: int = 1000
             for i in range(requests)]
 
 
-def best_ms(fn: Callable[[], object], repeats: int = 3) -> float:
-    """Best of `repeats` calls: a collection of the garbage collector lands in some of them."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
 def as_deltas_s(before: list[RequestOutput], now: list[RequestOutput]) -> float:
     """Seconds to encode, pickle, unpickle and decode `now`, each request's previous step
     (`before`) sent first, untimed."""
@@ -115,7 +109,7 @@ def pipe_outputs() -> None:
           "pipe, pickle + unpickle (best of 3):")
     for num_tokens in (10, 500, 2000):
         before, now = step_outputs(num_tokens - 1), step_outputs(num_tokens)
-        whole = best_ms(lambda now=now: pickle.loads(pickle.dumps(now)))
+        whole = best_ms(lambda now=now: pickle.loads(pickle.dumps(now)), 3)
         deltas = min(as_deltas_s(before, now) for _ in range(3)) * 1e3
         print(f"  at token {num_tokens}: whole {whole:.2f} ms, as deltas {deltas:.2f} ms")
 

@@ -93,7 +93,8 @@ def test_text_the_vocabulary_cannot_write_is_a_400_not_a_500(client: openai.Open
                   else {"messages": [{"role": "user", "content": "hi"}]})
         with pytest.raises(openai.BadRequestError) as caught:
             answer = create(model="any", max_tokens=4, stream=stream, extra_body=body, **prompt)
-            list(answer) if stream else None
+            if stream:
+                list(answer)
         assert caught.value.body["param"] == param
         assert "cannot write" in caught.value.body["message"]
     assert chat(client, False, response_format={"type": "json_object"})[1] in ("stop", "length")

@@ -23,8 +23,8 @@
 // - more rows (batched decode, prefill): two panels are decoded once to fp32 (K x 16 floats, at
 //   most ~100 KB, so it stays in L2) and 6 x 16 register tiles run over it, per k two panel
 //   loads, six broadcasts and twelve FMAs, the classic AVX2 sgemm micro-kernel: the fp32
-//   product with the file's weights (only the summation order differs from F.linear), the decode amortised over
-//   every row.
+//   product with the file's weights (only the summation order differs from F.linear), the
+//   decode amortised over every row.
 // Threads take work units of a few panels from a shared counter (parallel_dynamic.h). Needs
 // AVX2, FMA and F16C.
 #include <torch/extension.h>
@@ -302,9 +302,8 @@ static void panel_rows(int64_t R, const float* x, int64_t K, const float* w, flo
 // pair is a few KB in two short runs, which the hardware prefetcher does not pick up in time,
 // so without this the decode waited on memory. (A thread descheduled by a busy machine then
 // holds two pairs up instead of one: a few microseconds more work after its time slice.) The
-// rows are split into tiles of near-equal
-// size (32 = 6 + 6 + 5 + 5 + 5 + 5, not 6 x 5 + 2): a tile of one or two rows has too few
-// accumulators to keep the FMA units busy.
+// rows are split into tiles of near-equal size (32 = 6 + 6 + 5 + 5 + 5 + 5, not 6 x 5 + 2): a
+// tile of one or two rows has too few accumulators to keep the FMA units busy.
 template <int Bits>
 static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P,
                       const float* bp, float* yp) {
@@ -317,12 +316,13 @@ static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
     float* w = static_cast<float*>(std::aligned_alloc(64, K * 16 * 4));
     for (int64_t p = next++, following; p < pairs; p = following) {
       following = next++;
-      const char* ahead = reinterpret_cast<const char*>(wp + following * pair_bytes);
+      const char* ahead =
+          following < pairs ? reinterpret_cast<const char*>(wp + following * pair_bytes) : nullptr;
       decode_panel<Bits>(wp + 2 * p * nb * record, nb, 0, w);
       decode_panel<Bits>(wp + (2 * p + 1) * nb * record, nb, 1, w);
       const float* pb = bp == nullptr ? nullptr : bp + p * 16;
       for (int64_t r = 0, t = 0; t < tiles; ++t) {
-        if (following < pairs)
+        if (ahead != nullptr)
           for (int64_t l = t * lines_per_tile; l < std::min(pair_lines, (t + 1) * lines_per_tile);
                ++l)
             _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
