@@ -12,7 +12,7 @@ third puts loom's native kernel on the GGUF's own Q4_1/Q8_0 blocks (`--linear-ba
 auto on CPU float32) next to the prepacked layout, at every row count, by path: int8
 activations (what the engine runs up to `INT8_MAX_ROWS` rows) and fp32, with the GB/s of panel
 bytes each streams. With --against REV, the kernel and layout of git revision REV are built too
-and timed in the same rounds, for a before/after ratio:
+and timed in the same rounds, for a before/after ratio, and their outputs compared bit for bit:
 
     python benchmarks/linear_layout.py --native-only --against 2bb86b4
 """
@@ -154,6 +154,16 @@ def panel_bytes(linears: list) -> int:
                                            else (lin.panels,)))
 
 
+def same_outputs(new: list[Linear], old: list, m: int) -> str:
+    """"yes" if every projection of the chain gives bit-identical outputs (torch.equal) on
+    both kernels at m rows, each on the path its engine takes there, else "no"."""
+    for a, b in zip(new, old, strict=True):
+        x = torch.randn(m, a.in_features)
+        if not torch.equal(a(x), b(x)):
+            return "no"
+    return "yes"
+
+
 def native_table(rows: str, rounds: int, against: str | None) -> None:
     layers = model_chain(LLM(dtype="float32", linear_backend="native").engine.runner.model)
     packed = model_chain(LLM(dtype="float32", linear_backend="onednn").engine.runner.model)
@@ -168,9 +178,10 @@ def native_table(rows: str, rounds: int, against: str | None) -> None:
     if old is not None:
         old_gb = panel_bytes(old) / 1e9
         print(f"{against}: its kernel and layout ({old_gb * 1e3:.0f} MB of panels).\n")
-        extra = f" {against} ms | {against} GB/s | speed-up vs {against} |"
+        extra = (f" {against} ms | {against} GB/s | speed-up vs {against} | outputs equal to "
+                 f"{against}'s |")
     print(f"| M | prepacked ms | int8 ms | int8 GB/s | fp32 ms | engine vs prepacked |{extra}\n"
-          "|--:|--:|--:|--:|--:|--:|" + ("--:|--:|--:|" if old else ""))
+          "|--:|--:|--:|--:|--:|--:|" + ("--:|--:|--:|:-:|" if old else ""))
     for m in map(int, rows.split(",")):
         chains = {"prepacked": packed, **paths, **({"old": old} if old else {})}
         best = dict.fromkeys(chains, float("inf"))
@@ -183,7 +194,7 @@ def native_table(rows: str, rounds: int, against: str | None) -> None:
                f"{best['prepacked'] / t_new:.2f}x |")
         if old is not None:
             row += (f" {best['old']:.1f} | {old_gb / best['old'] * 1e3:.1f} | "
-                    f"{best['old'] / t_new:.2f}x |")
+                    f"{best['old'] / t_new:.2f}x | {same_outputs(layers, old, m)} |")
         print(row, flush=True)
 
 
