@@ -100,8 +100,11 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       const float* g = gu + r * 2 * n;
       const float* u = g + n;
       float* orow = o + r * n;
+      // Below -87 silu(g) is under 1e-35 in size, and e^-g clamped to e^88 would leave
+      // g / e^88 there (-6e-9 at g = -1e30, whatever the compiler made of it): zero instead.
 #pragma omp simd
-      for (int64_t c = 0; c < n; ++c) orow[c] = g[c] / (1.f + exp_approx(-g[c])) * u[c];
+      for (int64_t c = 0; c < n; ++c)
+        orow[c] = g[c] < -87.f ? 0.f : g[c] / (1.f + exp_approx(-g[c])) * u[c];
     }
   });
   return out;
