@@ -341,7 +341,7 @@ def test_engine_predicts_the_same_on_the_native_kernel(llm: LLM) -> None:
 def test_native_backend_refuses_weights_without_blocks(tmp_path) -> None:
     folder = save_hf_folder(build_tiny_model(TINY_SPECS["llama"]), tmp_path / "hf")
     with pytest.raises(ValueError, match="linear_backend 'native' needs a GGUF"):
-        LLM(model=str(folder), kv_cache_memory="16MiB", linear_backend="native")
+        LLM(model=str(folder), kv_cache_memory="16MiB", dtype="float32", linear_backend="native")
     with pytest.raises(ValueError, match="linear_backend 'native' needs a CPU device, float32"):
         LLM(kv_cache_memory="64MiB", max_model_len=1024, dtype="bfloat16",
             linear_backend="native")

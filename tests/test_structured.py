@@ -58,11 +58,18 @@ SCHEMAS = {
 }
 
 
+EXACT = dict(kv_cache_memory="256MiB", max_model_len=2048, dtype="float32",
+             kv_cache_dtype="float32", linear_backend="onednn")
+
+
 @pytest.fixture(scope="module")
 def exact_llm() -> LLM:
-    """The session's engine over an fp32 KV cache: what batch-shape tests compare against."""
-    return LLM(kv_cache_memory="256MiB", max_model_len=2048, dtype="float32",
-               kv_cache_dtype="float32")
+    """What batch-shape tests compare against, on settings where these prompts' greedy choices
+    did not move with the batch's shape: fp32 throughout, the KV cache included, and oneDNN's
+    matmuls, not the native kernel, whose switch between its int8 (decode) and fp32 (prefill)
+    paths moves a recomputed request's logits (on an AVX-512 EPYC that flipped a near-tie of
+    these prompts after a preemption)."""
+    return LLM(**EXACT)
 
 
 def chat_prompt(llm: LLM, what: str) -> list[int]:
@@ -229,14 +236,13 @@ def test_a_grammar_that_needs_unwritable_text_fails_alone_as_the_clients_error(
 def test_scheduling_modes_keep_constrained_answers_valid(exact_llm: LLM, options: dict) -> None:
     """Greedy answers equal the plain engine's: constrained requests wait for their previous
     token (async), verify drafts under the grammar's mask at every position (n-gram), and a
-    recomputed request's matcher stays where it was (preemption). Both over an fp32 KV cache,
-    where the modes' different batch shapes change no greedy choice of these prompts."""
+    recomputed request's matcher stays where it was (preemption). Both on `exact_llm`'s
+    settings, where the modes' different batch shapes change no greedy choice."""
     schemas = [SCHEMAS[n] for n in ("person", "order", "nested", "reading")]
     prompts = [chat_prompt(exact_llm, n) for n in ("cook", "order", "book", "sensor")]
     params = [constrained(s, temperature=0) for s in schemas]
     expected = [o.outputs[0].text for o in exact_llm.generate(prompts, params)]
-    other = LLM(max_model_len=2048, dtype="float32", max_num_seqs=4, kv_cache_dtype="float32",
-                **({"kv_cache_memory": "256MiB"} | options))
+    other = LLM(max_num_seqs=4, **(EXACT | options))
     outs = other.generate(prompts, params)
     for out, schema in zip(outs, schemas):
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
