@@ -29,6 +29,12 @@ step does). Run from the repository root:
     python benchmarks/roofline.py            # about a minute on 2 idle cores
     python benchmarks/roofline.py --quick    # smoke run
     python benchmarks/roofline.py --threads 1 --out roofline.json
+    python benchmarks/roofline.py --dtypes auto     # only what the engine picks on this CPU
+
+"auto" decodes at the engine's own dtype choice: on a CPU with native bf16 that is float32 on
+the native kernel up to 16 rows and bf16 copies of the weights above (model/linear.py), and
+its bound then takes, at each B, the bytes and the per-shape matmul speed of the path that
+runs there.
 """
 
 from __future__ import annotations
@@ -49,10 +55,14 @@ import torch
 
 from loom import LLM, SamplingParams
 from loom.bench.sysinfo import hardware
-from loom.model.linear import Linear, onednn_prepack_supported
+from loom.model.linear import INT8_MAX_ROWS, Linear, onednn_prepack_supported
 from loom.model.llama import LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# "auto": the engine's own choice on this CPU; on one with native bf16 that is float32 with the
+# native kernel up to INT8_MAX_ROWS rows and bf16 matmuls above (model/linear.py), so its bound
+# takes the bytes and the matmul speed of whichever runs at that B.
+DECODE_DTYPES = ["auto", *DTYPES]
 
 
 # -- machine figures --------------------------------------------------------------------------
@@ -160,12 +170,16 @@ def model_figures(model: LlamaModel, kv_dtype: torch.dtype) -> dict[str, Any]:
         lin.panels.numel() * lin.panels.element_size()
         if lin.panels is not None else lin.num_params * itemsize
         for lin in linears)
+    batched = [lin.batched_weight for lin in linears if lin.batched_weight is not None]
     return {
         "matmul_params": matmul_params,
         "weight_bytes": matmul_params * itemsize + norm_bytes,
         "block_quant_weight_bytes": (block_quant_bytes + norm_bytes
                                      if any(lin.panels is not None for lin in linears)
                                      else None),
+        # the bf16 copies that calls of more than INT8_MAX_ROWS rows read, where kept
+        "batched_bf16_weight_bytes": (sum(w.numel() * w.element_size() for w in batched)
+                                      + norm_bytes if batched else None),
         "kv_bytes_per_token": (2 * arch.num_layers * arch.num_kv_heads * arch.head_dim
                                * kv_dtype.itemsize),
         "attn_flops_per_token_per_ctx": 4 * arch.num_layers * arch.num_heads * arch.head_dim,
@@ -237,20 +251,26 @@ def roofline_row(dtype_name: str, decode: dict[str, float], figures: dict[str, A
                  matmuls: dict[str, Any], bandwidth_gbs: float,
                  shapes: dict[str, tuple[int, int]]) -> dict[str, Any]:
     b, ctx = decode["batch"], decode["mean_context"]
-    per_shape = matmuls[dtype_name]["shapes"]
     kv_bytes = b * ctx * figures["kv_bytes_per_token"]
     native = figures["block_quant_weight_bytes"] is not None
-    step_bytes = figures["block_quant_weight_bytes" if native else "weight_bytes"] + kv_bytes
+    wide_bf16 = figures["batched_bf16_weight_bytes"] is not None and b > INT8_MAX_ROWS
+    weights = ("batched_bf16_weight_bytes" if wide_bf16
+               else "block_quant_weight_bytes" if native else "weight_bytes")
+    step_bytes = figures[weights] + kv_bytes
+    matmul_dtype = "bfloat16" if wide_bf16 else figures["model_dtype"]
+    per_shape = matmuls[matmul_dtype]["shapes"]
     flops = 2 * figures["matmul_params"] * b + b * ctx * figures["attn_flops_per_token_per_ctx"]
     peak_at_m = max(per_shape[name][b]["gflops"] for name in shapes)
-    square_peak = matmuls[dtype_name]["square_gflops"]
+    square_peak = matmuls[matmul_dtype]["square_gflops"]
     mem_s = step_bytes / (bandwidth_gbs * 1e9)
     compute_s = flops / (peak_at_m * 1e9)
     bound_s = max(mem_s, compute_s)
     ideal_s = max(mem_s, flops / (max(square_peak, peak_at_m) * 1e9))
     measured_s = decode["step_ms"] / 1e3
     return {
-        "dtype": dtype_name + (" native" if native else ""), "batch": b, "mean_context": ctx,
+        "dtype": (dtype_name + (f" = {figures['model_dtype']}" if dtype_name == "auto" else "")
+                  + (" native" if native else "") + (", bf16 matmuls" if wide_bf16 else "")),
+        "batch": b, "mean_context": ctx,
         "step_ms": decode["step_ms"], "tok_s": decode["tok_s"],
         "mean_tok_s": decode["mean_tok_s"],
         "step_bytes": step_bytes, "kv_bytes": kv_bytes, "step_flops": flops,
@@ -324,7 +344,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None,
                         help="timed decode steps per batch size (default 32; quick: 3)")
     parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request")
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES),
+    parser.add_argument("--dtypes", nargs="+", default=DECODE_DTYPES, choices=DECODE_DTYPES,
                         help="dtypes to decode in (default: all)")
     parser.add_argument("--out", help="also write every figure to this JSON file")
     args = parser.parse_args()
@@ -346,6 +366,7 @@ def main() -> None:
         model = llm.engine.runner.model
         shapes = model_shapes(model)
         figures[dtype_name] = model_figures(model, llm.engine.runner.kv_caches[0][0].dtype)
+        figures[dtype_name]["model_dtype"] = str(model.dtype).removeprefix("torch.")
         decodes[dtype_name] = []
         for b in batches:
             result = measure_decode(llm, b, steps, warmup, args.prompt_len)
@@ -360,8 +381,12 @@ def main() -> None:
     size = 2**28 if quick else 2**30
     bandwidth = measure_bandwidth(size, 3 if quick else 7)
     print("matmuls...", flush=True)
+    # the dtypes the decodes' matmuls ran in
+    ran = {f["model_dtype"] for f in figures.values()} | {
+        "bfloat16" for f in figures.values() if f["batched_bf16_weight_bytes"] is not None}
+    matmul_dtypes = [d for d in DTYPES if d in ran]
     matmuls = measure_matmuls(shapes, ms, 1024 if quick else 2048, 0.02 if quick else 0.1,
-                              1 if quick else 2, args.dtypes)
+                              1 if quick else 2, matmul_dtypes)
     machine = {"cpu": hardware()["cpu_model"], "threads": args.threads,
                "cores_available": len(os.sched_getaffinity(0)), "torch": torch.__version__,
                "bandwidth": bandwidth, "matmul": matmuls}

@@ -61,8 +61,10 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
         default="auto",
         metadata=flag_help("weight and activation dtype (the KV cache's: --kv-cache-dtype); "
-                           "auto = bfloat16 on CUDA and on CPUs with native bf16 "
-                           "(avx512_bf16/AMX), else float32"))
+                           "auto = bfloat16 on CUDA; on CPUs with native bf16 "
+                           "(avx512_bf16/AMX) float32 where the native kernel takes the "
+                           "model's weights (see --batched-matmul), else bfloat16; float32 "
+                           "elsewhere"))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=flag_help(
         "auto = cuda when available, else cpu"))
     max_model_len: int | None = field(default=None, metadata=flag_help(
@@ -80,6 +82,12 @@ class ModelConfig:
         "weights (CPU float32, AVX2); onednn = "
         "weights prepacked once for oneDNN (CPU float32); torch = F.linear on plain "
         "weights; auto = the first of these that applies"))
+    batched_matmul: Literal["auto", "native", "bfloat16"] = field(
+        default="auto", metadata=flag_help(
+        "matmuls of more than 16 rows (prefill chunks, batched decode) when the native "
+        "kernel runs: native = its fp32 path; bfloat16 = oneDNN on a bf16 copy of the "
+        "weights (2 bytes a weight more memory; fast only with native bf16); auto = "
+        "bfloat16 with --dtype auto on CPUs with native bf16, else native"))
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

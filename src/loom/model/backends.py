@@ -16,7 +16,7 @@ from loom import host
 from loom.config import CacheConfig, ModelConfig
 from loom.model.arch import ModelArch
 from loom.model.kernels import block_quant_linear_ops, fused_ops, paged_attention_ops
-from loom.model.linear import onednn_prepack_supported
+from loom.model.linear import INT8_MAX_ROWS, onednn_prepack_supported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,6 +29,7 @@ class Backends:
     num_threads: int  # torch's intra-op threads on CPU; 0 on GPU
     native_decode: bool  # decode attention through the C++ paged kernel
     linear: str  # projection matmuls: "native" (GGUF blocks), "onednn" (prepacked) or "torch"
+    batched_bf16: bool  # native: calls of more than INT8_MAX_ROWS rows in bf16 (model/linear.py)
     fused_ops: ModuleType | None  # compiled add + RMSNorm and SiLU * up, else torch's ops
 
     @property
@@ -38,7 +39,9 @@ class Backends:
 
     def describe(self) -> str:
         """The start-up log's words for these choices."""
-        matmuls = {"native": "native on the GGUF's blocks", "onednn": "oneDNN prepacked"}
+        matmuls = {"native": "native on the GGUF's blocks"
+                             + (f", bf16 above {INT8_MAX_ROWS} rows" if self.batched_bf16 else ""),
+                   "onednn": "oneDNN prepacked"}
         parts = [f"dtype {str(self.dtype).removeprefix('torch.')}",
                  f"KV cache {str(self.kv_dtype).removeprefix('torch.')}",
                  f"decode attention {'native kernel' if self.native_decode else 'torch'}",
@@ -54,7 +57,10 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
     """The backends for this model on this machine. Raises ValueError when a backend asked for
     by name cannot run here, naming what it needs."""
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    native_linear = (config.linear_backend in ("auto", "native") and has_block_quant
+                     and onednn_prepack_supported(device, torch.float32)
+                     and _native_linear_builds(device))
+    dtype = resolve_dtype(config.dtype, device, native_linear)
     num_threads = 0
     if device.type == "cpu":
         from loom.threads import configure_threads
@@ -67,10 +73,11 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
         # the kernel reads an fp16 cache as fp32 (F16C) at the cost of one instruction a
         # vector, and decode attention over long contexts is bound by its reads
         kv_dtype = torch.float16
+    linear = _linear_backend(config.linear_backend, has_block_quant, device, dtype)
     return Backends(
         device=device, dtype=dtype, kv_dtype=kv_dtype, num_threads=num_threads,
-        native_decode=native_decode,
-        linear=_linear_backend(config.linear_backend, has_block_quant, device, dtype),
+        native_decode=native_decode, linear=linear,
+        batched_bf16=_batched_bf16(config, device, linear),
         fused_ops=fused_ops() if device.type == "cpu" and dtype == torch.float32 else None)
 
 
@@ -80,12 +87,34 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on CUDA and on CPUs with native bf16 instructions, else float32."""
+def resolve_dtype(name: str, device: torch.device, native_linear: bool = False) -> torch.dtype:
+    """auto: bfloat16 on CUDA. On a CPU with native bf16 instructions, float32 when the native
+    kernel takes the model's weights (native_linear): up to 16 rows its int8 path reads a
+    quarter of bf16's bytes (2.4x bf16's decode step at one sequence on an AVX-512 EPYC), and
+    above them the matmuls run in bf16 anyway (`_batched_bf16`); else bfloat16. float32 on
+    other CPUs."""
     if name != "auto":
         return DTYPES[name]
-    native = device.type == "cuda" or host.has_native_bf16()
-    return torch.bfloat16 if native else torch.float32
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if host.has_native_bf16() and not native_linear else torch.float32
+
+
+def _batched_bf16(config: ModelConfig, device: torch.device, linear: str) -> bool:
+    """Whether the native kernel's wide calls go to bf16 copies of the weights: asked for, or
+    auto with dtype auto on a CPU with native bf16 (with dtype float32 asked for, the matmuls
+    stay float32 too)."""
+    if config.batched_matmul == "native":
+        return False
+    if linear != "native":
+        if config.batched_matmul == "bfloat16":
+            raise ValueError("batched_matmul 'bfloat16' applies to the native kernel's matmuls "
+                             "(a GGUF model with Q4_0, Q4_1 or Q8_0 weights in float32); use "
+                             "'native' or 'auto'")
+        return False
+    if config.batched_matmul == "bfloat16":
+        return True
+    return config.dtype == "auto" and device.type == "cpu" and host.has_native_bf16()
 
 
 def _native_decode(backend: str, arch: ModelArch, block_size: int, device: torch.device,
@@ -112,8 +141,7 @@ def _linear_backend(backend: str, has_block_quant: bool, device: torch.device,
         return "torch"
     onednn = onednn_prepack_supported(device, dtype)
     if backend in ("auto", "native") and onednn:
-        ops = block_quant_linear_ops()
-        if has_block_quant and ops is not None and ops.supported():
+        if has_block_quant and _native_linear_builds(device):
             return "native"
         if backend == "native":
             raise ValueError(
@@ -126,3 +154,11 @@ def _linear_backend(backend: str, has_block_quant: bool, device: torch.device,
         raise ValueError(f"linear_backend {backend!r} needs a CPU device, float32 and a "
                          "torch built with oneDNN (mkldnn); use 'torch' or 'auto'")
     return "torch"
+
+
+def _native_linear_builds(device: torch.device) -> bool:
+    """The native matmul compiled and runs on this CPU (AVX2, FMA, F16C)."""
+    if device.type != "cpu":
+        return False
+    ops = block_quant_linear_ops()
+    return ops is not None and ops.supported()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from functools import partial
 from types import ModuleType
 
 import torch
@@ -28,37 +29,37 @@ from loom.model.weights import BlockQuantWeight, LazyWeights
 
 class LlamaLayer:
     def __init__(self, w: Mapping[str, torch.Tensor], prefix: str, bias: bool,
-                 prepack: bool, block_quant: dict[str, BlockQuantWeight]) -> None:
+                 prepack: bool, block_quant: dict[str, BlockQuantWeight],
+                 batched_bf16: bool) -> None:
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         qkv_bias = torch.cat([w[attn + f"{x}_proj.bias"] for x in "qkv"]) if bias else None
-        self.qkv = _linear(w, [attn + f"{x}_proj.weight" for x in "qkv"], qkv_bias, prepack,
-                           block_quant)
+        linear = partial(_linear, w, prepack=prepack, block_quant=block_quant,
+                         batched_bf16=batched_bf16)
+        self.qkv = linear([attn + f"{x}_proj.weight" for x in "qkv"], qkv_bias)
         # Llama's attention_bias also puts a bias on o_proj, and mlp_bias on all three MLP
         # projections (Qwen2 has q/k/v biases only): use whichever the checkpoint has.
-        self.o = _linear(w, [attn + "o_proj.weight"], w.get(attn + "o_proj.bias"), prepack,
-                         block_quant)
+        self.o = linear([attn + "o_proj.weight"], w.get(attn + "o_proj.bias"))
         gate_bias, up_bias = w.get(mlp + "gate_proj.bias"), w.get(mlp + "up_proj.bias")
-        self.gate_up = _linear(
-            w, [mlp + "gate_proj.weight", mlp + "up_proj.weight"],
-            torch.cat([gate_bias, up_bias]) if gate_bias is not None else None, prepack,
-            block_quant)
-        self.down = _linear(w, [mlp + "down_proj.weight"], w.get(mlp + "down_proj.bias"),
-                            prepack, block_quant)
+        self.gate_up = linear([mlp + "gate_proj.weight", mlp + "up_proj.weight"],
+                              torch.cat([gate_bias, up_bias]) if gate_bias is not None else None)
+        self.down = linear([mlp + "down_proj.weight"], w.get(mlp + "down_proj.bias"))
         self.input_norm = w[prefix + "input_layernorm.weight"]
         self.post_attn_norm = w[prefix + "post_attention_layernorm.weight"]
 
 
 def _linear(w: Mapping[str, torch.Tensor], names: list[str], bias: torch.Tensor | None,
-            prepack: bool, block_quant: dict[str, BlockQuantWeight]) -> Linear:
+            prepack: bool, block_quant: dict[str, BlockQuantWeight],
+            batched_bf16: bool) -> Linear:
     """One projection from the named weights, stacked along the output rows; with the GGUF's
-    block-quantized form too when every part has one. The fp32 parts are stacked only when
-    the layer will use them."""
+    block-quantized form too when every part has one (and then, with batched_bf16, a bf16
+    copy for wide calls: model/linear.py). The fp32 parts are stacked only when the layer
+    will use them."""
     quant, ops = None, None
     if all(n in block_quant for n in names):
         quant = BlockQuantWeight.cat([block_quant[n] for n in names])
         ops = block_quant_linear_ops()
     if Linear.uses_panels(quant, ops):
-        return Linear(None, bias, prepack, quant, ops)
+        return Linear(None, bias, prepack, quant, ops, batched_bf16)
     weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
     return Linear(weight, bias, prepack, quant, ops)
 
@@ -67,10 +68,11 @@ class LlamaModel:
     def __init__(self, arch: ModelArch, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, prepack: bool = False,
                  block_quant: dict[str, BlockQuantWeight] | None = None,
-                 fused_ops: ModuleType | None = None) -> None:
+                 fused_ops: ModuleType | None = None, batched_bf16: bool = False) -> None:
         """prepack: hold the projection weights prepacked for oneDNN; block_quant: the GGUF's
-        block-quantized weights, for the native small-batch matmul (see model/linear.py);
-        fused_ops: the compiled add + RMSNorm and SiLU * up (CPU float32), else torch's ops."""
+        block-quantized weights, for the native matmul (see model/linear.py), which with
+        batched_bf16 hands calls of many rows to bf16 copies of them; fused_ops: the compiled
+        add + RMSNorm and SiLU * up (CPU float32), else torch's ops."""
         self.arch = arch
         self.fused_ops = fused_ops
         missing = [n for n in _required_names(arch) if n not in weights]
@@ -88,10 +90,10 @@ class LlamaModel:
                              else None)
         self.dtype = dtype
         head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = _linear(w, [head], None, prepack, block_quant)
+        self.lm_head = _linear(w, [head], None, prepack, block_quant, batched_bf16)
         self.final_norm = w["model.norm.weight"]
         self.layers = [LlamaLayer(w, f"model.layers.{i}.", arch.attention_bias, prepack,
-                                  block_quant)
+                                  block_quant, batched_bf16)
                        for i in range(arch.num_layers)]
         inv_freq = rope_inv_freq(arch).to(device)
         positions = torch.arange(arch.max_position_embeddings, device=device, dtype=torch.float32)
