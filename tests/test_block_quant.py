@@ -246,6 +246,35 @@ def test_linear_uses_the_kernel_at_every_batch_size() -> None:
         BlockQuantWeight.from_codes(bq.codes, bq.scale + 1e-6, bq.offset)
 
 
+@needs_kernel
+def test_wide_calls_take_the_bf16_copy_and_narrow_ones_the_kernel() -> None:
+    """With batched_bf16, up to INT8_MAX_ROWS rows stay on the kernel's int8 path, bit for bit;
+    more rows are the bf16 product of the same weights (x and the product rounded to bf16, as
+    a bfloat16 model's matmuls are) plus the bias in fp32, in float32 out, flat or not."""
+    bq = random_block_quant(48, 96, seed=5)
+    bias = torch.randn(48)
+    linear = Linear(None, bias, block_quant=bq, block_quant_ops=ops, batched_bf16=True)
+    assert linear.batched_weight.dtype == torch.bfloat16
+    torch.testing.assert_close(linear.batched_weight, bq.dequantize().bfloat16(), rtol=0, atol=0)
+    plain = Linear(None, bias, block_quant=bq, block_quant_ops=ops)
+    assert plain.batched_weight is None
+    for rows in (1, INT8_MAX_ROWS):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(linear(x), plain(x), rtol=0, atol=0)
+    for rows in (INT8_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 96)
+        out = linear(x)
+        assert out.dtype == torch.float32
+        expected = F.linear(x.bfloat16(), bq.dequantize().bfloat16()).float() + bias
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        exact = F.linear(x.double(), bq.dequantize().double(), bias.double())
+        assert ((out.double() - exact).norm() / exact.norm()) < 1e-2
+        assert not torch.equal(out, plain(x))  # not the kernel's fp32 path
+    x3 = torch.randn(3, INT8_MAX_ROWS, 96)  # 48 rows once flattened
+    torch.testing.assert_close(linear(x3), linear(x3.reshape(-1, 96)).view(3, INT8_MAX_ROWS, 48),
+                               rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
 def test_loader_keeps_the_files_own_blocks(tmp_path, quant: str) -> None:
     """codes * scale + offset is bit for bit what gguf's own reader and dequantize give, q/k

@@ -1,14 +1,19 @@
-"""bf16, the default dtype on CPUs with native bf16 instructions, against float32: the same
-model must make (almost) the same predictions. benchmarks/dtype_accuracy.py measures this at
-length; here one passage, teacher-forced, guards against a broken bf16 path."""
+"""bf16 against float32: the same model must make (almost) the same predictions, as a bfloat16
+model and as a float32 one whose wide matmuls run in bf16 (the default on CPUs with native bf16
+instructions when the native kernel takes the weights). benchmarks/dtype_accuracy.py measures
+this at length; here one passage, teacher-forced, guards against a broken bf16 path. And which
+dtype and matmuls auto picks where."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from loom import LLM, SamplingParams
+from loom import LLM, SamplingParams, host
+from loom.config import CacheConfig, ModelConfig
 from loom.host import has_native_bf16
+from loom.model.backends import resolve_backends
+from loom.model.loader import load_model
 
 pytestmark = pytest.mark.integration
 
@@ -28,10 +33,16 @@ def prompt_predictions(llm: LLM) -> tuple[list[int], list[float]]:
     return [e.top[0][0] for e in entries], [e.logprob for e in entries]
 
 
-def test_auto_dtype_is_bf16_exactly_where_the_cpu_has_it(llm: LLM) -> None:
+def test_auto_runs_bf16_matmuls_exactly_where_the_cpu_has_them(llm: LLM) -> None:
+    """The bundled GGUF: float32 on the native kernel, its wide calls in bf16 where the CPU
+    has native bf16; a model the kernel cannot take would run bfloat16 there."""
     auto = LLM(kv_cache_memory="64MiB", max_model_len=1024)
-    expected = torch.bfloat16 if has_native_bf16() else torch.float32
-    assert auto.engine.runner.backends.dtype == expected
+    backends = auto.engine.runner.backends
+    native = backends.linear == "native"
+    expected = torch.bfloat16 if has_native_bf16() and not native else torch.float32
+    assert backends.dtype == expected
+    assert backends.batched_bf16 == (native and has_native_bf16())
+    assert (auto.engine.runner.model.lm_head.batched_weight is not None) == backends.batched_bf16
     answer = auto.chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(max_tokens=24, temperature=0))[0].outputs[0].text
     assert "Paris" in answer
@@ -46,6 +57,47 @@ def test_bf16_predicts_like_float32(llm: LLM) -> None:
     assert len(top_fp32) > 60
     assert agreement >= 0.9, f"top-1 agreement {agreement:.1%}"
     assert drift < 0.1, f"mean |logprob difference| {drift:.3f}"
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_auto_choices_on_either_cpu(monkeypatch, native_bf16: bool) -> None:
+    """resolve_backends on each kind of CPU, for a model the native kernel takes (blocks) and
+    one it cannot: the dtype, the wide matmuls, and the error for bf16 matmuls without it."""
+    arch = load_model(None).arch
+    monkeypatch.setattr(host, "has_native_bf16", lambda: native_bf16)
+    probe = resolve_backends(ModelConfig(dtype="float32"), CacheConfig(), arch, True)
+    if probe.linear != "native":
+        pytest.skip("the native kernel does not build here")
+
+    def resolve(has_blocks: bool = True, **model: str):
+        return resolve_backends(ModelConfig(**model), CacheConfig(), arch, has_blocks)
+
+    auto = resolve()
+    assert (auto.dtype, auto.linear, auto.batched_bf16) == (torch.float32, "native", native_bf16)
+    assert ("bf16 above 16 rows" in auto.describe()) == native_bf16
+    no_blocks = resolve(has_blocks=False)
+    assert no_blocks.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert not no_blocks.batched_bf16
+    assert not resolve(dtype="float32").batched_bf16  # float32 asked for: float32 matmuls
+    assert not resolve(batched_matmul="native").batched_bf16
+    assert resolve(dtype="float32", batched_matmul="bfloat16").batched_bf16
+    with pytest.raises(ValueError, match="batched_matmul 'bfloat16' applies to the native"):
+        resolve(has_blocks=False, dtype="float32", batched_matmul="bfloat16")
+
+
+def test_bf16_batched_matmuls_predict_like_float32(llm: LLM) -> None:
+    """The passage's prefill is wider than 16 rows: every matmul of it on the bf16 copies."""
+    mixed = LLM(kv_cache_memory="64MiB", max_model_len=1024, dtype="float32",
+                batched_matmul="bfloat16")
+    if not mixed.engine.runner.backends.batched_bf16:
+        pytest.skip("the native kernel does not build here")
+    top_fp32, logprob_fp32 = prompt_predictions(llm)
+    top_mixed, logprob_mixed = prompt_predictions(mixed)
+    agreement = sum(a == b for a, b in zip(top_fp32, top_mixed)) / len(top_fp32)
+    drift = sum(abs(a - b) for a, b in zip(logprob_fp32, logprob_mixed)) / len(logprob_fp32)
+    assert agreement >= 0.9, f"top-1 agreement {agreement:.1%}"
+    assert drift < 0.1, f"mean |logprob difference| {drift:.3f}"
+    assert logprob_mixed != logprob_fp32  # the bf16 path really ran
 
 
 def test_kv_cache_is_float16_under_float32_on_cpu_and_holds_twice_the_tokens(llm: LLM) -> None:

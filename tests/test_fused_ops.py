@@ -59,6 +59,23 @@ def test_silu_mul_is_accurate_over_the_whole_float_range() -> None:
     assert ((out.double() - exact).abs() <= 1e-6 * exact.abs() + 1e-30).all()
 
 
+def test_bf16_casts_are_torchs_bit_for_bit() -> None:
+    """Rounding to nearest even (ties included), at sizes below and above one task's grain, and
+    back with and without a bias."""
+    x = torch.randn(70, 4096) * 100
+    x[0, :6] = torch.tensor([3e38, -3e38, 1e-40, 0.0, -0.0, 1.0 + 2.0**-8])  # last: a tie
+    for rows in (1, 70):
+        part = x[:rows].contiguous()
+        assert torch.equal(ops.to_bf16(part).view(torch.int16), part.bfloat16().view(torch.int16))
+    y, bias = x.bfloat16(), torch.randn(4096)
+    assert torch.equal(ops.from_bf16(y, bias), y.float() + bias)
+    assert torch.equal(ops.from_bf16(y, None), y.float())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.from_bf16(x, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.from_bf16(y, torch.randn(7))
+
+
 def test_bad_inputs_are_refused() -> None:
     weight = torch.ones(8)
     with pytest.raises(RuntimeError, match="float32"):

@@ -29,8 +29,10 @@ class Backends:
     num_threads: int  # torch's intra-op threads on CPU; 0 on GPU
     native_decode: bool  # decode attention through the C++ paged kernel
     linear: str  # projection matmuls: "native" (GGUF blocks), "onednn" (prepacked) or "torch"
-    batched_bf16: bool  # native: calls of more than INT8_MAX_ROWS rows in bf16 (model/linear.py)
     fused_ops: ModuleType | None  # compiled add + RMSNorm and SiLU * up, else torch's ops
+    # native: calls of more than INT8_MAX_ROWS rows in bf16 on copies of the weights
+    # (model/linear.py)
+    batched_bf16: bool = False
 
     @property
     def prepack(self) -> bool:
@@ -106,11 +108,11 @@ def _batched_bf16(config: ModelConfig, device: torch.device, linear: str) -> boo
     stay float32 too)."""
     if config.batched_matmul == "native":
         return False
-    if linear != "native":
+    if linear != "native" or fused_ops() is None:
         if config.batched_matmul == "bfloat16":
             raise ValueError("batched_matmul 'bfloat16' applies to the native kernel's matmuls "
-                             "(a GGUF model with Q4_0, Q4_1 or Q8_0 weights in float32); use "
-                             "'native' or 'auto'")
+                             "(a GGUF model with Q4_0, Q4_1 or Q8_0 weights in float32, and a "
+                             "C++ compiler); use 'native' or 'auto'")
         return False
     if config.batched_matmul == "bfloat16":
         return True

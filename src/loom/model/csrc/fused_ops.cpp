@@ -110,7 +110,59 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// float32 -> bfloat16 (rounding to nearest even, as torch's cast does) and back, + an optional
+// bias: the way in and out of the bf16 matmuls (model/linear.py). torch's casts fork onto the
+// thread pool from 32K elements, about 60 us a call on two cores (a 32-row decode step has
+// 60 such calls), where one thread copies these rows in a few.
+torch::Tensor to_bf16(torch::Tensor x) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  auto out = torch::empty({rows, cols}, x.options().dtype(at::kBFloat16));
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
+#pragma omp simd
+    for (int64_t i = begin * cols; i < end * cols; ++i) {
+      const uint32_t bits = src[i];
+      dst[i] = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+    }
+  });
+  return out;
+}
+
+torch::Tensor from_bf16(torch::Tensor y, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kBFloat16 && y.is_contiguous(),
+              "y must be a contiguous [rows, cols] bfloat16 tensor");
+  const int64_t rows = y.size(0), cols = y.size(1);
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == cols &&
+                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "bias must be a contiguous [cols] float32 tensor");
+    b = bias->data_ptr<float>();
+  }
+  auto out = torch::empty({rows, cols}, y.options().dtype(at::kFloat));
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* yr = src + r * cols;
+      float* orow = dst + r * cols;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint32_t bits = static_cast<uint32_t>(yr[c]) << 16;
+        float v;
+        std::memcpy(&v, &bits, sizeof(v));
+        orow[c] = b != nullptr ? v + b[c] : v;
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("silu_mul", &silu_mul);
+  m.def("to_bf16", &to_bf16);
+  m.def("from_bf16", &from_bf16);
 }
