@@ -154,15 +154,17 @@ def build_specs(args: argparse.Namespace) -> dict[str, ServerSpec]:
 
 
 def loom_dtype(flags: list[str]) -> str:
-    """The dtype `loom serve` will run: --dtype if given, else what auto picks on this CPU
-    (bfloat16 where the CPU has native bf16 instructions)."""
+    """The dtype `loom serve` will run: --dtype if given, else what auto picks on this CPU for
+    the bundled GGUF (float32, with bf16 matmuls above 16 rows where the CPU has native bf16
+    instructions)."""
     for i, flag in enumerate(flags):
         if flag == "--dtype" and i + 1 < len(flags) and flags[i + 1] != "auto":
             return flags[i + 1]
         if flag.startswith("--dtype=") and flag != "--dtype=auto":
             return flag.split("=", 1)[1]
     native = has_native_bf16()
-    return "auto = bfloat16 on this CPU" if native else "auto = float32 on this CPU"
+    return ("auto = float32, bf16 matmuls above 16 rows, on this CPU" if native
+            else "auto = float32 on this CPU")
 
 
 def _find_tcmalloc() -> str | None:
