@@ -4,7 +4,8 @@ the native kernel, and bfloat16 (fast only where the CPU has native bf16 instruc
 For each, in alternating rounds in one process (this machine's speed drifts by the minute,
 so only figures of one round are compared): the prefill of one long prompt (ms, median of
 three), one user's decode (64 greedy tokens after a short prompt, tok/s) and the engine
-issue's 64-request mixed workload at max_num_seqs 32 (output tok/s, continuous batching).
+issue's 64-request mixed workload at max_num_seqs 32 (output tok/s, continuous batching; a
+new draw of it each round, the same for every config).
 Run from the repository root:
 
     python benchmarks/cpu_dtypes.py                  # about 3 minutes on 2 cores
@@ -60,7 +61,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=1024)
     args = parser.parse_args()
-    items = mixed_workload(bundled_tokenizer())
+    tokenizer = bundled_tokenizer()
     engines = {name: LLM(kv_cache_memory="1GiB", max_num_seqs=32, **CONFIGS[name])
                for name in args.configs}
     print(f"host: {describe()}")
@@ -71,6 +72,7 @@ def main() -> None:
     print("|--:|---|--:|--:|--:|")
     for round_ in range(1, args.rounds + 1):
         order = args.configs if round_ % 2 else list(reversed(args.configs))
+        items = mixed_workload(tokenizer, seed=round_)  # new prompts: no cached prefill
         for name in order:
             llm = engines[name]
             row = (prefill_ms(llm, args.prompt_len, round_), one_user_tok_s(llm, 64),
