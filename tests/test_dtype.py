@@ -69,8 +69,9 @@ def test_auto_choices_on_either_cpu(monkeypatch, native_bf16: bool) -> None:
     if probe.linear != "native":
         pytest.skip("the native kernel does not build here")
 
-    def resolve(has_blocks: bool = True, **model: str):
-        return resolve_backends(ModelConfig(**model), CacheConfig(), arch, has_blocks)
+    def resolve(has_blocks: bool = True, copy_bytes: int = 300 << 20, **model: str):
+        return resolve_backends(ModelConfig(**model), CacheConfig(), arch, has_blocks,
+                                copy_bytes)
 
     auto = resolve()
     assert (auto.dtype, auto.linear, auto.batched_bf16) == (torch.float32, "native", native_bf16)
@@ -80,6 +81,9 @@ def test_auto_choices_on_either_cpu(monkeypatch, native_bf16: bool) -> None:
     assert not no_blocks.batched_bf16
     assert not resolve(dtype="float32").batched_bf16  # float32 asked for: float32 matmuls
     assert not resolve(batched_matmul="native").batched_bf16
+    too_big = 4 * host.available_ram_bytes()  # auto keeps no copies that would not fit
+    assert not resolve(copy_bytes=too_big).batched_bf16
+    assert resolve(copy_bytes=too_big, batched_matmul="bfloat16").batched_bf16
     assert resolve(dtype="float32", batched_matmul="bfloat16").batched_bf16
     with pytest.raises(ValueError, match="batched_matmul 'bfloat16' applies to the native"):
         resolve(has_blocks=False, dtype="float32", batched_matmul="bfloat16")

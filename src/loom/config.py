@@ -87,7 +87,8 @@ class ModelConfig:
         "matmuls of more than 16 rows (prefill chunks, batched decode) when the native "
         "kernel runs: native = its fp32 path; bfloat16 = oneDNN on a bf16 copy of the "
         "weights (2 bytes a weight more memory; fast only with native bf16); auto = "
-        "bfloat16 with --dtype auto on CPUs with native bf16, else native"))
+        "bfloat16 with --dtype auto on CPUs with native bf16 when the copies take at most a "
+        "quarter of the available memory, else native"))
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -20,6 +20,11 @@ from loom.model.linear import INT8_MAX_ROWS, onednn_prepack_supported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# auto keeps bf16 copies of a GGUF's weights (about 3.5x its 4-bit size) only up to this
+# share of the memory available at start-up: the KV cache takes up to another quarter, and a
+# home server's other programs the rest. A larger model stays on the native kernel alone.
+_BF16_COPY_RAM_SHARE = 0.25
+
 
 @dataclass(frozen=True)
 class Backends:
@@ -55,9 +60,10 @@ class Backends:
 
 
 def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
-                     has_block_quant: bool) -> Backends:
-    """The backends for this model on this machine. Raises ValueError when a backend asked for
-    by name cannot run here, naming what it needs."""
+                     has_block_quant: bool, bf16_copy_bytes: int = 0) -> Backends:
+    """The backends for this model on this machine. bf16_copy_bytes: what bf16 copies of the
+    block-quantized weights would take (`batched_matmul`). Raises ValueError when a backend
+    asked for by name cannot run here, naming what it needs."""
     device = resolve_device(config.device)
     native_linear = (config.linear_backend in ("auto", "native") and has_block_quant
                      and onednn_prepack_supported(device, torch.float32)
@@ -79,7 +85,7 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
     return Backends(
         device=device, dtype=dtype, kv_dtype=kv_dtype, num_threads=num_threads,
         native_decode=native_decode, linear=linear,
-        batched_bf16=_batched_bf16(config, device, linear),
+        batched_bf16=_batched_bf16(config, device, linear, bf16_copy_bytes),
         fused_ops=fused_ops() if device.type == "cpu" and dtype == torch.float32 else None)
 
 
@@ -102,9 +108,11 @@ def resolve_dtype(name: str, device: torch.device, native_linear: bool = False) 
     return torch.bfloat16 if host.has_native_bf16() and not native_linear else torch.float32
 
 
-def _batched_bf16(config: ModelConfig, device: torch.device, linear: str) -> bool:
+def _batched_bf16(config: ModelConfig, device: torch.device, linear: str,
+                  copy_bytes: int) -> bool:
     """Whether the native kernel's wide calls go to bf16 copies of the weights: asked for, or
-    auto with dtype auto on a CPU with native bf16 (with dtype float32 asked for, the matmuls
+    auto with dtype auto on a CPU with native bf16 when the copies take at most
+    _BF16_COPY_RAM_SHARE of the available memory (with dtype float32 asked for, the matmuls
     stay float32 too)."""
     if config.batched_matmul == "native":
         return False
@@ -116,7 +124,8 @@ def _batched_bf16(config: ModelConfig, device: torch.device, linear: str) -> boo
         return False
     if config.batched_matmul == "bfloat16":
         return True
-    return config.dtype == "auto" and device.type == "cpu" and host.has_native_bf16()
+    return (config.dtype == "auto" and device.type == "cpu" and host.has_native_bf16()
+            and copy_bytes <= _BF16_COPY_RAM_SHARE * host.available_ram_bytes())
 
 
 def _native_decode(backend: str, arch: ModelArch, block_size: int, device: torch.device,

@@ -66,8 +66,10 @@ class ModelRunner:
         """Load the model, pick its backends for this machine and build it (no KV cache yet)."""
         loaded = load_model(config.model.model)
         block_size = config.cache.block_size
-        backends = resolve_backends(config.model, config.cache, loaded.arch,
-                                    has_block_quant=bool(loaded.block_quant))
+        backends = resolve_backends(
+            config.model, config.cache, loaded.arch, has_block_quant=bool(loaded.block_quant),
+            bf16_copy_bytes=sum(2 * n * k for n, k in (bq.shape for bq in
+                                                        loaded.block_quant.values())))
         model = LlamaModel(loaded.arch, loaded.weights, backends.dtype, backends.device,
                            prepack=backends.prepack,
                            block_quant=loaded.block_quant if backends.linear == "native"
