@@ -172,6 +172,7 @@ def model_figures(model: LlamaModel, kv_dtype: torch.dtype) -> dict[str, Any]:
         for lin in linears)
     batched = [lin.batched_weight for lin in linears if lin.batched_weight is not None]
     return {
+        "model_dtype": str(model.dtype).removeprefix("torch."),
         "matmul_params": matmul_params,
         "weight_bytes": matmul_params * itemsize + norm_bytes,
         "block_quant_weight_bytes": (block_quant_bytes + norm_bytes
@@ -366,7 +367,6 @@ def main() -> None:
         model = llm.engine.runner.model
         shapes = model_shapes(model)
         figures[dtype_name] = model_figures(model, llm.engine.runner.kv_caches[0][0].dtype)
-        figures[dtype_name]["model_dtype"] = str(model.dtype).removeprefix("torch.")
         decodes[dtype_name] = []
         for b in batches:
             result = measure_decode(llm, b, steps, warmup, args.prompt_len)

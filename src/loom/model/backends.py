@@ -65,9 +65,11 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
     block-quantized weights would take (`batched_matmul`). Raises ValueError when a backend
     asked for by name cannot run here, naming what it needs."""
     device = resolve_device(config.device)
-    native_linear = (config.linear_backend in ("auto", "native") and has_block_quant
-                     and onednn_prepack_supported(device, torch.float32)
-                     and _native_linear_builds(device))
+    # whether the native kernel would take these weights in float32 ("auto" here: asking
+    # does not raise; the real choice below does, for a backend that cannot run)
+    native_linear = (config.linear_backend in ("auto", "native")
+                     and _linear_backend("auto", has_block_quant, device,
+                                         torch.float32) == "native")
     dtype = resolve_dtype(config.dtype, device, native_linear)
     num_threads = 0
     if device.type == "cpu":
@@ -82,11 +84,13 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
         # vector, and decode attention over long contexts is bound by its reads
         kv_dtype = torch.float16
     linear = _linear_backend(config.linear_backend, has_block_quant, device, dtype)
+    fused = fused_ops() if device.type == "cpu" and dtype == torch.float32 else None
     return Backends(
         device=device, dtype=dtype, kv_dtype=kv_dtype, num_threads=num_threads,
-        native_decode=native_decode, linear=linear,
-        batched_bf16=_batched_bf16(config, device, linear, bf16_copy_bytes),
-        fused_ops=fused_ops() if device.type == "cpu" and dtype == torch.float32 else None)
+        native_decode=native_decode, linear=linear, fused_ops=fused,
+        # the casts in and out of bf16 are fused_ops' too
+        batched_bf16=_batched_bf16(config, device, linear == "native" and fused is not None,
+                                   bf16_copy_bytes))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -108,7 +112,7 @@ def resolve_dtype(name: str, device: torch.device, native_linear: bool = False) 
     return torch.bfloat16 if host.has_native_bf16() and not native_linear else torch.float32
 
 
-def _batched_bf16(config: ModelConfig, device: torch.device, linear: str,
+def _batched_bf16(config: ModelConfig, device: torch.device, native_with_casts: bool,
                   copy_bytes: int) -> bool:
     """Whether the native kernel's wide calls go to bf16 copies of the weights: asked for, or
     auto with dtype auto on a CPU with native bf16 when the copies take at most
@@ -116,7 +120,7 @@ def _batched_bf16(config: ModelConfig, device: torch.device, linear: str,
     stay float32 too)."""
     if config.batched_matmul == "native":
         return False
-    if linear != "native" or fused_ops() is None:
+    if not native_with_casts:
         if config.batched_matmul == "bfloat16":
             raise ValueError("batched_matmul 'bfloat16' applies to the native kernel's matmuls "
                              "(a GGUF model with Q4_0, Q4_1 or Q8_0 weights in float32, and a "
@@ -152,7 +156,8 @@ def _linear_backend(backend: str, has_block_quant: bool, device: torch.device,
         return "torch"
     onednn = onednn_prepack_supported(device, dtype)
     if backend in ("auto", "native") and onednn:
-        if has_block_quant and _native_linear_builds(device):
+        ops = block_quant_linear_ops()
+        if has_block_quant and ops is not None and ops.supported():
             return "native"
         if backend == "native":
             raise ValueError(
@@ -165,11 +170,3 @@ def _linear_backend(backend: str, has_block_quant: bool, device: torch.device,
         raise ValueError(f"linear_backend {backend!r} needs a CPU device, float32 and a "
                          "torch built with oneDNN (mkldnn); use 'torch' or 'auto'")
     return "torch"
-
-
-def _native_linear_builds(device: torch.device) -> bool:
-    """The native matmul compiled and runs on this CPU (AVX2, FMA, F16C)."""
-    if device.type != "cpu":
-        return False
-    ops = block_quant_linear_ops()
-    return ops is not None and ops.supported()
