@@ -69,7 +69,7 @@ def test_auto_choices_on_either_cpu(monkeypatch, native_bf16: bool) -> None:
     if probe.linear != "native":
         pytest.skip("the native kernel does not build here")
 
-    def resolve(has_blocks: bool = True, copy_bytes: int = 300 << 20, **model: str):
+    def resolve(has_blocks: bool = True, copy_bytes: int = 1 << 20, **model: str):
         return resolve_backends(ModelConfig(**model), CacheConfig(), arch, has_blocks,
                                 copy_bytes)
 
