@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+import loom  # noqa: F401 - before torch: it sets the OpenMP wait policy (loom/threads.py)
+
+# isort: split
 import torch
 from torch.utils.cpp_extension import load
 

@@ -24,6 +24,9 @@ import json
 import math
 from typing import Any
 
+import loom  # noqa: F401 - before torch: it sets the OpenMP wait policy (loom/threads.py)
+
+# isort: split
 import torch
 
 from loom import LLM, SamplingParams

@@ -16,6 +16,9 @@ import argparse
 import statistics
 import time
 
+import loom  # noqa: F401 - before torch: it sets the OpenMP wait policy (loom/threads.py)
+
+# isort: split
 import torch
 
 from loom import LLM, SamplingParams

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import sys
 
+import loom  # noqa: F401 - before torch: it sets the OpenMP wait policy (loom/threads.py)
+
+# isort: split
 import torch
 
 sys.path.insert(0, "benchmarks")

@@ -26,6 +26,9 @@ import time
 import types
 from collections.abc import Callable
 
+import loom  # noqa: F401 - before torch: it sets the OpenMP wait policy (loom/threads.py)
+
+# isort: split
 import torch
 from torch.utils.cpp_extension import load
 

@@ -17,6 +17,9 @@ from __future__ import annotations
 import math
 import sys
 
+import loom  # noqa: F401 - before torch: it sets the OpenMP wait policy (loom/threads.py)
+
+# isort: split
 import torch
 
 sys.path.insert(0, "benchmarks")

@@ -22,6 +22,9 @@ import sys
 import time
 from collections.abc import Callable
 
+import loom  # noqa: F401 - before torch: it sets the OpenMP wait policy (loom/threads.py)
+
+# isort: split
 import torch
 import torch.nn.functional as F
 

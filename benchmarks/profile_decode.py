@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import time
 
+import loom  # noqa: F401 - before torch: it sets the OpenMP wait policy (loom/threads.py)
+
+# isort: split
 import torch
 from torch.profiler import ProfilerActivity, profile
 

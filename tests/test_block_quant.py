@@ -352,7 +352,8 @@ def test_engine_predicts_the_same_on_the_native_kernel(llm: LLM) -> None:
     """The bundled Q4_1 model, prefills and decode steps on the kernel against the same engine
     with every matmul on oneDNN: same greedy tokens; logprobs within fp32 noise on the fp32
     path, within what int16-precision activations cost on the int8 path (decode steps; the
-    largest difference benchmarks/native_accuracy.py saw was half this bound)."""
+    bound is about twice the largest teacher-forced difference benchmarks/native_accuracy.py
+    has measured on any host, BENCHMARKS.md)."""
     assert llm.engine.runner.model.layers[0].qkv.panels is not None  # auto picks native
     assert llm.engine.runner.model.lm_head.panels is not None  # Q8_0 embedding
     onednn = LLM(kv_cache_memory="64MiB", max_model_len=1024, dtype="float32",
@@ -363,7 +364,7 @@ def test_engine_predicts_the_same_on_the_native_kernel(llm: LLM) -> None:
     for a, b in zip(llm.generate(prompts, params), onednn.generate(prompts, params)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert abs(x.logprob - y.logprob) < 5e-3
+            assert abs(x.logprob - y.logprob) < 2e-2
 
 
 @pytest.mark.integration
