@@ -28,6 +28,7 @@ LOADS = (0, 1, 2, 4)
 # (GOMP_SPINCOUNT, which takes precedence), what loom ran with before it set PASSIVE.
 POLICIES = {"spin": ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300000"}, None),
             "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, None),
+            "brief-spin": ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}, None),
             "one-thread": ({"OMP_WAIT_POLICY": "PASSIVE"}, 1)}
 COMPETITOR = ("import torch; torch.set_num_threads(2); a = torch.randn(384, 384)\n"
               "while True: a @ a")

@@ -59,21 +59,45 @@ def test_silu_mul_is_accurate_over_the_whole_float_range() -> None:
     assert ((out.double() - exact).abs() <= 1e-6 * exact.abs() + 1e-30).all()
 
 
-def test_bf16_casts_are_torchs_bit_for_bit() -> None:
-    """Rounding to nearest even (ties included), at sizes below and above one task's grain, and
-    back with and without a bias."""
+def test_bf16_cast_is_torchs_bit_for_bit() -> None:
+    """Rounding to nearest even (ties included), at sizes below and above one task's grain."""
     x = torch.randn(70, 4096) * 100
     x[0, :6] = torch.tensor([3e38, -3e38, 1e-40, 0.0, -0.0, 1.0 + 2.0**-8])  # last: a tie
     for rows in (1, 70):
         part = x[:rows].contiguous()
         assert torch.equal(ops.to_bf16(part).view(torch.int16), part.bfloat16().view(torch.int16))
-    y, bias = x.bfloat16(), torch.randn(4096)
-    assert torch.equal(ops.from_bf16(y, bias), y.float() + bias)
-    assert torch.equal(ops.from_bf16(y, None), y.float())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_bf16_linear_is_a_bf16_matmul_on_column_slices(threads: int) -> None:
+    """bf16_linear against F.linear on x and W in bf16, product widened, bias added in fp32:
+    within one bf16 rounding of each sum (a slice's blocking may order them differently), at
+    decode and prefill row counts, with output widths that leave a narrow last slice or fit
+    one, on one thread and on slices run by helpers."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows, cols in ((0, 48), (1, 200), (17, 200), (64, 1000), (300, 48)):
+            x, weight = torch.randn(rows, 96) * 3, torch.randn(cols, 96).bfloat16()
+            bias = torch.randn(cols)
+            product = F.linear(x.bfloat16(), weight).float()
+            for b in (bias, None):
+                out = ops.bf16_linear(x, weight, b)
+                assert out.shape == (rows, cols) and out.dtype == torch.float32
+                got = out - bias if b is not None else out
+                one_rounding = product.abs() * 2.0**-7 + 1e-6
+                assert ((got - product).abs() <= one_rounding).all()
+                if rows:  # and most sums are not rounded apart at all
+                    assert (got == product).float().mean() > 0.95
+    finally:
+        torch.set_num_threads(before)
+    x, weight = torch.randn(4, 96), torch.randn(8, 96).bfloat16()
     with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.from_bf16(x, None)
+        ops.bf16_linear(x, weight.float(), None)
+    with pytest.raises(RuntimeError, match="in"):
+        ops.bf16_linear(torch.randn(4, 64), weight, None)
     with pytest.raises(RuntimeError, match="bias"):
-        ops.from_bf16(y, torch.randn(7))
+        ops.bf16_linear(x, weight, torch.randn(7))
 
 
 def test_bad_inputs_are_refused() -> None:

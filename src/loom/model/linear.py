@@ -21,8 +21,10 @@ the weight for calls of more than INT8_MAX_ROWS rows: oneDNN's bf16 matmul outru
 kernel's fp32 path there (1.4x at 32 rows, 2.6x at a 256-token prefill chunk) while the int8
 path stays the fastest below it, at a quarter of the bytes (`loom.model.backends`,
 `batched_matmul`). x is rounded to bf16 on the way in and the product on the way out, as a
-bfloat16 model's matmuls are, by loom's own casts (csrc/fused_ops.cpp: torch's wake the
-thread pool for every call of a decode step's sizes); the rest of the model stays float32.
+bfloat16 model's matmuls are; the rest of the model stays float32. loom's own op runs it
+(csrc/fused_ops.cpp `bf16_linear`): oneDNN's matmul on slices of the output columns, one per
+thread of loom's kernel pool, where a call from Python wakes torch's sleeping OpenMP threads
+every time, and its own casts, where torch's wake them too.
 """
 
 from __future__ import annotations
@@ -82,9 +84,10 @@ class Linear:
             self._block_quant_ops = block_quant_ops
             self.weight, self.prepacked = None, False
             if batched_bf16:
-                self._casts = fused_ops()
-                if self._casts is None:
-                    raise RuntimeError("bf16 matmuls need loom's compiled casts (fused_ops.cpp)")
+                self._bf16_ops = fused_ops()
+                if self._bf16_ops is None:
+                    raise RuntimeError("bf16 matmuls need loom's compiled bf16_linear "
+                                       "(fused_ops.cpp)")
                 self.batched_weight = block_quant.dequantize().to(torch.bfloat16)
             return
         if weight is None:
@@ -106,9 +109,8 @@ class Linear:
             flat = x.dim() == 2  # the model's [tokens, features]: no reshape ops around it
             rows = x if flat else x.reshape(-1, self.in_features)
             if self.batched_weight is not None and rows.shape[0] > INT8_MAX_ROWS:
-                out = self._casts.from_bf16(
-                    F.linear(self._casts.to_bf16(rows.contiguous()), self.batched_weight),
-                    self.bias)
+                out = self._bf16_ops.bf16_linear(rows.contiguous(), self.batched_weight,
+                                                 self.bias)
             else:
                 out = self._block_quant_ops.block_quant_linear(rows, self.panels, self.bias,
                                                                INT8_MAX_ROWS)

@@ -7,10 +7,14 @@
 // over threads only when a row block is worth a fork/join.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "parallel_dynamic.h"
 
 // Rows per parallel task: about 256K elements. These loops run at memory speed, and waking
 // torch's sleeping threads (OMP_WAIT_POLICY=PASSIVE, loom/threads.py) costs more than a
@@ -110,10 +114,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
-// float32 -> bfloat16 (rounding to nearest even, as torch's cast does) and back, + an optional
-// bias: the way in and out of the bf16 matmuls (model/linear.py). torch's casts fork onto the
-// thread pool from 32K elements, about 60 us a call on two cores (a 32-row decode step has
-// 60 such calls), where one thread copies these rows in a few.
+// float32 -> bfloat16, rounding to nearest even as torch's cast does: the way into
+// bf16_linear's matmul. torch's cast forks onto the thread pool from 32K elements, about 60 us
+// a call on two cores (a 32-row decode step has 60 such calls), where one thread copies these
+// rows in a few.
 torch::Tensor to_bf16(torch::Tensor x) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), cols = x.size(1);
@@ -130,38 +134,64 @@ torch::Tensor to_bf16(torch::Tensor x) {
   return out;
 }
 
-torch::Tensor from_bf16(torch::Tensor y, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kBFloat16 && y.is_contiguous(),
-              "y must be a contiguous [rows, cols] bfloat16 tensor");
-  const int64_t rows = y.size(0), cols = y.size(1);
+// y = x W^T + b with x float32 [rows, K] and W bfloat16 [N, K], as a bfloat16 model's matmul
+// computes it: x rounded to bf16, oneDNN's product (fp32 sums) rounded to bf16, then widened
+// to float32 and the bias added. What is loom's is who runs the matmul. Called from Python,
+// oneDNN forks onto torch's OpenMP pool, whose helpers sleep between calls under
+// OMP_WAIT_POLICY=PASSIVE: waking them cost 60-90 us a call on two cores, a fifth of a 32-row
+// step's matmuls. Here W's output columns are cut into one slice per thread, run on the
+// yielding pool of parallel_dynamic.h, each a one-thread oneDNN matmul (that thread's OpenMP
+// team set to one for it) whose product is cast straight into out's columns. A slice's
+// blocking can differ from a whole-matrix call's, so sums may round apart by one bf16 ulp.
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight,
+                          c10::optional<torch::Tensor> bias) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
+                  weight.is_contiguous() && weight.size(1) == x.size(1),
+              "weight must be a contiguous [out, in] bfloat16 tensor with x's in");
+  const int64_t rows = x.size(0), cols = weight.size(0);
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == cols &&
                     bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "bias must be a contiguous [cols] float32 tensor");
+                "bias must be a contiguous [out] float32 tensor");
     b = bias->data_ptr<float>();
   }
-  auto out = torch::empty({rows, cols}, y.options().dtype(at::kFloat));
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
+  const torch::Tensor xb = to_bf16(x);
+  auto out = torch::empty({rows, cols}, x.options());
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
-    // a bf16 is the top half of its float32: a widening shift, written as the float's bits
-    uint32_t* bits = reinterpret_cast<uint32_t*>(dst);
+  // slice edges on multiples of 64 columns, the width of oneDNN's bf16 register blocks
+  const int64_t slices = std::max(1, at::get_num_threads());
+  const int64_t step = (cols / slices + 63) / 64 * 64;
+  const int64_t count = std::max<int64_t>(1, (cols + step - 1) / step);
+  parallel_dynamic(count, [&](std::atomic<int64_t>& next) {
+    at::internal::lazy_init_num_threads();  // torch's first-use setup would undo the next line
+    const int team = omp_get_max_threads();
+    omp_set_num_threads(1);
+    for (int64_t i; (i = next++) < count;) {
+      const int64_t begin = i * step, width = std::min(step, cols - begin);
+      const torch::Tensor y = at::linear(xb, weight.narrow(0, begin, width));
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
+      for (int64_t r = 0; r < rows; ++r) {
+        uint32_t* bits = reinterpret_cast<uint32_t*>(dst + r * cols + begin);
+        const uint16_t* yr = src + r * width;
 #pragma omp simd
-    for (int64_t i = begin * cols; i < end * cols; ++i) bits[i] = uint32_t{src[i]} << 16;
-    if (b == nullptr) return;
-    for (int64_t r = begin; r < end; ++r) {
-      float* orow = dst + r * cols;
+        for (int64_t c = 0; c < width; ++c) bits[c] = uint32_t{yr[c]} << 16;
+        if (b == nullptr) continue;
+        float* orow = dst + r * cols + begin;
 #pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) orow[c] += b[c];
+        for (int64_t c = 0; c < width; ++c) orow[c] += b[begin + c];
+      }
     }
+    omp_set_num_threads(team);
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  LOOM_POOL_BINDINGS(m);
+  m.def("bf16_linear", &bf16_linear);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("silu_mul", &silu_mul);
   m.def("to_bf16", &to_bf16);
-  m.def("from_bf16", &from_bf16);
 }
