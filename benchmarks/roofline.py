@@ -170,7 +170,7 @@ def model_figures(model: LlamaModel, kv_dtype: torch.dtype) -> dict[str, Any]:
         lin.panels.numel() * lin.panels.element_size()
         if lin.panels is not None else lin.num_params * itemsize
         for lin in linears)
-    batched = [lin.batched_weight for lin in linears if lin.batched_weight is not None]
+    batched = [w for lin in linears for w in lin.batched_slices or ()]
     return {
         "model_dtype": str(model.dtype).removeprefix("torch."),
         "matmul_params": matmul_params,

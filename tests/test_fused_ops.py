@@ -19,6 +19,7 @@ from model_fixtures import (
 
 from loom.model.backends import Backends
 from loom.model.kernels import fused_ops, paged_attention_ops
+from loom.model.linear import bf16_slices
 from loom.model.llama import LlamaModel
 from loom.model.loader import load_model
 from loom.model.runner import ModelRunner
@@ -72,8 +73,8 @@ def test_bf16_cast_is_torchs_bit_for_bit() -> None:
 def test_bf16_linear_is_a_bf16_matmul_on_column_slices(threads: int) -> None:
     """bf16_linear against F.linear on x and W in bf16, product widened, bias added in fp32:
     within one bf16 rounding of each sum (a slice's blocking may order them differently), at
-    decode and prefill row counts, with output widths that leave a narrow last slice or fit
-    one, on one thread and on slices run by helpers."""
+    decode and prefill row counts, on dense slices and oneDNN-packed ones, with output widths
+    that leave a narrow last slice or fit one, on one thread and on slices run by helpers."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -81,8 +82,12 @@ def test_bf16_linear_is_a_bf16_matmul_on_column_slices(threads: int) -> None:
             x, weight = torch.randn(rows, 96) * 3, torch.randn(cols, 96).bfloat16()
             bias = torch.randn(cols)
             product = F.linear(x.bfloat16(), weight).float()
-            for b in (bias, None):
-                out = ops.bf16_linear(x, weight, b)
+            packed = bf16_slices(weight, threads)
+            dense = [w.to_dense() if w.is_mkldnn else w for w in packed]
+            assert torch.equal(torch.cat(dense), weight)
+            assert len(packed) == (1 if cols == 48 else min(threads, -(-cols // 64)))
+            for slices, b in ((packed, bias), (dense, None), ([weight], bias)):
+                out = ops.bf16_linear(x, slices, b)
                 assert out.shape == (rows, cols) and out.dtype == torch.float32
                 got = out - bias if b is not None else out
                 one_rounding = product.abs() * 2.0**-7 + 1e-6
@@ -93,11 +98,13 @@ def test_bf16_linear_is_a_bf16_matmul_on_column_slices(threads: int) -> None:
         torch.set_num_threads(before)
     x, weight = torch.randn(4, 96), torch.randn(8, 96).bfloat16()
     with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.bf16_linear(x, weight.float(), None)
+        ops.bf16_linear(x, [weight.float()], None)
     with pytest.raises(RuntimeError, match="in"):
-        ops.bf16_linear(torch.randn(4, 64), weight, None)
+        ops.bf16_linear(torch.randn(4, 64), [weight], None)
     with pytest.raises(RuntimeError, match="bias"):
-        ops.bf16_linear(x, weight, torch.randn(7))
+        ops.bf16_linear(x, [weight, weight], torch.randn(8))
+    with pytest.raises(RuntimeError, match="empty"):
+        ops.bf16_linear(x, [], None)
 
 
 def test_bad_inputs_are_refused() -> None:

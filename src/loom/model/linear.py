@@ -67,6 +67,19 @@ def to_panels(bq: BlockQuantWeight, block_quant_ops: ModuleType) -> torch.Tensor
     return block_quant_ops.panels_from_blocks(bq.blocks.contiguous(), header, bq.kind == "Q4_0")
 
 
+def bf16_slices(weight: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """A bf16 [N, K] weight as `count` slices of its output channels for fused_ops'
+    bf16_linear (one per thread; the last may be narrower), edges on multiples of 64 channels
+    (oneDNN's bf16 register blocks), each packed by oneDNN where it has bf16 kernels: a packed
+    slice's matmul skips the re-layout of the weight that every unpacked call does."""
+    step = -(-weight.shape[0] // max(1, count))
+    step = -(-step // 64) * 64
+    slices = [weight[start:start + step].contiguous() for start in range(0, weight.shape[0], step)]
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return [torch.ops.mkldnn._reorder_linear_weight(s, _PACK_BATCH_HINT) for s in slices]
+    return slices
+
+
 class Linear:
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
                  prepack: bool = False, block_quant: BlockQuantWeight | None = None,
@@ -77,7 +90,7 @@ class Linear:
         bf16 on a copy of that weight instead (module docstring)."""
         self.bias = bias
         self.panels: torch.Tensor | None = None
-        self.batched_weight: torch.Tensor | None = None
+        self.batched_slices: list[torch.Tensor] | None = None
         if self.uses_panels(block_quant, block_quant_ops):
             self.out_features, self.in_features = block_quant.shape
             self.panels = to_panels(block_quant, block_quant_ops)
@@ -88,7 +101,8 @@ class Linear:
                 if self._bf16_ops is None:
                     raise RuntimeError("bf16 matmuls need loom's compiled bf16_linear "
                                        "(fused_ops.cpp)")
-                self.batched_weight = block_quant.dequantize().to(torch.bfloat16)
+                self.batched_slices = bf16_slices(block_quant.dequantize().to(torch.bfloat16),
+                                                  torch.get_num_threads())
             return
         if weight is None:
             raise ValueError("a Linear needs its fp32 weight unless it runs on panels")
@@ -108,8 +122,8 @@ class Linear:
         if self.panels is not None:
             flat = x.dim() == 2  # the model's [tokens, features]: no reshape ops around it
             rows = x if flat else x.reshape(-1, self.in_features)
-            if self.batched_weight is not None and rows.shape[0] > INT8_MAX_ROWS:
-                out = self._bf16_ops.bf16_linear(rows.contiguous(), self.batched_weight,
+            if self.batched_slices is not None and rows.shape[0] > INT8_MAX_ROWS:
+                out = self._bf16_ops.bf16_linear(rows.contiguous(), self.batched_slices,
                                                  self.bias)
             else:
                 out = self._block_quant_ops.block_quant_linear(rows, self.panels, self.bias,

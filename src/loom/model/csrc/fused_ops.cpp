@@ -7,12 +7,16 @@
 // over threads only when a row block is worth a fork/join.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <string_view>
+#include <vector>
 
 #include "parallel_dynamic.h"
 
@@ -134,22 +138,44 @@ torch::Tensor to_bf16(torch::Tensor x) {
   return out;
 }
 
-// y = x W^T + b with x float32 [rows, K] and W bfloat16 [N, K], as a bfloat16 model's matmul
-// computes it: x rounded to bf16, oneDNN's product (fp32 sums) rounded to bf16, then widened
-// to float32 and the bias added. What is loom's is who runs the matmul. Called from Python,
-// oneDNN forks onto torch's OpenMP pool, whose helpers sleep between calls under
-// OMP_WAIT_POLICY=PASSIVE: waking them cost 60-90 us a call on two cores, a fifth of a 32-row
-// step's matmuls. Here W's output columns are cut into one slice per thread, run on the
-// yielding pool of parallel_dynamic.h, each a one-thread oneDNN matmul (that thread's OpenMP
-// team set to one for it) whose product is cast straight into out's columns. A slice's
-// blocking can differ from a whole-matrix call's, so sums may round apart by one bf16 ulp.
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight,
+// oneDNN's matmul on a weight it packed at load time (torch.ops.mkldnn._reorder_linear_weight):
+// otherwise each call re-lays out the weight for the bf16 dot products, a quarter of a
+// 32-row step's matmul time.
+static torch::Tensor packed_matmul(const torch::Tensor& x, const torch::Tensor& packed) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, std::string_view,
+                            c10::List<std::optional<at::Scalar>>,
+                            std::optional<std::string_view>)>();
+  return op.call(x, packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), "");
+}
+
+// y = x W^T + b with x float32 [rows, K] and W bfloat16 [N, K] given as slices of its output
+// channels (each [n_i, K], dense or packed by oneDNN), as a bfloat16 model's matmul computes
+// it: x rounded to bf16, oneDNN's product (fp32 sums) rounded to bf16, then widened to float32
+// and the bias added. What is loom's is who runs the matmul. Called from Python, oneDNN forks
+// onto torch's OpenMP pool, whose helpers sleep between calls under OMP_WAIT_POLICY=PASSIVE:
+// waking them cost 60-90 us a call on two cores, a fifth of a 32-row step's matmuls. Here the
+// slices are taken one at a time by the threads of parallel_dynamic.h's yielding pool, each
+// a one-thread oneDNN matmul (that thread's OpenMP team set to one for it) whose product is
+// cast straight into out's columns. A slice's blocking can differ from a whole-matrix call's,
+// so sums may round apart by one bf16 ulp.
+torch::Tensor bf16_linear(torch::Tensor x, std::vector<torch::Tensor> slices,
                           c10::optional<torch::Tensor> bias) {
   check_rows(x, "x");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
-                  weight.is_contiguous() && weight.size(1) == x.size(1),
-              "weight must be a contiguous [out, in] bfloat16 tensor with x's in");
-  const int64_t rows = x.size(0), cols = weight.size(0);
+  TORCH_CHECK(!slices.empty(), "slices must not be empty");
+  std::vector<int64_t> starts{0};
+  for (const auto& w : slices) {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) == x.size(1) &&
+                    (w.is_mkldnn() || w.is_contiguous()),
+                "slices must be [out, in] bfloat16 tensors (contiguous or oneDNN-packed) "
+                "with x's in");
+    starts.push_back(starts.back() + w.size(0));
+  }
+  const int64_t rows = x.size(0), cols = starts.back();
+  const int64_t count = static_cast<int64_t>(slices.size());
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == cols &&
@@ -160,17 +186,14 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight,
   const torch::Tensor xb = to_bf16(x);
   auto out = torch::empty({rows, cols}, x.options());
   float* dst = out.data_ptr<float>();
-  // slice edges on multiples of 64 columns, the width of oneDNN's bf16 register blocks
-  const int64_t slices = std::max(1, at::get_num_threads());
-  const int64_t step = (cols / slices + 63) / 64 * 64;
-  const int64_t count = std::max<int64_t>(1, (cols + step - 1) / step);
   parallel_dynamic(count, [&](std::atomic<int64_t>& next) {
     at::internal::lazy_init_num_threads();  // torch's first-use setup would undo the next line
     const int team = omp_get_max_threads();
     omp_set_num_threads(1);
     for (int64_t i; (i = next++) < count;) {
-      const int64_t begin = i * step, width = std::min(step, cols - begin);
-      const torch::Tensor y = at::linear(xb, weight.narrow(0, begin, width));
+      const torch::Tensor& w = slices[i];
+      const torch::Tensor y = w.is_mkldnn() ? packed_matmul(xb, w) : at::linear(xb, w);
+      const int64_t begin = starts[i], width = w.size(0);
       const uint16_t* src = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
       for (int64_t r = 0; r < rows; ++r) {
         uint32_t* bits = reinterpret_cast<uint32_t*>(dst + r * cols + begin);
