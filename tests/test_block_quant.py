@@ -16,7 +16,13 @@ from model_fixtures import TINY_SPECS, build_tiny_model, save_hf_folder, write_g
 
 from loom import LLM, SamplingParams
 from loom.model.kernels import block_quant_linear_ops
-from loom.model.linear import INT8_MAX_ROWS, Linear, to_panels
+from loom.model.linear import (
+    BF16_ABOVE_ROWS,
+    BF16_ABOVE_ROWS_AMX,
+    INT8_MAX_ROWS,
+    Linear,
+    to_panels,
+)
 from loom.model.llama import LlamaModel
 from loom.model.loader import (
     _hf_name,
@@ -247,22 +253,23 @@ def test_linear_uses_the_kernel_at_every_batch_size() -> None:
 
 
 @needs_kernel
-def test_wide_calls_take_the_bf16_copy_and_narrow_ones_the_kernel() -> None:
-    """With batched_bf16, up to INT8_MAX_ROWS rows stay on the kernel's int8 path, bit for bit;
+@pytest.mark.parametrize("above", [BF16_ABOVE_ROWS, BF16_ABOVE_ROWS_AMX])
+def test_wide_calls_take_the_bf16_copy_and_narrow_ones_the_kernel(above: int) -> None:
+    """With bf16_above_rows, calls of up to that many rows stay on the kernel, bit for bit;
     more rows are the bf16 product of the same weights (x and the product rounded to bf16, as
     a bfloat16 model's matmuls are, up to one rounding of a sum: test_fused_ops) plus the bias
     in fp32, in float32 out, flat or not."""
     bq = random_block_quant(48, 96, seed=5)
     bias = torch.randn(48)
-    linear = Linear(None, bias, block_quant=bq, block_quant_ops=ops, batched_bf16=True)
+    linear = Linear(None, bias, block_quant=bq, block_quant_ops=ops, bf16_above_rows=above)
     copy = torch.cat([w.to_dense() if w.is_mkldnn else w for w in linear.batched_slices])
     torch.testing.assert_close(copy, bq.dequantize().bfloat16(), rtol=0, atol=0)
     plain = Linear(None, bias, block_quant=bq, block_quant_ops=ops)
     assert plain.batched_slices is None
-    for rows in (1, INT8_MAX_ROWS):
+    for rows in (1, above):
         x = torch.randn(rows, 96)
         torch.testing.assert_close(linear(x), plain(x), rtol=0, atol=0)
-    for rows in (INT8_MAX_ROWS + 1, 300):
+    for rows in (above + 1, 300):
         x = torch.randn(rows, 96)
         out = linear(x)
         assert out.dtype == torch.float32
@@ -270,9 +277,9 @@ def test_wide_calls_take_the_bf16_copy_and_narrow_ones_the_kernel() -> None:
         assert ((out - bias - product).abs() <= product.abs() * 2.0**-7 + 1e-6).all()
         exact = F.linear(x.double(), bq.dequantize().double(), bias.double())
         assert ((out.double() - exact).norm() / exact.norm()) < 1e-2
-        assert not torch.equal(out, plain(x))  # not the kernel's fp32 path
-    x3 = torch.randn(3, INT8_MAX_ROWS, 96)  # 48 rows once flattened
-    torch.testing.assert_close(linear(x3), linear(x3.reshape(-1, 96)).view(3, INT8_MAX_ROWS, 48),
+        assert not torch.equal(out, plain(x))  # not the kernel's product
+    x3 = torch.randn(3, above, 96)  # more rows once flattened
+    torch.testing.assert_close(linear(x3), linear(x3.reshape(-1, 96)).view(3, above, 48),
                                rtol=0, atol=0)
 
 

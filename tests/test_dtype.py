@@ -13,6 +13,7 @@ from loom import LLM, SamplingParams, host
 from loom.config import CacheConfig, ModelConfig
 from loom.host import has_native_bf16
 from loom.model.backends import resolve_backends
+from loom.model.linear import BF16_ABOVE_ROWS, BF16_ABOVE_ROWS_AMX
 from loom.model.loader import load_model
 
 pytestmark = pytest.mark.integration
@@ -59,12 +60,14 @@ def test_bf16_predicts_like_float32(llm: LLM) -> None:
     assert drift < 0.1, f"mean |logprob difference| {drift:.3f}"
 
 
-@pytest.mark.parametrize("native_bf16", [True, False])
-def test_auto_choices_on_either_cpu(monkeypatch, native_bf16: bool) -> None:
+@pytest.mark.parametrize(("native_bf16", "amx"), [(True, True), (True, False), (False, False)])
+def test_auto_choices_on_each_cpu(monkeypatch, native_bf16: bool, amx: bool) -> None:
     """resolve_backends on each kind of CPU, for a model the native kernel takes (blocks) and
-    one it cannot: the dtype, the wide matmuls, and the error for bf16 matmuls without it."""
+    one it cannot: the dtype, the wide matmuls and from how many rows, and the error for bf16
+    matmuls without the kernel."""
     arch = load_model(None).arch
     monkeypatch.setattr(host, "has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(host, "has_amx", lambda: amx)
     probe = resolve_backends(ModelConfig(dtype="float32"), CacheConfig(), arch, True)
     if probe.linear != "native":
         pytest.skip("the native kernel does not build here")
@@ -75,7 +78,9 @@ def test_auto_choices_on_either_cpu(monkeypatch, native_bf16: bool) -> None:
 
     auto = resolve()
     assert (auto.dtype, auto.linear, auto.batched_bf16) == (torch.float32, "native", native_bf16)
-    assert ("bf16 above 16 rows" in auto.describe()) == native_bf16
+    above = BF16_ABOVE_ROWS_AMX if amx else BF16_ABOVE_ROWS
+    assert auto.bf16_above_rows == (above if native_bf16 else None)
+    assert (f"bf16 above {above} rows" in auto.describe()) == native_bf16
     no_blocks = resolve(has_blocks=False)
     assert no_blocks.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
     assert not no_blocks.batched_bf16

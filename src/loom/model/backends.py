@@ -16,7 +16,7 @@ from loom import host
 from loom.config import CacheConfig, ModelConfig
 from loom.model.arch import ModelArch
 from loom.model.kernels import block_quant_linear_ops, fused_ops, paged_attention_ops
-from loom.model.linear import INT8_MAX_ROWS, onednn_prepack_supported
+from loom.model.linear import BF16_ABOVE_ROWS, BF16_ABOVE_ROWS_AMX, onednn_prepack_supported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,9 +35,12 @@ class Backends:
     native_decode: bool  # decode attention through the C++ paged kernel
     linear: str  # projection matmuls: "native" (GGUF blocks), "onednn" (prepacked) or "torch"
     fused_ops: ModuleType | None  # compiled add + RMSNorm and SiLU * up, else torch's ops
-    # native: calls of more than INT8_MAX_ROWS rows in bf16 on copies of the weights
-    # (model/linear.py)
-    batched_bf16: bool = False
+    # native: calls of more rows than this in bf16 on copies of the weights (model/linear.py)
+    bf16_above_rows: int | None = None
+
+    @property
+    def batched_bf16(self) -> bool:
+        return self.bf16_above_rows is not None
 
     @property
     def prepack(self) -> bool:
@@ -47,7 +50,8 @@ class Backends:
     def describe(self) -> str:
         """The start-up log's words for these choices."""
         matmuls = {"native": "native on the GGUF's blocks"
-                             + (f", bf16 above {INT8_MAX_ROWS} rows" if self.batched_bf16 else ""),
+                             + (f", bf16 above {self.bf16_above_rows} rows" if self.batched_bf16
+                                else ""),
                    "onednn": "oneDNN prepacked"}
         parts = [f"dtype {str(self.dtype).removeprefix('torch.')}",
                  f"KV cache {str(self.kv_dtype).removeprefix('torch.')}",
@@ -89,8 +93,9 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
         device=device, dtype=dtype, kv_dtype=kv_dtype, num_threads=num_threads,
         native_decode=native_decode, linear=linear, fused_ops=fused,
         # the casts in and out of bf16 are fused_ops' too
-        batched_bf16=_batched_bf16(config, device, linear == "native" and fused is not None,
-                                   bf16_copy_bytes))
+        bf16_above_rows=_bf16_above_rows(config, device,
+                                         linear == "native" and fused is not None,
+                                         bf16_copy_bytes))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -101,9 +106,9 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device, native_linear: bool = False) -> torch.dtype:
     """auto: bfloat16 on CUDA. On a CPU with native bf16 instructions, float32 when the native
-    kernel takes the model's weights (native_linear): up to 16 rows its int8 path reads a
+    kernel takes the model's weights (native_linear): at a few rows its int8 path reads a
     quarter of bf16's bytes (2.4x bf16's decode step at one sequence on an AVX-512 EPYC), and
-    above them the matmuls run in bf16 anyway (`_batched_bf16`); else bfloat16. float32 on
+    above them the matmuls run in bf16 anyway (`_bf16_above_rows`); else bfloat16. float32 on
     other CPUs."""
     if name != "auto":
         return DTYPES[name]
@@ -112,12 +117,20 @@ def resolve_dtype(name: str, device: torch.device, native_linear: bool = False) 
     return torch.bfloat16 if host.has_native_bf16() and not native_linear else torch.float32
 
 
+def _bf16_above_rows(config: ModelConfig, device: torch.device, native_with_casts: bool,
+                     copy_bytes: int) -> int | None:
+    """The row count above which the native kernel's calls go to bf16 copies of the weights,
+    or None for no copies. Copies when asked for, or by auto with dtype auto on a CPU with
+    native bf16 when they take at most _BF16_COPY_RAM_SHARE of the available memory (with
+    dtype float32 asked for, the matmuls stay float32 too); the row count is where bf16
+    overtook the int8 path on this kind of CPU (model/linear.py)."""
+    if not _batched_bf16(config, device, native_with_casts, copy_bytes):
+        return None
+    return BF16_ABOVE_ROWS_AMX if host.has_amx() else BF16_ABOVE_ROWS
+
+
 def _batched_bf16(config: ModelConfig, device: torch.device, native_with_casts: bool,
                   copy_bytes: int) -> bool:
-    """Whether the native kernel's wide calls go to bf16 copies of the weights: asked for, or
-    auto with dtype auto on a CPU with native bf16 when the copies take at most
-    _BF16_COPY_RAM_SHARE of the available memory (with dtype float32 asked for, the matmuls
-    stay float32 too)."""
     if config.batched_matmul == "native":
         return False
     if not native_with_casts:

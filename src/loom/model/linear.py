@@ -17,14 +17,14 @@ weights. `benchmarks/linear_layout.py --native-only` times both paths and
 `benchmarks/native_accuracy.py` measures what the int8 one costs in accuracy.
 
 On a CPU with native bf16 instructions (avx512_bf16, AMX) a layer can also keep a bf16 copy of
-the weight for calls of more than INT8_MAX_ROWS rows: oneDNN's bf16 matmul outruns the native
-kernel's fp32 path there (1.4x at 32 rows, 2.6x at a 256-token prefill chunk) while the int8
-path stays the fastest below it, at a quarter of the bytes (`loom.model.backends`,
-`batched_matmul`). x is rounded to bf16 on the way in and the product on the way out, as a
-bfloat16 model's matmuls are; the rest of the model stays float32. loom's own op runs it
-(csrc/fused_ops.cpp `bf16_linear`): oneDNN's matmul on slices of the output columns, one per
-thread of loom's kernel pool, where a call from Python wakes torch's sleeping OpenMP threads
-every time, and its own casts, where torch's wake them too.
+the weight for calls of more than a few rows (BF16_ABOVE_ROWS, BF16_ABOVE_ROWS_AMX): oneDNN's
+bf16 matmul outruns the native kernel there, while its int8 path stays the fastest below, at
+a quarter of the bytes (`loom.model.backends`, `batched_matmul`). x is rounded to bf16 on the
+way in and the product on the way out, as a bfloat16 model's matmuls are; the rest of the
+model stays float32. loom's own op runs it (csrc/fused_ops.cpp `bf16_linear`): oneDNN's
+matmul on oneDNN-packed slices of the output columns, one per thread of loom's kernel pool,
+where a call from Python wakes torch's sleeping OpenMP threads every time and re-lays out an
+unpacked weight.
 """
 
 from __future__ import annotations
@@ -51,6 +51,13 @@ PANEL_CHANNELS = 8
 # Both paths read the same panels, so the choice is per call. Not batch-invariant: a decode row
 # in a step of more rows takes the fp32 path and can round differently.
 INT8_MAX_ROWS = 16
+
+# Rows above which a layer with bf16 copies sends a call to them (`Linear`'s bf16_above_rows,
+# chosen by loom.model.backends): where oneDNN's bf16 matmul overtook the int8 path over the
+# chain of the model's matmuls. On AVX-512 bf16 without AMX that was at 16 rows; on AMX, whose
+# tiles multiply bf16 several times faster, at 6 (BENCHMARKS.md).
+BF16_ABOVE_ROWS = INT8_MAX_ROWS
+BF16_ABOVE_ROWS_AMX = 5
 
 
 def onednn_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -83,10 +90,11 @@ def bf16_slices(weight: torch.Tensor, count: int) -> list[torch.Tensor]:
 class Linear:
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
                  prepack: bool = False, block_quant: BlockQuantWeight | None = None,
-                 block_quant_ops: ModuleType | None = None, batched_bf16: bool = False) -> None:
+                 block_quant_ops: ModuleType | None = None,
+                 bf16_above_rows: int | None = None) -> None:
         """block_quant (with the compiled block_quant_ops): the same weight in the GGUF's
         format; when `uses_panels` says so, every matmul uses it and `weight` is not kept
-        (it may then be None). batched_bf16: calls of more than INT8_MAX_ROWS rows run in
+        (it may then be None). bf16_above_rows: calls of more rows than this run in
         bf16 on a copy of that weight instead (module docstring)."""
         self.bias = bias
         self.panels: torch.Tensor | None = None
@@ -96,7 +104,8 @@ class Linear:
             self.panels = to_panels(block_quant, block_quant_ops)
             self._block_quant_ops = block_quant_ops
             self.weight, self.prepacked = None, False
-            if batched_bf16:
+            if bf16_above_rows is not None:
+                self._bf16_above_rows = bf16_above_rows
                 self._bf16_ops = fused_ops()
                 if self._bf16_ops is None:
                     raise RuntimeError("bf16 matmuls need loom's compiled bf16_linear "
@@ -122,7 +131,7 @@ class Linear:
         if self.panels is not None:
             flat = x.dim() == 2  # the model's [tokens, features]: no reshape ops around it
             rows = x if flat else x.reshape(-1, self.in_features)
-            if self.batched_slices is not None and rows.shape[0] > INT8_MAX_ROWS:
+            if self.batched_slices is not None and rows.shape[0] > self._bf16_above_rows:
                 out = self._bf16_ops.bf16_linear(rows.contiguous(), self.batched_slices,
                                                  self.bias)
             else:

@@ -30,11 +30,11 @@ from loom.model.weights import BlockQuantWeight, LazyWeights
 class LlamaLayer:
     def __init__(self, w: Mapping[str, torch.Tensor], prefix: str, bias: bool,
                  prepack: bool, block_quant: dict[str, BlockQuantWeight],
-                 batched_bf16: bool) -> None:
+                 bf16_above_rows: int | None) -> None:
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         qkv_bias = torch.cat([w[attn + f"{x}_proj.bias"] for x in "qkv"]) if bias else None
         linear = partial(_linear, w, prepack=prepack, block_quant=block_quant,
-                         batched_bf16=batched_bf16)
+                         bf16_above_rows=bf16_above_rows)
         self.qkv = linear([attn + f"{x}_proj.weight" for x in "qkv"], qkv_bias)
         # Llama's attention_bias also puts a bias on o_proj, and mlp_bias on all three MLP
         # projections (Qwen2 has q/k/v biases only): use whichever the checkpoint has.
@@ -49,17 +49,17 @@ class LlamaLayer:
 
 def _linear(w: Mapping[str, torch.Tensor], names: list[str], bias: torch.Tensor | None,
             prepack: bool, block_quant: dict[str, BlockQuantWeight],
-            batched_bf16: bool) -> Linear:
+            bf16_above_rows: int | None) -> Linear:
     """One projection from the named weights, stacked along the output rows; with the GGUF's
-    block-quantized form too when every part has one (and then, with batched_bf16, a bf16
-    copy for wide calls: model/linear.py). The fp32 parts are stacked only when the layer
+    block-quantized form too when every part has one (and then, with bf16_above_rows, a
+    bf16 copy for wide calls: model/linear.py). The fp32 parts are stacked only when the layer
     will use them."""
     quant, ops = None, None
     if all(n in block_quant for n in names):
         quant = BlockQuantWeight.cat([block_quant[n] for n in names])
         ops = block_quant_linear_ops()
     if Linear.uses_panels(quant, ops):
-        return Linear(None, bias, prepack, quant, ops, batched_bf16)
+        return Linear(None, bias, prepack, quant, ops, bf16_above_rows)
     weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
     return Linear(weight, bias, prepack, quant, ops)
 
@@ -68,10 +68,11 @@ class LlamaModel:
     def __init__(self, arch: ModelArch, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, prepack: bool = False,
                  block_quant: dict[str, BlockQuantWeight] | None = None,
-                 fused_ops: ModuleType | None = None, batched_bf16: bool = False) -> None:
+                 fused_ops: ModuleType | None = None,
+                 bf16_above_rows: int | None = None) -> None:
         """prepack: hold the projection weights prepacked for oneDNN; block_quant: the GGUF's
         block-quantized weights, for the native matmul (see model/linear.py), which with
-        batched_bf16 hands calls of many rows to bf16 copies of them; fused_ops: the compiled
+        bf16_above_rows hands calls of more rows to bf16 copies of them; fused_ops: the compiled
         add + RMSNorm and SiLU * up (CPU float32), else torch's ops."""
         self.arch = arch
         self.fused_ops = fused_ops
@@ -90,10 +91,10 @@ class LlamaModel:
                              else None)
         self.dtype = dtype
         head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = _linear(w, [head], None, prepack, block_quant, batched_bf16)
+        self.lm_head = _linear(w, [head], None, prepack, block_quant, bf16_above_rows)
         self.final_norm = w["model.norm.weight"]
         self.layers = [LlamaLayer(w, f"model.layers.{i}.", arch.attention_bias, prepack,
-                                  block_quant, batched_bf16)
+                                  block_quant, bf16_above_rows)
                        for i in range(arch.num_layers)]
         inv_freq = rope_inv_freq(arch).to(device)
         positions = torch.arange(arch.max_position_embeddings, device=device, dtype=torch.float32)

@@ -74,7 +74,8 @@ class ModelRunner:
                            prepack=backends.prepack,
                            block_quant=loaded.block_quant if backends.linear == "native"
                            else None,
-                           fused_ops=backends.fused_ops, batched_bf16=backends.batched_bf16)
+                           fused_ops=backends.fused_ops,
+                           bf16_above_rows=backends.bf16_above_rows)
         info = ModelInfo(loaded.name, loaded.tokenizer, loaded.arch.vocab_size,
                          loaded.arch.max_position_embeddings)
         logger.info("model %s on %s: %s%s", info.name, backends.device, backends.describe(),
