@@ -32,7 +32,7 @@ step does). Run from the repository root:
     python benchmarks/roofline.py --dtypes auto     # only what the engine picks on this CPU
 
 "auto" decodes at the engine's own dtype choice: on a CPU with native bf16 that is float32 on
-the native kernel up to a few rows (16; 5 with AMX) and bf16 copies of the weights above
+the native kernel up to a few rows (16; 3 with AMX) and bf16 copies of the weights above
 (model/linear.py), and
 its bound then takes, at each B, the bytes and the per-shape matmul speed of the path that
 runs there.
@@ -171,7 +171,7 @@ def model_figures(model: LlamaModel, kv_dtype: torch.dtype) -> dict[str, Any]:
         lin.panels.numel() * lin.panels.element_size()
         if lin.panels is not None else lin.num_params * itemsize
         for lin in linears)
-    batched = [w for lin in linears for w in lin.batched_slices or ()]
+    batched = [w for lin in linears for w in lin.bf16_copy_tensors()]
     return {
         "model_dtype": str(model.dtype).removeprefix("torch."),
         "matmul_params": matmul_params,

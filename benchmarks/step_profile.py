@@ -46,7 +46,8 @@ from loom.model.kernels import (  # noqa: E402
 OP_KINDS = {  # torch profiler op name -> kind, first match wins
     "matmul (native, GGUF blocks)": ("loom::block_quant_linear",),
     # the slices the calling thread runs show as mkldnn ops under it; the helpers' are unseen
-    "matmul (bf16 copies, loom's threads)": ("loom::bf16_linear", "mkldnn::_linear_pointwise"),
+    "matmul (bf16 copies, loom's threads)": ("loom::bf16_linear", "loom::amx_bf16_linear",
+                                             "mkldnn::_linear_pointwise"),
     "add + RMSNorm, SiLU * up (native)": ("loom::add_rms_norm", "loom::silu_mul"),
     "matmul (linear/mm)": ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul",
                            "aten::bmm"),
@@ -152,7 +153,7 @@ def label_native_ops() -> None:
     kernels = ((paged_attention_ops(), "paged_decode_attention"),
                (paged_attention_ops(), "rope_write_decode"),
                (block_quant_linear_ops(), "block_quant_linear"),
-               (fused_ops(), "bf16_linear"),
+               (fused_ops(), "bf16_linear"), (fused_ops(), "amx_bf16_linear"),
                (fused_ops(), "add_rms_norm"), (fused_ops(), "silu_mul"))
     for module, name in kernels:
         if module is None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from model_fixtures import TINY_SPECS, build_tiny_model, save_hf_folder, write_gguf
 
 from loom import LLM, SamplingParams
-from loom.model.kernels import block_quant_linear_ops
+from loom.model.kernels import block_quant_linear_ops, fused_ops
 from loom.model.linear import (
     BF16_ABOVE_ROWS,
     BF16_ABOVE_ROWS_AMX,
@@ -254,18 +254,23 @@ def test_linear_uses_the_kernel_at_every_batch_size() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("above", [BF16_ABOVE_ROWS, BF16_ABOVE_ROWS_AMX])
-def test_wide_calls_take_the_bf16_copy_and_narrow_ones_the_kernel(above: int) -> None:
+@pytest.mark.parametrize("out_features", [48, 64])
+def test_wide_calls_take_the_bf16_copy_and_narrow_ones_the_kernel(above: int,
+                                                                  out_features: int) -> None:
     """With bf16_above_rows, calls of up to that many rows stay on the kernel, bit for bit;
     more rows are the bf16 product of the same weights (x and the product rounded to bf16, as
     a bfloat16 model's matmuls are, up to one rounding of a sum: test_fused_ops) plus the bias
-    in fp32, in float32 out, flat or not."""
-    bq = random_block_quant(48, 96, seed=5)
-    bias = torch.randn(48)
+    in fp32, in float32 out, flat or not. 64 channels fit AMX blocks of 32 (the AMX kernel's
+    copy, where the CPU has it), 48 do not (oneDNN's slices)."""
+    bq = random_block_quant(out_features, 96, seed=5)
+    bias = torch.randn(out_features)
     linear = Linear(None, bias, block_quant=bq, block_quant_ops=ops, bf16_above_rows=above)
-    copy = torch.cat([w.to_dense() if w.is_mkldnn else w for w in linear.batched_slices])
-    torch.testing.assert_close(copy, bq.dequantize().bfloat16(), rtol=0, atol=0)
+    amx = out_features % 32 == 0 and fused_ops() is not None and fused_ops().amx_available()
+    assert (linear.batched_tiles is not None) == amx
+    assert (linear.batched_slices is not None) == (not amx)
+    torch.testing.assert_close(linear.bf16_copy(), bq.dequantize().bfloat16(), rtol=0, atol=0)
     plain = Linear(None, bias, block_quant=bq, block_quant_ops=ops)
-    assert plain.batched_slices is None
+    assert not plain.has_bf16_copy and plain.bf16_copy() is None
     for rows in (1, above):
         x = torch.randn(rows, 96)
         torch.testing.assert_close(linear(x), plain(x), rtol=0, atol=0)
@@ -279,7 +284,8 @@ def test_wide_calls_take_the_bf16_copy_and_narrow_ones_the_kernel(above: int) ->
         assert ((out.double() - exact).norm() / exact.norm()) < 1e-2
         assert not torch.equal(out, plain(x))  # not the kernel's product
     x3 = torch.randn(3, above, 96)  # more rows once flattened
-    torch.testing.assert_close(linear(x3), linear(x3.reshape(-1, 96)).view(3, above, 48),
+    torch.testing.assert_close(linear(x3),
+                               linear(x3.reshape(-1, 96)).view(3, above, out_features),
                                rtol=0, atol=0)
 
 

@@ -43,7 +43,7 @@ def test_auto_runs_bf16_matmuls_exactly_where_the_cpu_has_them(llm: LLM) -> None
     expected = torch.bfloat16 if has_native_bf16() and not native else torch.float32
     assert backends.dtype == expected
     assert backends.batched_bf16 == (native and has_native_bf16())
-    assert (auto.engine.runner.model.lm_head.batched_slices is not None) == backends.batched_bf16
+    assert auto.engine.runner.model.lm_head.has_bf16_copy == backends.batched_bf16
     answer = auto.chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(max_tokens=24, temperature=0))[0].outputs[0].text
     assert "Paris" in answer

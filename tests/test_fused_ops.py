@@ -19,7 +19,7 @@ from model_fixtures import (
 
 from loom.model.backends import Backends
 from loom.model.kernels import fused_ops, paged_attention_ops
-from loom.model.linear import bf16_slices
+from loom.model.linear import amx_fits, amx_tiles, bf16_slices, from_amx_tiles
 from loom.model.llama import LlamaModel
 from loom.model.loader import load_model
 from loom.model.runner import ModelRunner
@@ -105,6 +105,59 @@ def test_bf16_linear_is_a_bf16_matmul_on_column_slices(threads: int) -> None:
         ops.bf16_linear(x, [weight, weight], torch.randn(8))
     with pytest.raises(RuntimeError, match="empty"):
         ops.bf16_linear(x, [], None)
+
+
+needs_amx = pytest.mark.skipif(ops is None or not ops.amx_available(),
+                               reason="no AMX tiles on this CPU (or this build)")
+
+
+def test_amx_tiles_round_trip() -> None:
+    """The AMX layout holds the weight's every element once, and puts input pairs together:
+    tile row r of a block holds inputs 2r and 2r + 1 of each of its 16 channels."""
+    weight = torch.randn(96, 64).bfloat16()
+    tiles = amx_tiles(weight)
+    assert tiles.shape == (3, 2, 2, 16, 16, 2)
+    assert torch.equal(from_amx_tiles(tiles), weight)
+    # block 1 (channels 32-63), step 1 (inputs 32-63), channels 48-63, pair row 3, channel 5
+    assert torch.equal(tiles[1, 1, 1, 3, 5], weight[32 + 16 + 5, 32 + 6:32 + 8])
+    assert amx_fits((96, 64)) and not amx_fits((96, 48)) and not amx_fits((40, 64))
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_amx_bf16_linear_is_a_bf16_matmul(threads: int) -> None:
+    """amx_bf16_linear against F.linear on x and W in bf16, product widened, bias added in
+    fp32, as bf16_linear: within one bf16 rounding of each sum (the tiles sum in another
+    order), mostly equal; at row counts below, at and between tiles of 16 rows and pairs of
+    them, on one block of channels and on many, run by one thread or by helpers."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows, cols, inputs in ((1, 32, 32), (5, 96, 64), (16, 64, 96), (17, 160, 96),
+                                   (32, 64, 576), (33, 96, 64), (64, 256, 128),
+                                   (300, 96, 64), (0, 64, 32)):
+            x, weight = torch.randn(rows, inputs) * 3, torch.randn(cols, inputs).bfloat16()
+            bias = torch.randn(cols)
+            product = F.linear(x.bfloat16(), weight).float()
+            for b in (bias, None):
+                out = ops.amx_bf16_linear(x, amx_tiles(weight), b)
+                assert out.shape == (rows, cols) and out.dtype == torch.float32
+                got = out - bias if b is not None else out
+                one_rounding = product.abs() * 2.0**-7 + 1e-6
+                assert ((got - product).abs() <= one_rounding).all()
+                if rows:
+                    assert (got == product).float().mean() > 0.95
+    finally:
+        torch.set_num_threads(before)
+    x, tiles = torch.randn(4, 64), amx_tiles(torch.randn(32, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="tiles"):
+        ops.amx_bf16_linear(torch.randn(4, 96), tiles, None)
+    with pytest.raises(RuntimeError, match="tiles"):
+        ops.amx_bf16_linear(x, tiles.float(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.amx_bf16_linear(x, tiles, torch.randn(64))
+    with pytest.raises(RuntimeError, match="x must"):
+        ops.amx_bf16_linear(x.bfloat16(), tiles, None)
 
 
 def test_bad_inputs_are_refused() -> None:

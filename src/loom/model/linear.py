@@ -21,10 +21,11 @@ the weight for calls of more than a few rows (BF16_ABOVE_ROWS, BF16_ABOVE_ROWS_A
 bf16 matmul outruns the native kernel there, while its int8 path stays the fastest below, at
 a quarter of the bytes (`loom.model.backends`, `batched_matmul`). x is rounded to bf16 on the
 way in and the product on the way out, as a bfloat16 model's matmuls are; the rest of the
-model stays float32. loom's own op runs it (csrc/fused_ops.cpp `bf16_linear`): oneDNN's
-matmul on oneDNN-packed slices of the output columns, one per thread of loom's kernel pool,
-where a call from Python wakes torch's sleeping OpenMP threads every time and re-lays out an
-unpacked weight.
+model stays float32. loom's own ops run it, on loom's kernel pool (a call from Python wakes
+torch's sleeping OpenMP threads every time): on a CPU with AMX, a tile kernel of loom's own on
+the copy laid out in AMX tiles (csrc/fused_ops.cpp `amx_bf16_linear`, `amx_tiles`); elsewhere
+oneDNN's matmul on oneDNN-packed slices of the output columns, one per thread
+(`bf16_linear`, `bf16_slices`), as an unpacked weight is re-laid out on every call.
 """
 
 from __future__ import annotations
@@ -53,11 +54,12 @@ PANEL_CHANNELS = 8
 INT8_MAX_ROWS = 16
 
 # Rows above which a layer with bf16 copies sends a call to them (`Linear`'s bf16_above_rows,
-# chosen by loom.model.backends): where oneDNN's bf16 matmul overtook the int8 path over the
-# chain of the model's matmuls. On AVX-512 bf16 without AMX that was at 16 rows; on AMX, whose
-# tiles multiply bf16 several times faster, at 6 (BENCHMARKS.md).
+# chosen by loom.model.backends): where the bf16 matmul overtook the int8 path over the chain
+# of the model's matmuls. On AVX-512 bf16 without AMX (oneDNN) that was at 16 rows; on AMX,
+# with loom's tile kernel, whose cost stays near the weights' stream up to tens of rows, at 4
+# (BENCHMARKS.md).
 BF16_ABOVE_ROWS = INT8_MAX_ROWS
-BF16_ABOVE_ROWS_AMX = 5
+BF16_ABOVE_ROWS_AMX = 3
 
 
 def onednn_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -87,6 +89,30 @@ def bf16_slices(weight: torch.Tensor, count: int) -> list[torch.Tensor]:
     return slices
 
 
+# Output channels per AMX block and inputs per tile step (csrc/fused_ops.cpp amx_bf16_linear).
+AMX_BLOCK = 32
+
+
+def amx_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [N, K] weight (N, K multiples of AMX_BLOCK) in amx_bf16_linear's layout,
+    [N/32, K/32, 2, 16, 16, 2]: per block of 32 output channels and step of 32 inputs, two B
+    tiles (channels 0-15, 16-31) of 16 input pairs x 16 channels x the pair."""
+    n, k = weight.shape
+    return (weight.reshape(n // AMX_BLOCK, 2, 16, k // AMX_BLOCK, 16, 2)
+            .permute(0, 3, 1, 4, 2, 5).contiguous())
+
+
+def from_amx_tiles(tiles: torch.Tensor) -> torch.Tensor:
+    """amx_tiles' inverse: the [N, K] weight."""
+    blocks, steps = tiles.shape[:2]
+    return tiles.permute(0, 2, 4, 1, 3, 5).reshape(blocks * AMX_BLOCK, steps * AMX_BLOCK)
+
+
+def amx_fits(weight_shape: torch.Size | tuple[int, int]) -> bool:
+    """Whether amx_bf16_linear takes a weight of this shape: whole blocks both ways."""
+    return all(size % AMX_BLOCK == 0 for size in weight_shape)
+
+
 class Linear:
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
                  prepack: bool = False, block_quant: BlockQuantWeight | None = None,
@@ -98,7 +124,8 @@ class Linear:
         bf16 on a copy of that weight instead (module docstring)."""
         self.bias = bias
         self.panels: torch.Tensor | None = None
-        self.batched_slices: list[torch.Tensor] | None = None
+        self.batched_slices: list[torch.Tensor] | None = None  # oneDNN's, or:
+        self.batched_tiles: torch.Tensor | None = None  # the AMX kernel's
         if self.uses_panels(block_quant, block_quant_ops):
             self.out_features, self.in_features = block_quant.shape
             self.panels = to_panels(block_quant, block_quant_ops)
@@ -110,8 +137,11 @@ class Linear:
                 if self._bf16_ops is None:
                     raise RuntimeError("bf16 matmuls need loom's compiled bf16_linear "
                                        "(fused_ops.cpp)")
-                self.batched_slices = bf16_slices(block_quant.dequantize().to(torch.bfloat16),
-                                                  torch.get_num_threads())
+                copy = block_quant.dequantize().to(torch.bfloat16)
+                if self._bf16_ops.amx_available() and amx_fits(copy.shape):
+                    self.batched_tiles = amx_tiles(copy)
+                else:
+                    self.batched_slices = bf16_slices(copy, torch.get_num_threads())
             return
         if weight is None:
             raise ValueError("a Linear needs its fp32 weight unless it runs on panels")
@@ -131,9 +161,12 @@ class Linear:
         if self.panels is not None:
             flat = x.dim() == 2  # the model's [tokens, features]: no reshape ops around it
             rows = x if flat else x.reshape(-1, self.in_features)
-            if self.batched_slices is not None and rows.shape[0] > self._bf16_above_rows:
-                out = self._bf16_ops.bf16_linear(rows.contiguous(), self.batched_slices,
-                                                 self.bias)
+            if self.has_bf16_copy and rows.shape[0] > self._bf16_above_rows:
+                out = (self._bf16_ops.amx_bf16_linear(rows.contiguous(), self.batched_tiles,
+                                                      self.bias)
+                       if self.batched_tiles is not None else
+                       self._bf16_ops.bf16_linear(rows.contiguous(), self.batched_slices,
+                                                  self.bias))
             else:
                 out = self._block_quant_ops.block_quant_linear(rows, self.panels, self.bias,
                                                                INT8_MAX_ROWS)
@@ -141,6 +174,24 @@ class Linear:
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    @property
+    def has_bf16_copy(self) -> bool:
+        return self.batched_slices is not None or self.batched_tiles is not None
+
+    def bf16_copy(self) -> torch.Tensor | None:
+        """The bf16 copy of the weight as a plain [N, K] tensor, whichever layout keeps it."""
+        if self.batched_tiles is not None:
+            return from_amx_tiles(self.batched_tiles)
+        if self.batched_slices is not None:
+            return torch.cat([w.to_dense() if w.is_mkldnn else w for w in self.batched_slices])
+        return None
+
+    def bf16_copy_tensors(self) -> list[torch.Tensor]:
+        """The tensors that hold the bf16 copy (for counting its bytes)."""
+        if self.batched_tiles is not None:
+            return [self.batched_tiles]
+        return list(self.batched_slices or ())
 
     @property
     def num_params(self) -> int:

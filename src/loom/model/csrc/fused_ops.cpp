@@ -211,9 +211,162 @@ torch::Tensor bf16_linear(torch::Tensor x, std::vector<torch::Tensor> slices,
   return out;
 }
 
+// y = x W^T + b on AMX tiles, with W bfloat16 [N, K] in `amx_tiles` layout (model/linear.py):
+// [N / 32, K / 32, 2, 16, 16, 2], i.e. for each block of 32 output channels and each step of
+// 32 inputs, two B tiles of 16 rows (input pairs) x 16 channels x 2 (the pair), the layout
+// TDPBF16PS reads. Same rounding as bf16_linear: x rounded to bf16, fp32 sums rounded to
+// bf16, widened, bias added in fp32. Why a kernel of loom's own: at decode row counts a step's
+// matmuls are bound by streaming the weights from memory, and oneDNN's calls on these small
+// shapes took far longer than the stream; the loop below reads each weight block once per call
+// and keeps up with the stream to a few tens of rows (BENCHMARKS.md has the A/B). Threads
+// take blocks of 32 channels one at a time from parallel_dynamic's counter.
+//
+//   x (rows padded to 16, zeros)      W block nb (32 channels)
+//   rows m0 .. m0+15  -> A tile 4  x  B tile 6 (channels 0-15)  -> C tile 0
+//                                  x  B tile 7 (channels 16-31) -> C tile 1
+//   rows m0+16 .. +31 -> A tile 5  x  B tile 6                   -> C tile 2
+//                                  x  B tile 7                   -> C tile 3
+//   summed over the K / 32 steps, then C tiles -> bf16 -> fp32 (+ bias) into out's columns.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+constexpr int64_t kAmxBlock = 32;  // output channels per block, inputs per step
+
+// Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA), once per process; a kernel or VM without it says no.
+static bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+bool amx_available() { return amx_permitted(); }
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Eight tiles of 16 rows x 64 bytes: C 0-3 (16 x 16 fp32), A 4-5 (16 x 32 bf16), B 6-7.
+static void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// x (fp32 [rows, K]) into bf16 [padded rows, K], rounded to nearest even, pad rows zero.
+static void to_bf16_padded(const float* x, int64_t rows, int64_t padded, int64_t K,
+                           uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= rows * K; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(x);
+  for (; i < rows * K; ++i)
+    out[i] = static_cast<uint16_t>((bits[i] + 0x7FFFu + ((bits[i] >> 16) & 1u)) >> 16);
+  std::memset(out + rows * K, 0, (padded - rows) * K * sizeof(uint16_t));
+}
+
+// Up to 32 rows of one block's sums (buf, [32, 32] fp32) into out: rounded to bf16 and
+// widened, as a bf16 matmul's product, plus the bias.
+static void store_block(const float* buf, int64_t rows, const float* bias, float* out,
+                        int64_t out_row) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < 32; c += 16) {
+      const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(buf + r * 32 + c)));
+      __m512 y = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      if (bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + c));
+      _mm512_storeu_ps(out + r * out_row + c, y);
+    }
+}
+
+// One block of 32 output channels for every row: x_bf16 [padded, K] (row stride K), w_block
+// the block's K / 32 steps of two B tiles.
+static void amx_block(const uint16_t* x_bf16, int64_t rows, int64_t padded, int64_t K,
+                      const uint16_t* w_block, const float* bias, float* out, int64_t out_row) {
+  alignas(64) float buf[32 * 32];
+  const int64_t stride = K * sizeof(uint16_t), steps = K / kAmxBlock;
+  for (int64_t m0 = 0; m0 < padded; m0 += 32) {
+    const bool two = m0 + 16 < padded;  // a second A tile of rows
+    const uint16_t* a = x_bf16 + m0 * K;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < steps; ++k) {
+      const uint16_t* b = w_block + k * 2 * 512;
+      _tile_loadd(4, a + k * kAmxBlock, stride);
+      _tile_loadd(6, b, 64);
+      _tile_loadd(7, b + 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (!two) continue;
+      _tile_loadd(5, a + 16 * K + k * kAmxBlock, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, buf, 128);
+    _tile_stored(1, buf + 16, 128);
+    if (two) {
+      _tile_stored(2, buf + 512, 128);
+      _tile_stored(3, buf + 528, 128);
+    }
+    store_block(buf, std::min<int64_t>(32, rows - m0), bias, out + m0 * out_row, out_row);
+  }
+}
+
+torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor tiles,
+                              c10::optional<torch::Tensor> bias) {
+  check_rows(x, "x");
+  TORCH_CHECK(amx_permitted(), "this process may not use AMX tiles (arch_prctl refused)");
+  TORCH_CHECK(tiles.dim() == 6 && tiles.scalar_type() == at::kBFloat16 && tiles.is_contiguous() &&
+                  tiles.size(1) * kAmxBlock == x.size(1) && tiles.size(2) == 2 &&
+                  tiles.size(3) == 16 && tiles.size(4) == 16 && tiles.size(5) == 2,
+              "tiles must be a contiguous bfloat16 [N/32, K/32, 2, 16, 16, 2] tensor "
+              "(linear.amx_tiles) with x's K");
+  const int64_t rows = x.size(0), K = x.size(1), blocks = tiles.size(0),
+                cols = blocks * kAmxBlock, padded = (rows + 15) / 16 * 16;
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == cols &&
+                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "bias must be a contiguous [out] float32 tensor");
+    b = bias->data_ptr<float>();
+  }
+  auto out = torch::empty({rows, cols}, x.options());
+  if (rows == 0) return out;
+  auto xb = torch::empty({padded, K}, x.options().dtype(at::kBFloat16));
+  uint16_t* x_bf16 = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
+  to_bf16_padded(x.data_ptr<float>(), rows, padded, K, x_bf16);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>());
+  float* o = out.data_ptr<float>();
+  parallel_dynamic(blocks, [&](std::atomic<int64_t>& next) {
+    configure_tiles();  // tile state is per thread
+    for (int64_t nb; (nb = next++) < blocks;)
+      amx_block(x_bf16, rows, padded, K, w + nb * K * kAmxBlock,
+                b == nullptr ? nullptr : b + nb * kAmxBlock, o + nb * kAmxBlock, cols);
+    _tile_release();  // back to the init state: a context switch then saves no tile data
+  });
+  return out;
+}
+#else
+bool amx_available() { return false; }
+
+torch::Tensor amx_bf16_linear(torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "this build has no AMX kernel (compiled for a CPU without AMX bf16)");
+}
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   LOOM_POOL_BINDINGS(m);
   m.def("bf16_linear", &bf16_linear);
+  m.def("amx_bf16_linear", &amx_bf16_linear);
+  m.def("amx_available", &amx_available);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("silu_mul", &silu_mul);
   m.def("to_bf16", &to_bf16);
