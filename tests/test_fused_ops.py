@@ -128,10 +128,12 @@ def test_amx_tiles_round_trip() -> None:
 def test_amx_bf16_linear_is_a_bf16_matmul(threads: int) -> None:
     """amx_bf16_linear against F.linear on x and W in bf16, product widened, bias added in
     fp32, as bf16_linear: within one bf16 rounding of each sum (the tiles sum in another
-    order), mostly equal; at row counts below, at and between tiles of 16 rows and pairs of
-    them, on one block of channels and on many, run by one thread or by helpers."""
+    order), mostly equal over all the calls (one row of 32 sums may hold two rounded apart);
+    at row counts below, at and between tiles of 16 rows and pairs of them, on one block of
+    channels and on many, run by one thread or by helpers."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    equal, total = 0, 0
     try:
         for rows, cols, inputs in ((1, 32, 32), (5, 96, 64), (16, 64, 96), (17, 160, 96),
                                    (32, 64, 576), (33, 96, 64), (64, 256, 128),
@@ -145,8 +147,8 @@ def test_amx_bf16_linear_is_a_bf16_matmul(threads: int) -> None:
                 got = out - bias if b is not None else out
                 one_rounding = product.abs() * 2.0**-7 + 1e-6
                 assert ((got - product).abs() <= one_rounding).all()
-                if rows:
-                    assert (got == product).float().mean() > 0.95
+                equal, total = equal + int((got == product).sum()), total + got.numel()
+        assert equal > 0.95 * total
     finally:
         torch.set_num_threads(before)
     x, tiles = torch.randn(4, 64), amx_tiles(torch.randn(32, 64).bfloat16())

@@ -138,6 +138,14 @@ torch::Tensor to_bf16(torch::Tensor x) {
   return out;
 }
 
+// The bias of a matmul with `cols` outputs, checked, or nullptr for none.
+static const float* bias_data(const c10::optional<torch::Tensor>& bias, int64_t cols) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == cols && bias->scalar_type() == at::kFloat &&
+                  bias->is_contiguous(), "bias must be a contiguous [out] float32 tensor");
+  return bias->data_ptr<float>();
+}
+
 // oneDNN's matmul on a weight it packed at load time (torch.ops.mkldnn._reorder_linear_weight):
 // otherwise each call re-lays out the weight for the bf16 dot products, a quarter of a
 // 32-row step's matmul time.
@@ -176,13 +184,7 @@ torch::Tensor bf16_linear(torch::Tensor x, std::vector<torch::Tensor> slices,
   }
   const int64_t rows = x.size(0), cols = starts.back();
   const int64_t count = static_cast<int64_t>(slices.size());
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == cols &&
-                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "bias must be a contiguous [out] float32 tensor");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = bias_data(bias, cols);
   const torch::Tensor xb = to_bf16(x);
   auto out = torch::empty({rows, cols}, x.options());
   float* dst = out.data_ptr<float>();
@@ -331,13 +333,7 @@ torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor tiles,
               "(linear.amx_tiles) with x's K");
   const int64_t rows = x.size(0), K = x.size(1), blocks = tiles.size(0),
                 cols = blocks * kAmxBlock, padded = (rows + 15) / 16 * 16;
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == cols &&
-                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "bias must be a contiguous [out] float32 tensor");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = bias_data(bias, cols);
   auto out = torch::empty({rows, cols}, x.options());
   if (rows == 0) return out;
   auto xb = torch::empty({padded, K}, x.options().dtype(at::kBFloat16));
