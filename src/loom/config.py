@@ -84,10 +84,10 @@ class ModelConfig:
         "weights; auto = the first of these that applies"))
     batched_matmul: Literal["auto", "native", "bfloat16"] = field(
         default="auto", metadata=flag_help(
-        "matmuls of more than 16 rows, 5 on CPUs with AMX (prefill chunks, batched decode) "
-        "when the native kernel runs: native = the kernel itself; bfloat16 = oneDNN on "
-        "bf16 copies of the weights (2 bytes a weight more memory; fast only with native "
-        "bf16); auto = "
+        "matmuls of more than 16 rows, 3 on CPUs with AMX (prefill chunks, batched decode) "
+        "when the native kernel runs: native = the kernel itself; bfloat16 = bf16 copies "
+        "of the weights (loom's AMX kernel where the CPU has AMX, else oneDNN; 2 bytes a "
+        "weight more memory; fast only with native bf16); auto = "
         "bfloat16 with --dtype auto on CPUs with native bf16 when the copies take at most a "
         "quarter of the available memory, else native"))
 
