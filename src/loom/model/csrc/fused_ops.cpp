@@ -122,18 +122,23 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // bf16_linear's matmul. torch's cast forks onto the thread pool from 32K elements, about 60 us
 // a call on two cores (a 32-row decode step has 60 such calls), where one thread copies these
 // rows in a few.
+static void round_to_bf16(const float* x, int64_t n, uint16_t* out) {
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(x);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = src[i];
+    out[i] = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  }
+}
+
 torch::Tensor to_bf16(torch::Tensor x) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), cols = x.size(1);
   auto out = torch::empty({rows, cols}, x.options().dtype(at::kBFloat16));
-  const uint32_t* src = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
+  const float* src = x.data_ptr<float>();
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
-#pragma omp simd
-    for (int64_t i = begin * cols; i < end * cols; ++i) {
-      const uint32_t bits = src[i];
-      dst[i] = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-    }
+    round_to_bf16(src + begin * cols, (end - begin) * cols, dst + begin * cols);
   });
   return out;
 }
@@ -238,12 +243,10 @@ constexpr int64_t kAmxBlock = 32;  // output channels per block, inputs per step
 
 // Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA), once per process; a kernel or VM without it says no.
-static bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
+bool amx_available() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
 }
-
-bool amx_available() { return amx_permitted(); }
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
@@ -261,16 +264,10 @@ static void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// x (fp32 [rows, K]) into bf16 [padded rows, K], rounded to nearest even, pad rows zero.
+// x (fp32 [rows, K]) into bf16 [padded rows, K], rounded as to_bf16, pad rows zero.
 static void to_bf16_padded(const float* x, int64_t rows, int64_t padded, int64_t K,
                            uint16_t* out) {
-  int64_t i = 0;
-  for (; i + 16 <= rows * K; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
-  const uint32_t* bits = reinterpret_cast<const uint32_t*>(x);
-  for (; i < rows * K; ++i)
-    out[i] = static_cast<uint16_t>((bits[i] + 0x7FFFu + ((bits[i] >> 16) & 1u)) >> 16);
+  round_to_bf16(x, rows * K, out);
   std::memset(out + rows * K, 0, (padded - rows) * K * sizeof(uint16_t));
 }
 
@@ -280,7 +277,8 @@ static void store_block(const float* buf, int64_t rows, const float* bias, float
                         int64_t out_row) {
   for (int64_t r = 0; r < rows; ++r)
     for (int c = 0; c < 32; c += 16) {
-      const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(buf + r * 32 + c)));
+      const __m256i h =
+          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(buf + r * 32 + c)));
       __m512 y = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
       if (bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + c));
       _mm512_storeu_ps(out + r * out_row + c, y);
@@ -325,7 +323,7 @@ static void amx_block(const uint16_t* x_bf16, int64_t rows, int64_t padded, int6
 torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor tiles,
                               c10::optional<torch::Tensor> bias) {
   check_rows(x, "x");
-  TORCH_CHECK(amx_permitted(), "this process may not use AMX tiles (arch_prctl refused)");
+  TORCH_CHECK(amx_available(), "this process may not use AMX tiles (arch_prctl refused)");
   TORCH_CHECK(tiles.dim() == 6 && tiles.scalar_type() == at::kBFloat16 && tiles.is_contiguous() &&
                   tiles.size(1) * kAmxBlock == x.size(1) && tiles.size(2) == 2 &&
                   tiles.size(3) == 16 && tiles.size(4) == 16 && tiles.size(5) == 2,
