@@ -8,6 +8,8 @@ run, for a before/after ratio. Run from the repository root:
     python benchmarks/decode_kernel.py
     python benchmarks/decode_kernel.py --against 1207948
     python benchmarks/decode_kernel.py --contexts 20-60    # short contexts: per-request costs
+    python benchmarks/decode_kernel.py --layers 30         # each layer its own caches, as in
+                                                           # the model: read from memory, not cache
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import random
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -39,6 +42,17 @@ def per_layer_ms(fn, repeats: int = 20) -> float:
     for _ in range(repeats):
         fn()
     return (time.perf_counter() - start) / repeats * 1e3
+
+
+def over_layers(call: Callable[[torch.Tensor, torch.Tensor], object],
+                layers: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """ms per layer of call(k_cache, v_cache) run over every layer's caches in turn."""
+    return per_layer_ms(lambda: [call(k, v) for k, v in layers]) / len(layers)
+
+
+def attend(q: torch.Tensor, unused: torch.Tensor, meta: AttentionMetadata,
+           k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    return paged_attention(q, unused, unused, k_cache, v_cache, meta)
 
 
 def csrc_at(rev: str, source: str) -> Path:
@@ -68,6 +82,9 @@ def main() -> None:
     parser.add_argument("--against", help="also time the kernel of this git revision")
     parser.add_argument("--contexts", default="50-1100",
                         help="context lengths drawn uniformly from LO-HI (default 50-1100)")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="layers of caches the timed calls cycle through (default 1: the "
+                             "caches stay in the CPU's caches; the model's 30 do not)")
     args = parser.parse_args()
     low, high = (int(x) for x in args.contexts.split("-"))
     old = kernel_at(args.against) if args.against else None
@@ -83,10 +100,10 @@ def main() -> None:
             rng = random.Random(n)
             lens = [rng.randint(low, high) for _ in range(n)]
             num_blocks = sum(-(-length // BLOCK) for length in lens) + 1
-            k_cache, v_cache = new_kv_cache(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, cache_dtype,
-                                            torch.device("cpu"))
-            k_cache.copy_(torch.randn(k_cache.shape))
-            v_cache.copy_(torch.randn(v_cache.shape))
+            layers = [new_kv_cache(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, cache_dtype,
+                                   torch.device("cpu")) for _ in range(args.layers)]
+            for cache in (c for layer in layers for c in layer):
+                cache.copy_(torch.randn(cache.shape))
             free = list(range(num_blocks - 1))
             rng.shuffle(free)
             tables = []
@@ -101,21 +118,20 @@ def main() -> None:
             slots = (torch.zeros(0, dtype=torch.long),) * 2  # nothing is written
             native = AttentionMetadata(slots, [], [], runner._paged_decodes(tables, lens))
             torch_path = AttentionMetadata(slots, runner._decode_groups(tables, lens), [])
-            args = (q, unused, unused, k_cache, v_cache)
-            times = [per_layer_ms(lambda m=m, args=args: paged_attention(*args, m))
+            times = [over_layers(functools.partial(attend, q, unused, m), layers)
                      for m in (torch_path, native)]
             flops = 4 * sum(lens) * HEADS * HEAD_DIM
             row = (f"| {str(dtype).removeprefix('torch.')} | "
                    f"{str(cache_dtype).removeprefix('torch.')} | {n} | {sum(lens) // n} | "
                    f"{times[0]:.3f} | {times[1]:.3f} | {flops / times[1] / 1e6:.0f} | "
                    f"{times[0] / times[1]:.1f}x |")
-            if old is not None and cache_dtype != dtype:  # a kernel before fp16 caches
+            if old is not None and not old.supported(HEADS, KV_HEADS, HEAD_DIM, BLOCK, dtype,
+                                                     cache_dtype):  # e.g. before fp16 caches
                 row += " - | - |"
             elif old is not None:
                 pd = native.paged_decodes
-                old_ms = per_layer_ms(functools.partial(
-                    old.paged_decode_attention, q, k_cache, v_cache, pd.block_tables,
-                    pd.context_lens, HEAD_DIM ** -0.5))
+                old_ms = over_layers(lambda k, v, q=q, pd=pd: old.paged_decode_attention(
+                    q, k, v, pd.block_tables, pd.context_lens, HEAD_DIM ** -0.5), layers)
                 row += f" {old_ms:.3f} | {old_ms / times[1]:.2f}x |"
             print(row, flush=True)
 

@@ -7,7 +7,8 @@
 // compile time, hence the dispatch over (G query heads per kv head, head dim); other shapes
 // use the torch path (`supported`). Work is split over (request, kv head) pairs. On AVX2 an
 // intrinsics version (below) reads each K block once for all G heads and prefetches the next
-// block; elsewhere a portable version relies on the compiler's vectorizer. The model calls it
+// block; on AVX-512 the same plan runs 16 wide; elsewhere a portable version relies on the
+// compiler's vectorizer. The model calls it
 // through rope_write_decode (at the end), which also ropes q and k and writes the step's K/V:
 // one call per layer from the QKV projection to the decode rows' output.
 //
@@ -25,6 +26,11 @@
 #include "parallel_dynamic.h"
 
 constexpr int64_t kBlockSize = 16;
+
+// How many blocks ahead the AVX-512 kernel prefetches K (and V in the p.V pass): one ahead
+// left it waiting on memory, four evicted what it was about to read (benchmarks/decode_kernel.py
+// --layers 30 times them over caches too big to stay cached, as in the model).
+constexpr int64_t kPrefetchBlocks = 2;
 
 // Below this much work (context positions x kv heads, summed over the requests) a decode call
 // runs on the calling thread: handing it to other threads cost more than splitting saved for a
@@ -71,6 +77,17 @@ struct DecodeArgs {
 };
 
 // The G query heads of kv head kh of request i, scaled, as fp32.
+// item(i, kh, scores) for every (request, kv head) pair, on the threads parallel_if picks,
+// longest request first; scores is the thread's buffer, reused across its items.
+template <typename T, typename C, typename Item>
+static void for_each_item(const DecodeArgs<T, C>& a, const Item& item) {
+  parallel_if(worth_threads(a.lens, a.n, a.KVH), a.n * a.KVH, [&](std::atomic<int64_t>& next) {
+    std::vector<float> scores;
+    for (int64_t idx; (idx = next++) < a.n * a.KVH;)
+      item(longest_first(idx / a.KVH, a.n), idx % a.KVH, scores);
+  });
+}
+
 template <typename T, typename C, int G, int D>
 static inline void load_query(const DecodeArgs<T, C>& a, int64_t i, int64_t kh, float (&qf)[G][D]) {
   for (int g = 0; g < G; ++g)
@@ -145,14 +162,114 @@ static inline void softmax(float* s, int64_t L) {
 
 // Block tables scatter a request's context, so the hardware prefetcher stalls at every block:
 // fetch the next block's rows (of row_bytes each) while this one is computed.
-template <typename T>
+// The V block is also asked for, into L2, while the K pass reads its K block: a core here
+// streams about half the machine's bandwidth at most, and without that the p.V pass waited on
+// every V block it reached.
+template <int Hint = _MM_HINT_T0, typename T>
 static inline void prefetch_block(const T* base, int64_t rows, int64_t row_stride,
                                   int64_t row_bytes) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < row_bytes; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(base + r * row_stride) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(base + r * row_stride) + b,
+                   static_cast<_mm_hint>(Hint));
 }
 
+#if defined(__AVX512F__)
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// q.K for NB blocks at once (a block's 16 positions are one vector): each broadcast of a
+// query value serves NB blocks, and NB * G independent sums cover the FMA latency.
+template <typename C, int G, int D, int NB>
+static inline void block_scores(const C* const (&kb)[NB], int64_t dim_stride,
+                                const float (&qf)[G][D], float* scores, int64_t row) {
+  __m512 s[G][NB];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NB; ++j) s[g][j] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    __m512 k[NB];
+    for (int j = 0; j < NB; ++j) k[j] = load16(kb[j] + d * dim_stride);
+    for (int g = 0; g < G; ++g) {
+      const __m512 qd = _mm512_set1_ps(qf[g][d]);
+      for (int j = 0; j < NB; ++j) s[g][j] = _mm512_fmadd_ps(qd, k[j], s[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(scores + g * row + 16 * j, s[g][j]);
+}
+
+// AVX-512: the AVX2 kernel's plan (below) with 16-wide vectors; q.K takes two blocks at a
+// time, and p.V holds the G heads' accumulators for 64 dims (32 past 4 heads) in registers.
+template <typename T, typename C, int G, int D>
+static void decode(const DecodeArgs<T, C>& a) {
+  const C *kc = a.kc, *vc = a.vc;
+  const int64_t *bt = a.bt, *lens = a.lens, *ks = a.ks, *vs = a.vs;
+  const int64_t max_blocks = a.max_blocks;
+  constexpr int64_t BS = kBlockSize;
+  constexpr int DC = std::min(D, G <= 4 ? 64 : 32);
+  static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 1 vector");
+  for_each_item(a, [&](int64_t i, int64_t kh, std::vector<float>& scores) {
+    const int64_t L = lens[i], num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
+    const int64_t* table = bt + i * max_blocks;
+    auto k_block = [&](int64_t b) { return kc + table[b] * ks[0] + kh * ks[2]; };
+    auto v_block = [&](int64_t b) { return vc + table[b] * vs[0] + kh * vs[2]; };
+    float qf[G][D];
+    load_query(a, i, kh, qf);
+    scores.resize(G * Lp);
+    int64_t b = 0;
+    for (; b + 2 <= num_blocks; b += 2) {
+      for (int64_t ahead = b + 2; ahead < std::min(b + 2 + kPrefetchBlocks, num_blocks);
+           ++ahead)
+        prefetch_block(k_block(ahead), D, ks[3], BS * sizeof(C));
+      for (int64_t j = b; j < b + 2; ++j)
+        prefetch_block<_MM_HINT_T1>(v_block(j), BS, vs[1], D * sizeof(C));
+      const C* const kb[2] = {k_block(b), k_block(b + 1)};
+      block_scores<C, G, D, 2>(kb, ks[3], qf, &scores[b * BS], Lp);
+    }
+    if (b < num_blocks) {
+      prefetch_block<_MM_HINT_T1>(v_block(b), BS, vs[1], D * sizeof(C));
+      const C* const kb[1] = {k_block(b)};
+      block_scores<C, G, D, 1>(kb, ks[3], qf, &scores[b * BS], Lp);
+    }
+    for (int64_t ahead = 0; ahead < std::min<int64_t>(kPrefetchBlocks, num_blocks); ++ahead)
+      prefetch_block(v_block(ahead), BS, vs[1], D * sizeof(C));
+    for (int g = 0; g < G; ++g) softmax(&scores[g * Lp], L);
+    float acc[G][D] = {};
+    for (b = 0; b < num_blocks; ++b) {
+      const C* vb = v_block(b);
+      if (b + kPrefetchBlocks < num_blocks)
+        prefetch_block(v_block(b + kPrefetchBlocks), BS, vs[1], D * sizeof(C));
+      const int64_t positions = std::min(BS, L - b * BS);
+      for (int dc = 0; dc < D; dc += DC) {
+        __m512 acc_v[G][DC / 16];
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < DC / 16; ++j)
+            acc_v[g][j] = _mm512_loadu_ps(&acc[g][dc + 16 * j]);
+        for (int64_t p = 0; p < positions; ++p) {
+          const C* v = vb + p * vs[1] + dc;
+          __m512 vv[DC / 16];
+          for (int j = 0; j < DC / 16; ++j) vv[j] = load16(v + 16 * j);
+          for (int g = 0; g < G; ++g) {
+            const __m512 w = _mm512_set1_ps(scores[g * Lp + b * BS + p]);
+            for (int j = 0; j < DC / 16; ++j)
+              acc_v[g][j] = _mm512_fmadd_ps(w, vv[j], acc_v[g][j]);
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < DC / 16; ++j)
+            _mm512_storeu_ps(&acc[g][dc + 16 * j], acc_v[g][j]);
+      }
+    }
+    store_output(acc, a, i, kh);
+  });
+}
+#else
 // AVX2: each K block is read once for all G heads (scores of 16 positions x G heads in
 // registers), and p.V runs over a block's positions for a slice of DC dims at a time, the G
 // heads' accumulators for that slice in registers, so the V block is read from L1 D / DC times
@@ -161,66 +278,64 @@ template <typename T, typename C, int G, int D>
 static void decode(const DecodeArgs<T, C>& a) {
   const C *kc = a.kc, *vc = a.vc;
   const int64_t *bt = a.bt, *lens = a.lens, *ks = a.ks, *vs = a.vs;
-  const int64_t n = a.n, KVH = a.KVH, max_blocks = a.max_blocks;
+  const int64_t max_blocks = a.max_blocks;
   constexpr int64_t BS = kBlockSize;
   constexpr int DC = G <= 4 ? 16 : 8;  // dims per p.V pass: 2 * G (or G) accumulators
   static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 2 vectors");
-  parallel_if(worth_threads(lens, n, KVH), n * KVH, [&](std::atomic<int64_t>& next) {
-    std::vector<float> scores;
-    for (int64_t idx; (idx = next++) < n * KVH;) {
-      const int64_t i = longest_first(idx / KVH, n), kh = idx % KVH, L = lens[i];
-      const int64_t num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
-      const int64_t* table = bt + i * max_blocks;
-      float qf[G][D];
-      load_query(a, i, kh, qf);
-      scores.resize(G * Lp);
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const C* kb = kc + table[b] * ks[0] + kh * ks[2];
-        if (b + 1 < num_blocks)
-          prefetch_block(kc + table[b + 1] * ks[0] + kh * ks[2], D, ks[3], BS * sizeof(C));
-        __m256 s[G][2];
-        for (int g = 0; g < G; ++g) s[g][0] = s[g][1] = _mm256_setzero_ps();
-        for (int d = 0; d < D; ++d) {
-          const __m256 k0 = load8(kb + d * ks[3]), k1 = load8(kb + d * ks[3] + 8);
-          for (int g = 0; g < G; ++g) {
-            const __m256 qd = _mm256_set1_ps(qf[g][d]);
-            s[g][0] = _mm256_fmadd_ps(qd, k0, s[g][0]);
-            s[g][1] = _mm256_fmadd_ps(qd, k1, s[g][1]);
-          }
-        }
+  for_each_item(a, [&](int64_t i, int64_t kh, std::vector<float>& scores) {
+    const int64_t L = lens[i], num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
+    const int64_t* table = bt + i * max_blocks;
+    float qf[G][D];
+    load_query(a, i, kh, qf);
+    scores.resize(G * Lp);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const C* kb = kc + table[b] * ks[0] + kh * ks[2];
+      if (b + 1 < num_blocks)
+        prefetch_block(kc + table[b + 1] * ks[0] + kh * ks[2], D, ks[3], BS * sizeof(C));
+      prefetch_block<_MM_HINT_T1>(vc + table[b] * vs[0] + kh * vs[2], BS, vs[1], D * sizeof(C));
+      __m256 s[G][2];
+      for (int g = 0; g < G; ++g) s[g][0] = s[g][1] = _mm256_setzero_ps();
+      for (int d = 0; d < D; ++d) {
+        const __m256 k0 = load8(kb + d * ks[3]), k1 = load8(kb + d * ks[3] + 8);
         for (int g = 0; g < G; ++g) {
-          _mm256_storeu_ps(&scores[g * Lp + b * BS], s[g][0]);
-          _mm256_storeu_ps(&scores[g * Lp + b * BS + 8], s[g][1]);
+          const __m256 qd = _mm256_set1_ps(qf[g][d]);
+          s[g][0] = _mm256_fmadd_ps(qd, k0, s[g][0]);
+          s[g][1] = _mm256_fmadd_ps(qd, k1, s[g][1]);
         }
       }
-      for (int g = 0; g < G; ++g) softmax(&scores[g * Lp], L);
-      float acc[G][D] = {};
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const C* vb = vc + table[b] * vs[0] + kh * vs[2];
-        if (b + 1 < num_blocks)
-          prefetch_block(vc + table[b + 1] * vs[0] + kh * vs[2], BS, vs[1], D * sizeof(C));
-        const int64_t positions = std::min(BS, L - b * BS);
-        for (int dc = 0; dc < D; dc += DC) {
-          __m256 a[G][DC / 8];
-          for (int g = 0; g < G; ++g)
-            for (int j = 0; j < DC / 8; ++j) a[g][j] = _mm256_loadu_ps(&acc[g][dc + 8 * j]);
-          for (int64_t p = 0; p < positions; ++p) {
-            const C* v = vb + p * vs[1] + dc;
-            __m256 vv[DC / 8];
-            for (int j = 0; j < DC / 8; ++j) vv[j] = load8(v + 8 * j);
-            for (int g = 0; g < G; ++g) {
-              const __m256 w = _mm256_set1_ps(scores[g * Lp + b * BS + p]);
-              for (int j = 0; j < DC / 8; ++j) a[g][j] = _mm256_fmadd_ps(w, vv[j], a[g][j]);
-            }
-          }
-          for (int g = 0; g < G; ++g)
-            for (int j = 0; j < DC / 8; ++j) _mm256_storeu_ps(&acc[g][dc + 8 * j], a[g][j]);
-        }
+      for (int g = 0; g < G; ++g) {
+        _mm256_storeu_ps(&scores[g * Lp + b * BS], s[g][0]);
+        _mm256_storeu_ps(&scores[g * Lp + b * BS + 8], s[g][1]);
       }
-      store_output(acc, a, i, kh);
     }
+    for (int g = 0; g < G; ++g) softmax(&scores[g * Lp], L);
+    float acc[G][D] = {};
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const C* vb = vc + table[b] * vs[0] + kh * vs[2];
+      if (b + 1 < num_blocks)
+        prefetch_block(vc + table[b + 1] * vs[0] + kh * vs[2], BS, vs[1], D * sizeof(C));
+      const int64_t positions = std::min(BS, L - b * BS);
+      for (int dc = 0; dc < D; dc += DC) {
+        __m256 a[G][DC / 8];
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < DC / 8; ++j) a[g][j] = _mm256_loadu_ps(&acc[g][dc + 8 * j]);
+        for (int64_t p = 0; p < positions; ++p) {
+          const C* v = vb + p * vs[1] + dc;
+          __m256 vv[DC / 8];
+          for (int j = 0; j < DC / 8; ++j) vv[j] = load8(v + 8 * j);
+          for (int g = 0; g < G; ++g) {
+            const __m256 w = _mm256_set1_ps(scores[g * Lp + b * BS + p]);
+            for (int j = 0; j < DC / 8; ++j) a[g][j] = _mm256_fmadd_ps(w, vv[j], a[g][j]);
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < DC / 8; ++j) _mm256_storeu_ps(&acc[g][dc + 8 * j], a[g][j]);
+      }
+    }
+    store_output(acc, a, i, kh);
   });
 }
+#endif  // __AVX512F__
 #else
 // Scores of L positions -> probabilities, in place.
 static inline void softmax(float* s, int64_t L) {
