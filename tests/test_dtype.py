@@ -12,6 +12,7 @@ import torch
 from loom import LLM, SamplingParams, host
 from loom.config import CacheConfig, ModelConfig
 from loom.host import has_native_bf16
+from loom.model import backends
 from loom.model.backends import resolve_backends
 from loom.model.linear import BF16_ABOVE_ROWS, BF16_ABOVE_ROWS_AMX
 from loom.model.loader import load_model
@@ -67,7 +68,7 @@ def test_auto_choices_on_each_cpu(monkeypatch, native_bf16: bool, amx: bool) -> 
     matmuls without the kernel."""
     arch = load_model(None).arch
     monkeypatch.setattr(host, "has_native_bf16", lambda: native_bf16)
-    monkeypatch.setattr(host, "has_amx", lambda: amx)
+    monkeypatch.setattr(backends, "amx_kernel_runs", lambda: amx)  # AMX tiles granted
     probe = resolve_backends(ModelConfig(dtype="float32"), CacheConfig(), arch, True)
     if probe.linear != "native":
         pytest.skip("the native kernel does not build here")

@@ -16,7 +16,12 @@ from loom import host
 from loom.config import CacheConfig, ModelConfig
 from loom.model.arch import ModelArch
 from loom.model.kernels import block_quant_linear_ops, fused_ops, paged_attention_ops
-from loom.model.linear import BF16_ABOVE_ROWS, BF16_ABOVE_ROWS_AMX, onednn_prepack_supported
+from loom.model.linear import (
+    BF16_ABOVE_ROWS,
+    BF16_ABOVE_ROWS_AMX,
+    amx_kernel_runs,
+    onednn_prepack_supported,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -123,10 +128,11 @@ def _bf16_above_rows(config: ModelConfig, device: torch.device, native_with_cast
     or None for no copies. Copies when asked for, or by auto with dtype auto on a CPU with
     native bf16 when they take at most _BF16_COPY_RAM_SHARE of the available memory (with
     dtype float32 asked for, the matmuls stay float32 too); the row count is where bf16
-    overtook the int8 path on this kind of CPU (model/linear.py)."""
+    overtook the int8 path with the copies this process makes (AMX tiles or oneDNN's slices,
+    model/linear.py)."""
     if not _batched_bf16(config, device, native_with_casts, copy_bytes):
         return None
-    return BF16_ABOVE_ROWS_AMX if host.has_amx() else BF16_ABOVE_ROWS
+    return BF16_ABOVE_ROWS_AMX if amx_kernel_runs() else BF16_ABOVE_ROWS
 
 
 def _batched_bf16(config: ModelConfig, device: torch.device, native_with_casts: bool,

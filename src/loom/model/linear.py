@@ -108,6 +108,14 @@ def from_amx_tiles(tiles: torch.Tensor) -> torch.Tensor:
     return tiles.permute(0, 2, 4, 1, 3, 5).reshape(blocks * AMX_BLOCK, steps * AMX_BLOCK)
 
 
+def amx_kernel_runs() -> bool:
+    """Whether bf16 copies are laid out for amx_bf16_linear here: loom's kernels built with the
+    AMX instructions and Linux granting this process the tile state; a CPU with AMX is not
+    enough (without the grant the copies are oneDNN's slices, which cross over later)."""
+    ops = fused_ops()
+    return ops is not None and ops.amx_available()
+
+
 def amx_fits(weight_shape: torch.Size | tuple[int, int]) -> bool:
     """Whether amx_bf16_linear takes a weight of this shape: whole blocks both ways."""
     return all(size % AMX_BLOCK == 0 for size in weight_shape)
@@ -138,7 +146,7 @@ class Linear:
                     raise RuntimeError("bf16 matmuls need loom's compiled bf16_linear "
                                        "(fused_ops.cpp)")
                 copy = block_quant.dequantize().to(torch.bfloat16)
-                if self._bf16_ops.amx_available() and amx_fits(copy.shape):
+                if amx_kernel_runs() and amx_fits(copy.shape):
                     self.batched_tiles = amx_tiles(copy)
                 else:
                     self.batched_slices = bf16_slices(copy, torch.get_num_threads())
