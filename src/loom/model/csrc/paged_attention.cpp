@@ -74,9 +74,13 @@ struct DecodeArgs {
   const int64_t* lens;
   int64_t n, KVH, max_blocks;
   float scale;
+
+  const int64_t* table(int64_t i) const { return bt + i * max_blocks; }
+  // kv head kh's K rows ([dim, position]) and V rows ([position, dim]) in cache block `block`
+  const C* k_block(int64_t block, int64_t kh) const { return kc + block * ks[0] + kh * ks[2]; }
+  const C* v_block(int64_t block, int64_t kh) const { return vc + block * vs[0] + kh * vs[2]; }
 };
 
-// The G query heads of kv head kh of request i, scaled, as fp32.
 // item(i, kh, scores) for every (request, kv head) pair, on the threads parallel_if picks,
 // longest request first; scores is the thread's buffer, reused across its items.
 template <typename T, typename C, typename Item>
@@ -88,6 +92,7 @@ static void for_each_item(const DecodeArgs<T, C>& a, const Item& item) {
   });
 }
 
+// The G query heads of kv head kh of request i, scaled, as fp32.
 template <typename T, typename C, int G, int D>
 static inline void load_query(const DecodeArgs<T, C>& a, int64_t i, int64_t kh, float (&qf)[G][D]) {
   for (int g = 0; g < G; ++g)
@@ -174,6 +179,16 @@ static inline void prefetch_block(const T* base, int64_t rows, int64_t row_strid
                    static_cast<_mm_hint>(Hint));
 }
 
+template <int D, int Hint = _MM_HINT_T0, typename T, typename C>
+static inline void prefetch_k(const DecodeArgs<T, C>& a, int64_t block, int64_t kh) {
+  prefetch_block<Hint>(a.k_block(block, kh), D, a.ks[3], kBlockSize * sizeof(C));
+}
+
+template <int D, int Hint = _MM_HINT_T0, typename T, typename C>
+static inline void prefetch_v(const DecodeArgs<T, C>& a, int64_t block, int64_t kh) {
+  prefetch_block<Hint>(a.v_block(block, kh), kBlockSize, a.vs[1], D * sizeof(C));
+}
+
 #if defined(__AVX512F__)
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const c10::BFloat16* p) {
@@ -208,43 +223,35 @@ static inline void block_scores(const C* const (&kb)[NB], int64_t dim_stride,
 // time, and p.V holds the G heads' accumulators for 64 dims (32 past 4 heads) in registers.
 template <typename T, typename C, int G, int D>
 static void decode(const DecodeArgs<T, C>& a) {
-  const C *kc = a.kc, *vc = a.vc;
-  const int64_t *bt = a.bt, *lens = a.lens, *ks = a.ks, *vs = a.vs;
-  const int64_t max_blocks = a.max_blocks;
   constexpr int64_t BS = kBlockSize;
   constexpr int DC = std::min(D, G <= 4 ? 64 : 32);
   static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 1 vector");
   for_each_item(a, [&](int64_t i, int64_t kh, std::vector<float>& scores) {
-    const int64_t L = lens[i], num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
-    const int64_t* table = bt + i * max_blocks;
-    auto k_block = [&](int64_t b) { return kc + table[b] * ks[0] + kh * ks[2]; };
-    auto v_block = [&](int64_t b) { return vc + table[b] * vs[0] + kh * vs[2]; };
+    const int64_t L = a.lens[i], num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
+    const int64_t* table = a.table(i);
     float qf[G][D];
     load_query(a, i, kh, qf);
     scores.resize(G * Lp);
     int64_t b = 0;
     for (; b + 2 <= num_blocks; b += 2) {
-      for (int64_t ahead = b + 2; ahead < std::min(b + 2 + kPrefetchBlocks, num_blocks);
-           ++ahead)
-        prefetch_block(k_block(ahead), D, ks[3], BS * sizeof(C));
-      for (int64_t j = b; j < b + 2; ++j)
-        prefetch_block<_MM_HINT_T1>(v_block(j), BS, vs[1], D * sizeof(C));
-      const C* const kb[2] = {k_block(b), k_block(b + 1)};
-      block_scores<C, G, D, 2>(kb, ks[3], qf, &scores[b * BS], Lp);
+      for (int64_t ahead = b + 2; ahead < std::min(b + 2 + kPrefetchBlocks, num_blocks); ++ahead)
+        prefetch_k<D>(a, table[ahead], kh);
+      for (int64_t j = b; j < b + 2; ++j) prefetch_v<D, _MM_HINT_T1>(a, table[j], kh);
+      const C* const kb[2] = {a.k_block(table[b], kh), a.k_block(table[b + 1], kh)};
+      block_scores<C, G, D, 2>(kb, a.ks[3], qf, &scores[b * BS], Lp);
     }
     if (b < num_blocks) {
-      prefetch_block<_MM_HINT_T1>(v_block(b), BS, vs[1], D * sizeof(C));
-      const C* const kb[1] = {k_block(b)};
-      block_scores<C, G, D, 1>(kb, ks[3], qf, &scores[b * BS], Lp);
+      prefetch_v<D, _MM_HINT_T1>(a, table[b], kh);
+      const C* const kb[1] = {a.k_block(table[b], kh)};
+      block_scores<C, G, D, 1>(kb, a.ks[3], qf, &scores[b * BS], Lp);
     }
-    for (int64_t ahead = 0; ahead < std::min<int64_t>(kPrefetchBlocks, num_blocks); ++ahead)
-      prefetch_block(v_block(ahead), BS, vs[1], D * sizeof(C));
+    for (int64_t ahead = 0; ahead < std::min(kPrefetchBlocks, num_blocks); ++ahead)
+      prefetch_v<D>(a, table[ahead], kh);
     for (int g = 0; g < G; ++g) softmax(&scores[g * Lp], L);
     float acc[G][D] = {};
-    for (b = 0; b < num_blocks; ++b) {
-      const C* vb = v_block(b);
-      if (b + kPrefetchBlocks < num_blocks)
-        prefetch_block(v_block(b + kPrefetchBlocks), BS, vs[1], D * sizeof(C));
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const C* vb = a.v_block(table[b], kh);
+      if (b + kPrefetchBlocks < num_blocks) prefetch_v<D>(a, table[b + kPrefetchBlocks], kh);
       const int64_t positions = std::min(BS, L - b * BS);
       for (int dc = 0; dc < D; dc += DC) {
         __m512 acc_v[G][DC / 16];
@@ -252,7 +259,7 @@ static void decode(const DecodeArgs<T, C>& a) {
           for (int j = 0; j < DC / 16; ++j)
             acc_v[g][j] = _mm512_loadu_ps(&acc[g][dc + 16 * j]);
         for (int64_t p = 0; p < positions; ++p) {
-          const C* v = vb + p * vs[1] + dc;
+          const C* v = vb + p * a.vs[1] + dc;
           __m512 vv[DC / 16];
           for (int j = 0; j < DC / 16; ++j) vv[j] = load16(v + 16 * j);
           for (int g = 0; g < G; ++g) {
@@ -276,27 +283,23 @@ static void decode(const DecodeArgs<T, C>& a) {
 // instead of the accumulators going through memory for every position.
 template <typename T, typename C, int G, int D>
 static void decode(const DecodeArgs<T, C>& a) {
-  const C *kc = a.kc, *vc = a.vc;
-  const int64_t *bt = a.bt, *lens = a.lens, *ks = a.ks, *vs = a.vs;
-  const int64_t max_blocks = a.max_blocks;
   constexpr int64_t BS = kBlockSize;
   constexpr int DC = G <= 4 ? 16 : 8;  // dims per p.V pass: 2 * G (or G) accumulators
   static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 2 vectors");
   for_each_item(a, [&](int64_t i, int64_t kh, std::vector<float>& scores) {
-    const int64_t L = lens[i], num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
-    const int64_t* table = bt + i * max_blocks;
+    const int64_t L = a.lens[i], num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
+    const int64_t* table = a.table(i);
     float qf[G][D];
     load_query(a, i, kh, qf);
     scores.resize(G * Lp);
     for (int64_t b = 0; b < num_blocks; ++b) {
-      const C* kb = kc + table[b] * ks[0] + kh * ks[2];
-      if (b + 1 < num_blocks)
-        prefetch_block(kc + table[b + 1] * ks[0] + kh * ks[2], D, ks[3], BS * sizeof(C));
-      prefetch_block<_MM_HINT_T1>(vc + table[b] * vs[0] + kh * vs[2], BS, vs[1], D * sizeof(C));
+      const C* kb = a.k_block(table[b], kh);
+      if (b + 1 < num_blocks) prefetch_k<D>(a, table[b + 1], kh);
+      prefetch_v<D, _MM_HINT_T1>(a, table[b], kh);
       __m256 s[G][2];
       for (int g = 0; g < G; ++g) s[g][0] = s[g][1] = _mm256_setzero_ps();
       for (int d = 0; d < D; ++d) {
-        const __m256 k0 = load8(kb + d * ks[3]), k1 = load8(kb + d * ks[3] + 8);
+        const __m256 k0 = load8(kb + d * a.ks[3]), k1 = load8(kb + d * a.ks[3] + 8);
         for (int g = 0; g < G; ++g) {
           const __m256 qd = _mm256_set1_ps(qf[g][d]);
           s[g][0] = _mm256_fmadd_ps(qd, k0, s[g][0]);
@@ -311,25 +314,25 @@ static void decode(const DecodeArgs<T, C>& a) {
     for (int g = 0; g < G; ++g) softmax(&scores[g * Lp], L);
     float acc[G][D] = {};
     for (int64_t b = 0; b < num_blocks; ++b) {
-      const C* vb = vc + table[b] * vs[0] + kh * vs[2];
-      if (b + 1 < num_blocks)
-        prefetch_block(vc + table[b + 1] * vs[0] + kh * vs[2], BS, vs[1], D * sizeof(C));
+      const C* vb = a.v_block(table[b], kh);
+      if (b + 1 < num_blocks) prefetch_v<D>(a, table[b + 1], kh);
       const int64_t positions = std::min(BS, L - b * BS);
       for (int dc = 0; dc < D; dc += DC) {
-        __m256 a[G][DC / 8];
+        __m256 acc_v[G][DC / 8];
         for (int g = 0; g < G; ++g)
-          for (int j = 0; j < DC / 8; ++j) a[g][j] = _mm256_loadu_ps(&acc[g][dc + 8 * j]);
+          for (int j = 0; j < DC / 8; ++j) acc_v[g][j] = _mm256_loadu_ps(&acc[g][dc + 8 * j]);
         for (int64_t p = 0; p < positions; ++p) {
-          const C* v = vb + p * vs[1] + dc;
+          const C* v = vb + p * a.vs[1] + dc;
           __m256 vv[DC / 8];
           for (int j = 0; j < DC / 8; ++j) vv[j] = load8(v + 8 * j);
           for (int g = 0; g < G; ++g) {
             const __m256 w = _mm256_set1_ps(scores[g * Lp + b * BS + p]);
-            for (int j = 0; j < DC / 8; ++j) a[g][j] = _mm256_fmadd_ps(w, vv[j], a[g][j]);
+            for (int j = 0; j < DC / 8; ++j)
+              acc_v[g][j] = _mm256_fmadd_ps(w, vv[j], acc_v[g][j]);
           }
         }
         for (int g = 0; g < G; ++g)
-          for (int j = 0; j < DC / 8; ++j) _mm256_storeu_ps(&acc[g][dc + 8 * j], a[g][j]);
+          for (int j = 0; j < DC / 8; ++j) _mm256_storeu_ps(&acc[g][dc + 8 * j], acc_v[g][j]);
       }
     }
     store_output(acc, a, i, kh);
@@ -348,45 +351,40 @@ static inline void softmax(float* s, int64_t L) {
 
 template <typename T, typename C, int G, int D>
 static void decode(const DecodeArgs<T, C>& a) {
-  const C *kc = a.kc, *vc = a.vc;
-  const int64_t *bt = a.bt, *lens = a.lens, *ks = a.ks, *vs = a.vs;
-  const int64_t n = a.n, KVH = a.KVH, max_blocks = a.max_blocks;
   constexpr int64_t BS = kBlockSize;
-  parallel_if(worth_threads(lens, n, KVH), n * KVH, [&](std::atomic<int64_t>& next) {
-    std::vector<float> scores;
-    for (int64_t idx; (idx = next++) < n * KVH;) {
-      const int64_t i = longest_first(idx / KVH, n), kh = idx % KVH, L = lens[i];
-      float qf[G][D];
-      load_query(a, i, kh, qf);
-      scores.resize(G * (L + BS));
-      for (int64_t b = 0; b * BS < L; ++b) {
-        const C* kb = kc + bt[i * max_blocks + b] * ks[0] + kh * ks[2];
-        for (int g = 0; g < G; ++g) {
-          float s[BS] = {};
-          for (int d = 0; d < D; ++d) {
-            const float qd = qf[g][d];
-            const C* krow = kb + d * ks[3];
+  for_each_item(a, [&](int64_t i, int64_t kh, std::vector<float>& scores) {
+    const int64_t L = a.lens[i];
+    const int64_t* table = a.table(i);
+    float qf[G][D];
+    load_query(a, i, kh, qf);
+    scores.resize(G * (L + BS));
+    for (int64_t b = 0; b * BS < L; ++b) {
+      const C* kb = a.k_block(table[b], kh);
+      for (int g = 0; g < G; ++g) {
+        float s[BS] = {};
+        for (int d = 0; d < D; ++d) {
+          const float qd = qf[g][d];
+          const C* krow = kb + d * a.ks[3];
 #pragma omp simd
-            for (int64_t p = 0; p < BS; ++p) s[p] += qd * static_cast<float>(krow[p]);
-          }
-          std::copy_n(s, BS, &scores[g * (L + BS) + b * BS]);  // row padded: whole blocks
+          for (int64_t p = 0; p < BS; ++p) s[p] += qd * static_cast<float>(krow[p]);
         }
+        std::copy_n(s, BS, &scores[g * (L + BS) + b * BS]);  // row padded: whole blocks
       }
-      for (int g = 0; g < G; ++g) softmax(&scores[g * (L + BS)], L);
-      float acc[G][D] = {};
-      for (int64_t p = 0; p < L; ++p) {
-        const C* v = vc + bt[i * max_blocks + p / BS] * vs[0] + (p % BS) * vs[1] + kh * vs[2];
-        float vf[D];
-#pragma omp simd
-        for (int d = 0; d < D; ++d) vf[d] = static_cast<float>(v[d]);
-        for (int g = 0; g < G; ++g) {
-          const float w = scores[g * (L + BS) + p];
-#pragma omp simd
-          for (int d = 0; d < D; ++d) acc[g][d] += w * vf[d];
-        }
-      }
-      store_output(acc, a, i, kh);
     }
+    for (int g = 0; g < G; ++g) softmax(&scores[g * (L + BS)], L);
+    float acc[G][D] = {};
+    for (int64_t p = 0; p < L; ++p) {
+      const C* v = a.v_block(table[p / BS], kh) + (p % BS) * a.vs[1];
+      float vf[D];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) vf[d] = static_cast<float>(v[d]);
+      for (int g = 0; g < G; ++g) {
+        const float w = scores[g * (L + BS) + p];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[g][d] += w * vf[d];
+      }
+    }
+    store_output(acc, a, i, kh);
   });
 }
 
