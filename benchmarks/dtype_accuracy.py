@@ -187,10 +187,12 @@ def encode(tokenizer: Tokenizer, item: str | list[dict[str, str]], generation: b
 
 @torch.inference_mode()
 def passage_logits(model: LlamaModel, token_ids: list[int],
-                   kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   kv_dtype: torch.dtype | None = None, prefill_bf16: bool = False
+                   ) -> torch.Tensor:
     """[n, vocab] fp32 logits of every position, from one prefill of the whole passage into a
     fresh paged KV cache of kv_dtype (default: the model's; the path the engine's prefill
-    takes)."""
+    takes), its attention in bf16 if prefill_bf16 and the passage is long enough
+    (AttentionMetadata.prefill_bf16)."""
     arch, n = model.arch, len(token_ids)
     num_blocks = -(-n // BLOCK_SIZE)
     caches = [new_kv_cache(num_blocks, BLOCK_SIZE, arch.num_kv_heads, arch.head_dim,
@@ -199,7 +201,8 @@ def passage_logits(model: LlamaModel, token_ids: list[int],
     positions = torch.arange(n)
     slots = (positions // BLOCK_SIZE, positions % BLOCK_SIZE)
     meta = AttentionMetadata(slots=slots, decodes=[], prefills=[PrefillSpan(
-        query_start=0, query_len=n, context_len=n, block_ids=torch.arange(num_blocks))])
+        query_start=0, query_len=n, context_len=n, block_ids=torch.arange(num_blocks))],
+        prefill_bf16=prefill_bf16)
     hidden = model.forward(torch.tensor(token_ids), positions, caches, meta)
     return model.compute_logits(hidden).float()
 

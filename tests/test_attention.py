@@ -1,6 +1,7 @@
 """The native paged decode-attention kernel, and the fused RoPE + KV write + decode attention
 op built on it, against the torch path (RoPE, index_put, gather + SDPA), on random caches with
-scattered block tables, ragged context lengths and grouped-query heads."""
+scattered block tables, ragged context lengths and grouped-query heads; prefill chunks in bf16
+from BF16_PREFILL_MIN_POSITIONS."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 
 from loom.core.batch import ScheduledRequest
 from loom.model.attention import (
+    BF16_PREFILL_MIN_POSITIONS,
     AttentionMetadata,
+    PrefillSpan,
     new_kv_cache,
     paged_attention,
     rope_write_attend,
@@ -122,7 +125,7 @@ def _step_metadata(items: list[ScheduledRequest], block_size: int, scratch_block
     runner = ModelRunner.__new__(ModelRunner)
     runner.block_size, runner.device, runner.scratch_block = block_size, torch.device("cpu"), \
         scratch_block
-    runner.backends = SimpleNamespace(native_decode=native)
+    runner.backends = SimpleNamespace(native_decode=native, bf16_prefill_attention=False)
     items, _, positions, meta = runner._prepare(items)
     real = [not item.padding for item in items for _ in item.token_ids]
     return real, positions, meta
@@ -229,3 +232,39 @@ def test_fused_op_refuses_out_of_range_positions_and_slots() -> None:
     with pytest.raises(RuntimeError, match="qkv"):
         ops.rope_write_decode(torch.zeros(1, 14 * 64), 9, cos, sin, one, k_cache, v_cache, one,
                               one, tables, lens, 0.125)
+
+
+def _prefill_chunk(n: int, cached: int, bf16: bool) -> torch.Tensor:
+    """paged_attention's output for one prefill chunk of n tokens after `cached` positions
+    already in an fp16 cache (9 query heads over 3 kv heads, head_dim 64)."""
+    generator = torch.Generator().manual_seed(n + cached)
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    context = cached + n
+    num_blocks = -(-context // bs)
+    k_cache, v_cache = new_kv_cache(num_blocks, bs, kv_heads, dim, torch.float16,
+                                    torch.device("cpu"))
+    k, v = (torch.randn(context, kv_heads, dim, generator=generator) for _ in range(2))
+    positions = torch.arange(context)
+    write_kv(k_cache, v_cache, k, v, (positions // bs, positions % bs))
+    q = torch.randn(n, heads, dim, generator=generator)
+    span = PrefillSpan(query_start=0, query_len=n, context_len=context,
+                       block_ids=torch.arange(num_blocks))
+    meta = AttentionMetadata((positions[cached:] // bs, positions[cached:] % bs), [], [span],
+                             prefill_bf16=bf16)
+    return paged_attention(q, k[cached:], v[cached:], k_cache, v_cache, meta)
+
+
+@pytest.mark.parametrize(("n", "cached"), [(363, 0), (256, 512), (362, 0), (64, 0), (1, 600)])
+def test_long_prefill_chunks_attend_in_bf16_when_asked(n: int, cached: int) -> None:
+    """From BF16_PREFILL_MIN_POSITIONS query x context positions (a whole prompt, or a chunk
+    after a cached prefix) the chunk attends in bf16: close to fp32, not equal to it. Below,
+    the flag changes nothing."""
+    fp32 = _prefill_chunk(n, cached, bf16=False)
+    asked = _prefill_chunk(n, cached, bf16=True)
+    assert asked.dtype == torch.float32
+    if n * (n + cached) >= BF16_PREFILL_MIN_POSITIONS:
+        assert not torch.equal(asked, fp32)
+        torch.testing.assert_close(asked, fp32, atol=3e-2, rtol=3e-2)
+    else:
+        assert torch.equal(asked, fp32)
+

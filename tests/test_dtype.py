@@ -82,15 +82,20 @@ def test_auto_choices_on_each_cpu(monkeypatch, native_bf16: bool, amx: bool) -> 
     above = BF16_ABOVE_ROWS_AMX if amx else BF16_ABOVE_ROWS
     assert auto.bf16_above_rows == (above if native_bf16 else None)
     assert (f"bf16 above {above} rows" in auto.describe()) == native_bf16
+    assert auto.bf16_prefill_attention == native_bf16  # long prefill attention follows
+    assert ("long prefill attention bf16" in auto.describe()) == native_bf16
     no_blocks = resolve(has_blocks=False)
     assert no_blocks.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
     assert not no_blocks.batched_bf16
     assert not resolve(dtype="float32").batched_bf16  # float32 asked for: float32 matmuls
     assert not resolve(batched_matmul="native").batched_bf16
+    assert not resolve(batched_matmul="native").bf16_prefill_attention
     too_big = 4 * host.available_ram_bytes()  # auto keeps no copies that would not fit
     assert not resolve(copy_bytes=too_big).batched_bf16
     assert resolve(copy_bytes=too_big, batched_matmul="bfloat16").batched_bf16
-    assert resolve(dtype="float32", batched_matmul="bfloat16").batched_bf16
+    forced = resolve(dtype="float32", batched_matmul="bfloat16")
+    assert forced.batched_bf16
+    assert forced.bf16_prefill_attention == native_bf16  # emulated bf16 attention is slower
     with pytest.raises(ValueError, match="batched_matmul 'bfloat16' applies to the native"):
         resolve(has_blocks=False, dtype="float32", batched_matmul="bfloat16")
 

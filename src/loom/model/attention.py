@@ -12,7 +12,8 @@ within the chunk and over the cached context before it.
 The cache may hold a narrower type than the model computes in (an fp16 cache under fp32
 activations). Every query then sees K/V as the cache holds them, this step's own included, so
 a prompt gives the same result whether it is prefilled in one chunk or several, from a cached
-prefix or not.
+prefix or not — unless long chunks attend in bf16 (`AttentionMetadata.prefill_bf16`, auto on
+CPUs with native bf16), where one long chunk and several short ones round apart.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
     paged_decodes: PagedDecodes | None = None
+    # Prefill chunks of at least BF16_PREFILL_MIN_POSITIONS attend in bf16 (backends.py says
+    # when: float32 models whose batched matmuls run in bf16 on a CPU with native bf16).
+    prefill_bf16: bool = False
+
+
+# Query x context positions from which a prefill chunk's SDPA runs in bf16 when the metadata
+# asks for it: torch's bf16 kernel (AMX tiles where the CPU has them) overtakes its fp32 one
+# between causal chunks of 256 and 384 tokens and gains with length
+# (benchmarks/prefill_attention.py).
+BF16_PREFILL_MIN_POSITIONS = 1 << 17
 
 
 _ALIGN = 64
@@ -133,7 +144,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         q_dec = q[rows].view(n, num_kv_heads, group, head_dim)
         out[rows] = F.scaled_dot_product_attention(
             q_dec, k_ctx, v_ctx, attn_mask=dec.mask).reshape(n, num_heads, head_dim)
-    _attend_prefills(q, k, v, k_cache, v_cache, meta.prefills, out)
+    _attend_prefills(q, k, v, k_cache, v_cache, meta, out)
     return out.view(num_tokens, num_heads * head_dim)
 
 
@@ -153,25 +164,27 @@ def rope_write_attend(qkv: torch.Tensor, num_heads: int, rope_cos: torch.Tensor,
     if meta.prefills:
         q, k, v = qkv.view(-1, num_heads + 2 * num_kv_heads, head_dim).split(
             [num_heads, num_kv_heads, num_kv_heads], dim=1)
-        _attend_prefills(q, k, v, k_cache, v_cache, meta.prefills,
-                         out.view(-1, num_heads, head_dim))
+        _attend_prefills(q, k, v, k_cache, v_cache, meta, out.view(-1, num_heads, head_dim))
     return out
 
 
 def _attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, prefills: list[PrefillSpan],
-                     out: torch.Tensor) -> None:
-    """One SDPA call per prefill chunk, into its rows of out ([tokens, heads, head_dim])."""
-    for span in prefills:
+                     v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+    """One SDPA call per prefill chunk, into its rows of out ([tokens, heads, head_dim]), in
+    q's dtype or, for long chunks when meta.prefill_bf16, in bf16 (K/V rounded through the
+    cache's type first, as everywhere)."""
+    for span in meta.prefills:
         rows = slice(span.query_start, span.query_start + span.query_len)
-        q_span = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q, head_dim]
+        dtype = (torch.bfloat16 if meta.prefill_bf16 and span.query_len * span.context_len
+                 >= BF16_PREFILL_MIN_POSITIONS else q.dtype)
+        q_span = q[rows].transpose(0, 1).unsqueeze(0).to(dtype)  # [1, heads, q, head_dim]
         if span.context_len == span.query_len:  # nothing cached before: use this step's K/V
-            k_ctx, v_ctx = _as_cached(k[rows], k_cache, q.dtype), _as_cached(v[rows], v_cache,
-                                                                           q.dtype)
+            k_ctx, v_ctx = _as_cached(k[rows], k_cache, dtype), _as_cached(v[rows], v_cache,
+                                                                         dtype)
             mask, causal = None, True
         else:
-            k_ctx = k_cache[span.block_ids].flatten(0, 1)[:span.context_len].to(q.dtype)
-            v_ctx = v_cache[span.block_ids].flatten(0, 1)[:span.context_len].to(q.dtype)
+            k_ctx = k_cache[span.block_ids].flatten(0, 1)[:span.context_len].to(dtype)
+            v_ctx = v_cache[span.block_ids].flatten(0, 1)[:span.context_len].to(dtype)
             mask = _chunk_causal_mask(span.query_len, span.context_len, q.device)
             causal = False
         out[rows] = F.scaled_dot_product_attention(

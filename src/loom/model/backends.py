@@ -42,6 +42,8 @@ class Backends:
     fused_ops: ModuleType | None  # compiled add + RMSNorm and SiLU * up, else torch's ops
     # native: calls of more rows than this in bf16 on copies of the weights (model/linear.py)
     bf16_above_rows: int | None = None
+    # long prefill chunks attend in bf16 (model/attention.py, AttentionMetadata.prefill_bf16)
+    bf16_prefill_attention: bool = False
 
     @property
     def batched_bf16(self) -> bool:
@@ -61,6 +63,7 @@ class Backends:
         parts = [f"dtype {str(self.dtype).removeprefix('torch.')}",
                  f"KV cache {str(self.kv_dtype).removeprefix('torch.')}",
                  f"decode attention {'native kernel' if self.native_decode else 'torch'}",
+                 f"long prefill attention {'bf16' if self.bf16_prefill_attention else 'as dtype'}",
                  f"matmuls {matmuls.get(self.linear, 'torch')}",
                  f"add + norm and SiLU * up {'fused kernels' if self.fused_ops else 'torch'}"]
         if self.num_threads:
@@ -94,13 +97,17 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
         kv_dtype = torch.float16
     linear = _linear_backend(config.linear_backend, has_block_quant, device, dtype)
     fused = fused_ops() if device.type == "cpu" and dtype == torch.float32 else None
+    # the casts in and out of bf16 are fused_ops' too
+    bf16_above_rows = _bf16_above_rows(config, device, linear == "native" and fused is not None,
+                                       bf16_copy_bytes)
     return Backends(
         device=device, dtype=dtype, kv_dtype=kv_dtype, num_threads=num_threads,
         native_decode=native_decode, linear=linear, fused_ops=fused,
-        # the casts in and out of bf16 are fused_ops' too
-        bf16_above_rows=_bf16_above_rows(config, device,
-                                         linear == "native" and fused is not None,
-                                         bf16_copy_bytes))
+        bf16_above_rows=bf16_above_rows,
+        # where prefill's matmuls already run in bf16, its long attention does too (only
+        # native bf16 makes that faster)
+        bf16_prefill_attention=(bf16_above_rows is not None and dtype == torch.float32
+                                and host.has_native_bf16()))
 
 
 def resolve_device(name: str) -> torch.device:

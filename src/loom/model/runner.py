@@ -242,12 +242,13 @@ class ModelRunner:
                                            device=device)))
         slots = (torch.tensor(slot_blocks, dtype=torch.long, device=device),
                  torch.tensor(slot_offsets, dtype=torch.long, device=device))
+        bf16 = self.backends.bf16_prefill_attention
         if self.native_decode:
             meta = AttentionMetadata(slots, [], prefills,
-                                     self._paged_decodes(decode_tables, decode_lens))
+                                     self._paged_decodes(decode_tables, decode_lens), bf16)
         else:
             meta = AttentionMetadata(slots, self._decode_groups(decode_tables, decode_lens),
-                                     prefills)
+                                     prefills, prefill_bf16=bf16)
         return (items, torch.tensor(ids, dtype=torch.long, device=device),
                 torch.tensor(positions, dtype=torch.long, device=device), meta)
 
