@@ -1,4 +1,4 @@
-"""Prefill on a CPU with native bf16: what long chunks' attention costs.
+"""Prefill on a CPU with native bf16: what long chunks' attention and fresh KV blocks cost.
 
 Three parts, each printed as a Markdown table:
 
@@ -14,7 +14,10 @@ Three parts, each printed as a Markdown table:
   against float32, and perplexity (skipped on a checkout without the setting).
 
 The prefill part uses only what older checkouts have too, so a before/after is this script
-run from each tree (`PYTHONPATH=<tree>/src`), alternating. Run from the repository root:
+run from each tree (`PYTHONPATH=<tree>/src`), alternating; it is how the KV cache's huge
+pages (`loom.model.attention.zeros`) were measured: a first-touch microbenchmark of the two
+allocations moved 0.07-1.2 s a GiB from run to run either way on a virtual machine. Run
+from the repository root:
 
     python benchmarks/prefill_attention.py
     python benchmarks/prefill_attention.py --parts prefill --lengths 500 1000 2000

@@ -1,7 +1,7 @@
 """The native paged decode-attention kernel, and the fused RoPE + KV write + decode attention
 op built on it, against the torch path (RoPE, index_put, gather + SDPA), on random caches with
 scattered block tables, ragged context lengths and grouped-query heads; prefill chunks in bf16
-from BF16_PREFILL_MIN_POSITIONS."""
+from BF16_PREFILL_MIN_POSITIONS; the KV cache's lazily zeroed, huge-page memory."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from loom.model.attention import (
     paged_attention,
     rope_write_attend,
     write_kv,
+    zeros,
 )
 from loom.model.kernels import paged_attention_ops
 from loom.model.llama import _rope
@@ -268,3 +269,26 @@ def test_long_prefill_chunks_attend_in_bf16_when_asked(n: int, cached: int) -> N
     else:
         assert torch.equal(asked, fp32)
 
+
+def test_cpu_zeros_are_zero_writable_and_on_huge_pages_where_the_kernel_has_them() -> None:
+    t = zeros((3, 1000, 700), torch.float16, torch.device("cpu"))
+    assert t.shape == (3, 1000, 700) and t.dtype == torch.float16
+    assert not t.any()
+    t[2, 999, 699] = 1.5
+    assert t.sum().item() == 1.5
+    assert t.data_ptr() % (2 << 20) == 0  # whole huge pages from its first byte
+    try:
+        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this OS")
+    if "[never]" in thp:
+        pytest.skip("transparent huge pages are off on this host")
+    address, eligible = t.data_ptr(), None
+    for line in open("/proc/self/smaps"):
+        first = line.split()[0]
+        if "-" in first and all(c in "0123456789abcdef-" for c in first):
+            low, high = (int(x, 16) for x in first.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("THPeligible:"):
+            eligible = line.split()[1] == "1"
+    assert eligible, "the KV cache's mapping is not eligible for transparent huge pages"

@@ -19,6 +19,7 @@ CPUs with native bf16), where one long chunk and several short ones round apart.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,7 +78,7 @@ class AttentionMetadata:
 BF16_PREFILL_MIN_POSITIONS = 1 << 17
 
 
-_ALIGN = 64
+_HUGE_PAGE = 2 << 20
 
 
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -93,15 +94,20 @@ def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: 
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor whose CPU pages are zeroed by the OS on first touch (calloc) rather than
-    written now: a cache of gigabytes then costs nothing at start-up, and memory is taken as
-    blocks are used. (Masked attention reads unused slots, so they must hold zeros, not
-    whatever the allocator last kept there.)"""
+    """A zero tensor whose CPU pages are zeroed by the OS on first touch rather than written
+    now: a cache of gigabytes then costs nothing at start-up, and memory is taken as blocks are
+    used. (Masked attention reads unused slots, so they must hold zeros, not whatever the
+    allocator last kept there.) The mapping asks for transparent huge pages: touched 4 KB at a
+    time, a prefill's first pass through fresh blocks spent more in page faults than in
+    RoPE and the KV writes (benchmarks/prefill_attention.py)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)  # calloc: lazily zeroed pages
-    start = -raw.ctypes.data % _ALIGN  # cache-line aligned, as torch's own allocator
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; a no-op where THP is off
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    raw = np.frombuffer(mapping, dtype=np.uint8)  # keeps the mapping alive
+    start = -raw.ctypes.data % _HUGE_PAGE  # whole huge pages from the first block on
     return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
 
 
