@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import loom  # noqa: F401 - before torch: it sets the OpenMP wait policy (loom/threads.py)
@@ -41,18 +39,16 @@ import torch.nn.functional as F
 from loom import LLM, SamplingParams, host
 from loom.model import attention
 
+sys.path.insert(0, "benchmarks")
+from roofline import best_and_median  # noqa: E402
+
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
 def median_ms(fn: Callable[[], object], repeats: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
+    for _ in range(warmup - 1):  # best_and_median runs one more
         fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return best_and_median(fn, repeats)[1] * 1e3
 
 
 def sdpa_part() -> None:
@@ -91,7 +87,6 @@ def accuracy_part() -> None:
     if "prefill_bf16" not in attention.AttentionMetadata.__dataclass_fields__:
         print("(accuracy: this checkout has no long-chunk bf16 attention; skipped)")
         return
-    sys.path.insert(0, "benchmarks")
     from dtype_accuracy import PASSAGES, compare_logits, encode, passage_logits
 
     fp32 = LLM(enable_prefix_caching=False, batched_matmul="native")  # float32 throughout

@@ -68,7 +68,7 @@ DECODE_DTYPES = ["auto", *DTYPES]
 
 # -- machine figures --------------------------------------------------------------------------
 
-def _best_and_median(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
+def best_and_median(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
     """(best, median) seconds of `fn` over `repeats` runs, after one warm-up run."""
     fn()
     times = []
@@ -85,8 +85,8 @@ def measure_bandwidth(size_bytes: int, repeats: int) -> dict[str, float]:
     src = torch.ones(n, dtype=torch.float32)  # filled, so every page is really backed
     dst = torch.zeros(n, dtype=torch.float32)
     nbytes = n * 4
-    read_best, read_median = _best_and_median(src.sum, repeats)
-    copy_best, copy_median = _best_and_median(lambda: dst.copy_(src), repeats)
+    read_best, read_median = best_and_median(src.sum, repeats)
+    copy_best, copy_median = best_and_median(lambda: dst.copy_(src), repeats)
     return {"size_bytes": nbytes, "repeats": repeats,
             "read_best_gbs": nbytes / read_best / 1e9,
             "read_median_gbs": nbytes / read_median / 1e9,
@@ -207,7 +207,7 @@ def measure_matmul_step(model: LlamaModel, batch: int, repeats: int) -> float:
             layer.down(m)
         model.lm_head(h)
 
-    return _best_and_median(step, repeats)[1]
+    return best_and_median(step, repeats)[1]
 
 
 def measure_decode(llm: LLM, batch: int, steps: int, warmup: int, prompt_len: int
