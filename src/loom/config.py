@@ -87,8 +87,8 @@ class ModelConfig:
         "matmuls of more than 16 rows, 3 on CPUs with AMX (prefill chunks, batched decode) "
         "when the native kernel runs: native = the kernel itself; bfloat16 = bf16 copies "
         "of the weights (loom's AMX kernel where the CPU has AMX, else oneDNN; 2 bytes a "
-        "weight more memory; fast only with native bf16; on CPUs with native bf16 the "
-        "attention of long prefill chunks then runs in bf16 too); auto = "
+        "weight more memory; fast only with native bf16; on CPUs with AMX the attention "
+        "of long prefill chunks then runs in bf16 too); auto = "
         "bfloat16 with --dtype auto on CPUs with native bf16 when the copies take at most a "
         "quarter of the available memory, else native"))
 

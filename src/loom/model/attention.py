@@ -13,7 +13,7 @@ The cache may hold a narrower type than the model computes in (an fp16 cache und
 activations). Every query then sees K/V as the cache holds them, this step's own included, so
 a prompt gives the same result whether it is prefilled in one chunk or several, from a cached
 prefix or not — unless long chunks attend in bf16 (`AttentionMetadata.prefill_bf16`, auto on
-CPUs with native bf16), where one long chunk and several short ones round apart.
+CPUs with AMX), where one long chunk and several short ones round apart.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     paged_decodes: PagedDecodes | None = None
     # Prefill chunks of at least BF16_PREFILL_MIN_POSITIONS attend in bf16 (backends.py says
-    # when: float32 models whose batched matmuls run in bf16 on a CPU with native bf16).
+    # when: float32 models whose batched matmuls run in bf16 on a CPU with AMX).
     prefill_bf16: bool = False
 
 
