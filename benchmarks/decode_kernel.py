@@ -3,9 +3,10 @@ request's blocks, pad, SDPA per length group), on random caches with SmolLM2's s
 heads, 3 kv heads, head_dim 64, block 16) and scattered blocks; fp32 queries over an fp32 and
 an fp16 cache, bf16 over bf16. With --against REV, the
 kernel's source at git revision REV is compiled too and timed on the same inputs, in the same
-run, for a before/after ratio: the two kernels take turns, first and second in alternate
-rounds, as whichever ran second used to gain 10-16% (an A/A run of one source on both sides
-gave 0.84-0.90x). Run from the repository root:
+run, for a before/after ratio: both kernels called straight (the "native" column goes through
+`paged_attention`, whose output allocation and copy made an A/A run of one source read
+0.70-0.92x when the old kernel alone was called straight), taking turns, first and second in
+alternate rounds. Run from the repository root:
 
     python benchmarks/decode_kernel.py
     python benchmarks/decode_kernel.py --against 1207948
@@ -34,6 +35,7 @@ import torch
 from torch.utils.cpp_extension import load
 
 from loom.model.attention import AttentionMetadata, new_kv_cache, paged_attention
+from loom.model.kernels import paged_attention_ops
 from loom.model.runner import ModelRunner
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -102,10 +104,11 @@ def main() -> None:
     args = parser.parse_args()
     low, high = (int(x) for x in args.contexts.split("-"))
     old = kernel_at(args.against) if args.against else None
-    extra = f" | {args.against} ms/layer | now / {args.against}" if old else ""
+    extra = (f" | now, called straight | {args.against} ms/layer | now / {args.against}"
+             if old else "")
     print("| dtype | KV cache | decodes | mean context | torch path ms/layer | native ms/layer "
           f"| native GFLOP/s | speed-up{extra} |\n|---|---|--:|--:|--:|--:|--:|--:|"
-          + ("--:|--:|" if old else ""))
+          + ("--:|--:|--:|" if old else ""))
     runner = ModelRunner.__new__(ModelRunner)  # only its metadata builders
     runner.block_size, runner.device = BLOCK, torch.device("cpu")
     for dtype, cache_dtype in ((torch.float32, torch.float32), (torch.float32, torch.float16),
@@ -133,17 +136,15 @@ def main() -> None:
             native = AttentionMetadata(slots, [], [], runner._paged_decodes(tables, lens))
             torch_path = AttentionMetadata(slots, runner._decode_groups(tables, lens), [])
             torch_ms = over_layers(functools.partial(attend, q, unused, torch_path), layers)
-            native_call = functools.partial(over_layers,
-                                            functools.partial(attend, q, unused, native), layers)
+            native_ms = over_layers(functools.partial(attend, q, unused, native), layers)
             old_runs = old is not None and old.supported(HEADS, KV_HEADS, HEAD_DIM, BLOCK, dtype,
                                                          cache_dtype)  # not: before fp16 caches
-            if old_runs:
-                pd = native.paged_decodes
-                native_ms, old_ms = alternating([native_call, functools.partial(
-                    over_layers, lambda k, v, q=q, pd=pd: old.paged_decode_attention(
-                        q, k, v, pd.block_tables, pd.context_lens, HEAD_DIM ** -0.5), layers)])
-            else:
-                native_ms = native_call()
+            if old_runs:  # both kernels called the same way: straight, no wrapper
+                now_ms, old_ms = alternating([functools.partial(
+                    over_layers, lambda k, v, q=q, pd=native.paged_decodes, m=m:
+                    m.paged_decode_attention(q, k, v, pd.block_tables, pd.context_lens,
+                                             HEAD_DIM ** -0.5), layers)
+                    for m in (paged_attention_ops(), old)])
             times = [torch_ms, native_ms]
             flops = 4 * sum(lens) * HEADS * HEAD_DIM
             row = (f"| {str(dtype).removeprefix('torch.')} | "
@@ -151,9 +152,9 @@ def main() -> None:
                    f"{times[0]:.3f} | {times[1]:.3f} | {flops / times[1] / 1e6:.0f} | "
                    f"{times[0] / times[1]:.1f}x |")
             if old_runs:
-                row += f" {old_ms:.3f} | {old_ms / times[1]:.2f}x |"
+                row += f" {now_ms:.3f} | {old_ms:.3f} | {old_ms / now_ms:.2f}x |"
             elif old is not None:
-                row += " - | - |"
+                row += " - | - | - |"
             print(row, flush=True)
 
 
