@@ -245,7 +245,8 @@ class ModelRunner:
         bf16 = self.backends.bf16_prefill_attention
         if self.native_decode:
             meta = AttentionMetadata(slots, [], prefills,
-                                     self._paged_decodes(decode_tables, decode_lens), bf16)
+                                     self._paged_decodes(decode_tables, decode_lens),
+                                     prefill_bf16=bf16)
         else:
             meta = AttentionMetadata(slots, self._decode_groups(decode_tables, decode_lens),
                                      prefills, prefill_bf16=bf16)

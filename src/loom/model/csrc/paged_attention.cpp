@@ -189,6 +189,50 @@ static inline void prefetch_v(const DecodeArgs<T, C>& a, int64_t block, int64_t 
   prefetch_block<Hint>(a.v_block(block, kh), kBlockSize, a.vs[1], D * sizeof(C));
 }
 
+// One vector width's operations, for the p.V pass both SIMD kernels share.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  template <typename C>
+  static V load(const C* p) { return load8(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+
+// p.V: acc[g] = sum over positions of probability x V row. A block's positions are taken for a
+// slice of DC dims at a time, the G heads' accumulators for that slice in registers, so the V
+// block is read from L1 D / DC times instead of the accumulators going through memory for every
+// position; the V block `Ahead` blocks on is prefetched meanwhile.
+template <typename L, int DC, int Ahead, typename T, typename C, int G, int D>
+static inline void weighted_values(const DecodeArgs<T, C>& a, const int64_t* table,
+                                   int64_t num_blocks, int64_t len, int64_t kh,
+                                   const float* scores, int64_t row, float (&acc)[G][D]) {
+  constexpr int64_t BS = kBlockSize;
+  constexpr int N = DC / L::kWidth;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const C* vb = a.v_block(table[b], kh);
+    if (b + Ahead < num_blocks) prefetch_v<D>(a, table[b + Ahead], kh);
+    const int64_t positions = std::min(BS, len - b * BS);
+    for (int dc = 0; dc < D; dc += DC) {
+      typename L::V acc_v[G][N];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < N; ++j) acc_v[g][j] = L::load(&acc[g][dc + L::kWidth * j]);
+      for (int64_t p = 0; p < positions; ++p) {
+        const C* v = vb + p * a.vs[1] + dc;
+        typename L::V vv[N];
+        for (int j = 0; j < N; ++j) vv[j] = L::load(v + L::kWidth * j);
+        for (int g = 0; g < G; ++g) {
+          const typename L::V w = L::set1(scores[g * row + b * BS + p]);
+          for (int j = 0; j < N; ++j) acc_v[g][j] = L::fmadd(w, vv[j], acc_v[g][j]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < N; ++j) L::store(&acc[g][dc + L::kWidth * j], acc_v[g][j]);
+    }
+  }
+}
+
 #if defined(__AVX512F__)
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const c10::BFloat16* p) {
@@ -198,6 +242,16 @@ static inline __m512 load16(const c10::BFloat16* p) {
 static inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  template <typename C>
+  static V load(const C* p) { return load16(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
 
 // q.K for NB blocks at once (a block's 16 positions are one vector): each broadcast of a
 // query value serves NB blocks, and NB * G independent sums cover the FMA latency.
@@ -249,38 +303,14 @@ static void decode(const DecodeArgs<T, C>& a) {
       prefetch_v<D>(a, table[ahead], kh);
     for (int g = 0; g < G; ++g) softmax(&scores[g * Lp], L);
     float acc[G][D] = {};
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const C* vb = a.v_block(table[b], kh);
-      if (b + kPrefetchBlocks < num_blocks) prefetch_v<D>(a, table[b + kPrefetchBlocks], kh);
-      const int64_t positions = std::min(BS, L - b * BS);
-      for (int dc = 0; dc < D; dc += DC) {
-        __m512 acc_v[G][DC / 16];
-        for (int g = 0; g < G; ++g)
-          for (int j = 0; j < DC / 16; ++j)
-            acc_v[g][j] = _mm512_loadu_ps(&acc[g][dc + 16 * j]);
-        for (int64_t p = 0; p < positions; ++p) {
-          const C* v = vb + p * a.vs[1] + dc;
-          __m512 vv[DC / 16];
-          for (int j = 0; j < DC / 16; ++j) vv[j] = load16(v + 16 * j);
-          for (int g = 0; g < G; ++g) {
-            const __m512 w = _mm512_set1_ps(scores[g * Lp + b * BS + p]);
-            for (int j = 0; j < DC / 16; ++j)
-              acc_v[g][j] = _mm512_fmadd_ps(w, vv[j], acc_v[g][j]);
-          }
-        }
-        for (int g = 0; g < G; ++g)
-          for (int j = 0; j < DC / 16; ++j)
-            _mm512_storeu_ps(&acc[g][dc + 16 * j], acc_v[g][j]);
-      }
-    }
+    weighted_values<Lanes16, DC, kPrefetchBlocks>(a, table, num_blocks, L, kh, scores.data(), Lp,
+                                                  acc);
     store_output(acc, a, i, kh);
   });
 }
 #else
 // AVX2: each K block is read once for all G heads (scores of 16 positions x G heads in
-// registers), and p.V runs over a block's positions for a slice of DC dims at a time, the G
-// heads' accumulators for that slice in registers, so the V block is read from L1 D / DC times
-// instead of the accumulators going through memory for every position.
+// registers), and p.V is weighted_values over 8-wide vectors.
 template <typename T, typename C, int G, int D>
 static void decode(const DecodeArgs<T, C>& a) {
   constexpr int64_t BS = kBlockSize;
@@ -313,28 +343,7 @@ static void decode(const DecodeArgs<T, C>& a) {
     }
     for (int g = 0; g < G; ++g) softmax(&scores[g * Lp], L);
     float acc[G][D] = {};
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const C* vb = a.v_block(table[b], kh);
-      if (b + 1 < num_blocks) prefetch_v<D>(a, table[b + 1], kh);
-      const int64_t positions = std::min(BS, L - b * BS);
-      for (int dc = 0; dc < D; dc += DC) {
-        __m256 acc_v[G][DC / 8];
-        for (int g = 0; g < G; ++g)
-          for (int j = 0; j < DC / 8; ++j) acc_v[g][j] = _mm256_loadu_ps(&acc[g][dc + 8 * j]);
-        for (int64_t p = 0; p < positions; ++p) {
-          const C* v = vb + p * a.vs[1] + dc;
-          __m256 vv[DC / 8];
-          for (int j = 0; j < DC / 8; ++j) vv[j] = load8(v + 8 * j);
-          for (int g = 0; g < G; ++g) {
-            const __m256 w = _mm256_set1_ps(scores[g * Lp + b * BS + p]);
-            for (int j = 0; j < DC / 8; ++j)
-              acc_v[g][j] = _mm256_fmadd_ps(w, vv[j], acc_v[g][j]);
-          }
-        }
-        for (int g = 0; g < G; ++g)
-          for (int j = 0; j < DC / 8; ++j) _mm256_storeu_ps(&acc[g][dc + 8 * j], acc_v[g][j]);
-      }
-    }
+    weighted_values<Lanes8, DC, 1>(a, table, num_blocks, L, kh, scores.data(), Lp, acc);
     store_output(acc, a, i, kh);
   });
 }
