@@ -1,6 +1,6 @@
-"""Prefill on a CPU with native bf16: what long chunks' attention and fresh KV blocks cost.
+"""Prefill attention: what long chunks' attention, short chunks' and fresh KV blocks cost.
 
-Three parts, each printed as a Markdown table:
+Five parts, each printed as a Markdown table:
 
 * sdpa: torch's SDPA at the bundled model's attention shape (9 query heads over 3 kv heads,
   head_dim 64) in float32 and in bfloat16 (inputs cast, output cast back, as
@@ -11,16 +11,27 @@ Three parts, each printed as a Markdown table:
 * accuracy: a long passage teacher-forced through the model's own prefill (one chunk, as the
   engine's prefill runs it) in float32 throughout (`batched_matmul="native"`) and in the auto
   setting with long-chunk bf16 attention off and on: each one's top-1 agreement and KL
-  against float32, and perplexity (skipped on a checkout without the setting).
+  against float32, and perplexity (skipped on a checkout without the setting);
+* per-token: a chunk of Q tokens after P cached ones, over an fp16 paged cache, two ways: the
+  SDPA call `loom.model.attention` makes for a prefill span (bf16 where the engine would
+  choose it) and the native decode kernel with one query row per token, each over the blocks
+  up to its own position (how the runner sends chunks of up to
+  PER_TOKEN_PREFILL_MAX_QUERIES tokens), medians of 15;
+* burst: the 64 prompts of benchmarks/traces/mixed-64.jsonl submitted at once, as a closed
+  loop of 64 users starts: prefill only (max_tokens 1), then the whole trace with its output
+  lengths (ignore_eos), twice each in one process, every round's prompts behind a prefix of
+  its own so that no round reuses another's cached blocks (within a round they share
+  documents as the trace does).
 
-The prefill part uses only what older checkouts have too, so a before/after is this script
-run from each tree (`PYTHONPATH=<tree>/src`), alternating; it is how the KV cache's huge
+The prefill and burst parts use only what older checkouts have too, so a before/after is this
+script run from each tree (`PYTHONPATH=<tree>/src`), alternating; it is how the KV cache's huge
 pages (`loom.model.attention.zeros`) were measured: a first-touch microbenchmark of the two
 allocations moved 0.07-1.2 s a GiB from run to run either way on a virtual machine. Run
 from the repository root:
 
     python benchmarks/prefill_attention.py
     python benchmarks/prefill_attention.py --parts prefill --lengths 500 1000 2000
+    python benchmarks/prefill_attention.py --parts per-token burst
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from collections.abc import Callable
 
 import loom  # noqa: F401 - before torch: it sets the OpenMP wait policy (loom/threads.py)
@@ -37,7 +49,9 @@ import torch
 import torch.nn.functional as F
 
 from loom import LLM, SamplingParams, host
+from loom.bench.trace import load_trace
 from loom.model import attention
+from loom.model.kernels import paged_attention_ops
 
 sys.path.insert(0, "benchmarks")
 from roofline import best_and_median  # noqa: E402
@@ -109,10 +123,64 @@ def accuracy_part() -> None:
               f"{math.exp(r['nll_test'] / r['positions']):.4f} |")
 
 
+def per_token_part() -> None:
+    caches = attention.new_kv_cache(200, 16, KV_HEADS, HEAD_DIM, torch.float16,
+                                    torch.device("cpu"))
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape))
+    print("| chunk tokens | cached before | SDPA ms | per-token ms | per-token / SDPA |\n"
+          "|--:|--:|--:|--:|--:|")
+    for cached in (0, 64, 256, 1024):
+        for query in (8, 32, 64, 128, 256):
+            sdpa, rows = _per_token_case(query, cached, caches)
+            print(f"| {query} | {cached} | {sdpa:.3f} | {rows:.3f} | {rows / sdpa:.2f}x |")
+
+
+def _per_token_case(query: int, cached: int, caches: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[float, float]:
+    """(SDPA ms, per-token rows ms) for one chunk over blocks drawn at random."""
+    k_cache, v_cache = caches
+    context = cached + query
+    blocks = torch.randperm(k_cache.shape[0])[:-(-context // k_cache.shape[1])]
+    q = torch.randn(query, HEADS, HEAD_DIM)
+    k, v = (torch.randn(query, KV_HEADS, HEAD_DIM) for _ in range(2))
+    out = torch.empty_like(q)
+    meta = attention.AttentionMetadata(  # bf16 where Backends.bf16_prefill_attention says
+        slots=(blocks, blocks), decodes=[], prefill_bf16=host.has_amx(),
+        prefills=[attention.PrefillSpan(0, query, context, blocks)])
+    tables = blocks.expand(query, -1).contiguous()
+    lens = torch.arange(cached + 1, context + 1)
+    sdpa = median_ms(lambda: attention._attend_prefills(q, k, v, k_cache, v_cache, meta, out),
+                     repeats=15)
+    rows = median_ms(lambda: paged_attention_ops().paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, HEAD_DIM ** -0.5), repeats=15)
+    return sdpa, rows
+
+
+def burst_part() -> None:
+    requests = load_trace("benchmarks/traces/mixed-64.jsonl").requests
+    llm = LLM()
+    llm.generate(["warm-up"], SamplingParams(max_tokens=2))
+    first = SamplingParams(max_tokens=1, temperature=0)
+    whole = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
+             for r in requests]
+    print("| round | prefill only ms | whole trace ms | output tok/s |\n|--:|--:|--:|--:|")
+    for round_ in range(2):
+        start = time.perf_counter()
+        llm.generate([f"round {round_} prefill. " + r.prompt for r in requests], first)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        outputs = llm.generate([f"round {round_} whole. " + r.prompt for r in requests], whole)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        print(f"| {round_ + 1} | {prefill * 1e3:.0f} | {elapsed * 1e3:.0f} | "
+              f"{tokens / elapsed:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", nargs="+", default=["sdpa", "prefill", "accuracy"],
-                        choices=["sdpa", "prefill", "accuracy"])
+                        choices=["sdpa", "prefill", "accuracy", "per-token", "burst"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 500, 1000, 2000])
     args = parser.parse_args()
     print(f"host: {host.describe()}, torch {torch.__version__}, "
@@ -121,7 +189,8 @@ def main() -> None:
         if part == "prefill":
             prefill_part(args.lengths)
         else:
-            {"sdpa": sdpa_part, "accuracy": accuracy_part}[part]()
+            {"sdpa": sdpa_part, "accuracy": accuracy_part, "per-token": per_token_part,
+             "burst": burst_part}[part]()
         print()
 
 

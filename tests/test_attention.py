@@ -24,7 +24,7 @@ from loom.model.attention import (
 )
 from loom.model.kernels import paged_attention_ops
 from loom.model.llama import _rope
-from loom.model.runner import ModelRunner
+from loom.model.runner import PER_TOKEN_PREFILL_MAX_POSITIONS, ModelRunner
 from loom.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -120,16 +120,18 @@ def _scheduled(request_id: str, tokens: int, start: int, blocks: list[int],
 
 
 def _step_metadata(items: list[ScheduledRequest], block_size: int, scratch_block: int,
-                   native: bool) -> tuple[list[bool], torch.Tensor, AttentionMetadata]:
-    """(which rows are real, not padding; positions; metadata) from the runner's own input
-    preparation."""
+                   native: bool) -> tuple[list[tuple[str, int] | None], torch.Tensor,
+                                          AttentionMetadata]:
+    """(each row's (request id, position), None for padding rows; positions; metadata) from
+    the runner's own input preparation, which orders the rows its own way per path."""
     runner = ModelRunner.__new__(ModelRunner)
     runner.block_size, runner.device, runner.scratch_block = block_size, torch.device("cpu"), \
         scratch_block
     runner.backends = SimpleNamespace(native_decode=native, bf16_prefill_attention=False)
     items, _, positions, meta = runner._prepare(items)
-    real = [not item.padding for item in items for _ in item.token_ids]
-    return real, positions, meta
+    keys = [None if item.padding else (item.request_id, item.start_position + i)
+            for item in items for i in range(len(item.token_ids))]
+    return keys, positions, meta
 
 
 def _rope_tables(head_dim: int, max_positions: int, dtype: torch.dtype
@@ -156,11 +158,44 @@ def _torch_path(qkv: torch.Tensor, positions: torch.Tensor, tables: tuple[torch.
 
 
 # Decodes at positions on both sides of block boundaries (0, 15, 16, 31, 32, ...), one with two
-# draft tokens crossing a boundary, a prefill with nothing cached and a chunk after a cached
-# prefix that starts mid-block (and, but for prefill-only steps, a padding row).
+# draft tokens crossing a boundary, short prefills (per-token queries on the native path) with
+# nothing cached and after a cached prefix that starts mid-block, longer ones (SDPA on both
+# paths) likewise (and, but for prefill-only steps, a padding row).
 MIXED_STEP = [("d0", 1, 0, 0), ("d1", 1, 15, 0), ("d2", 1, 16, 0), ("d3", 1, 31, 0),
               ("d4", 1, 32, 0), ("d5", 1, 300, 0), ("draft", 3, 46, 2), ("p0", 20, 0, 0),
-              ("p1", 25, 40, 0)]
+              ("p1", 25, 40, 0), ("p2", 260, 0, 0), ("p3", 100, 600, 0)]
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_short_prefill_chunks_attend_per_token_on_the_native_path(native: bool) -> None:
+    """Below PER_TOKEN_PREFILL_MAX_POSITIONS query x context positions a chunk's tokens become
+    decode rows (each over its blocks up to its own position), after the decodes; longer
+    chunks keep their SDPA span, as every chunk does on the torch path."""
+    items, free = [], list(range(100))
+    for request_id, tokens, start, drafts in MIXED_STEP:
+        count = -(-(start + tokens) // 16)
+        items.append(_scheduled(request_id, tokens, start, free[:count], drafts))
+        free = free[count:]
+    keys, _, meta = _step_metadata(items, 16, 100, native)
+    spans = {keys[span.query_start][0]: span for span in meta.prefills}
+    short = [("p0", 20, 0), ("p1", 25, 40)]  # 400 and 1,625 positions; p2, p3 above the bound
+    assert all(t * (s + t) < PER_TOKEN_PREFILL_MAX_POSITIONS for _, t, s in short)
+    if not native:
+        assert set(spans) == {"p0", "p1", "p2", "p3"}
+        return
+    assert set(spans) == {"p2", "p3"}
+    assert (spans["p3"].query_len, spans["p3"].context_len) == (100, 700)
+    rows = meta.paged_decodes.num_queries
+    assert rows == 6 + 3 + 20 + 25  # decodes, the draft's three queries, the short chunks
+    assert {k[0] for k in keys[:rows]} == {"d0", "d1", "d2", "d3", "d4", "d5", "draft", "p0",
+                                           "p1"}
+    lens = meta.paged_decodes.context_lens.tolist()
+    for request_id, tokens, start in short:
+        at = [row for row in range(rows) if keys[row][0] == request_id]
+        assert [lens[row] for row in at] == list(range(start + 1, start + tokens + 1))
+        table = meta.paged_decodes.block_tables[at[-1]].tolist()
+        assert table[:-(-(start + tokens) // 16)] == items[
+            [i.request_id for i in items].index(request_id)].block_ids
 
 
 @pytest.mark.parametrize("dtype,cache_dtype,tolerance",
@@ -189,20 +224,24 @@ def test_fused_rope_write_decode_matches_the_torch_path(dtype, cache_dtype, tole
                           torch.device("cpu"))
     for cache in caches:
         cache.copy_(torch.randn(cache.shape))  # the cached prefixes (and stale slots)
-    tables = _rope_tables(head_dim, 512, dtype)
+    tables = _rope_tables(head_dim, 1024, dtype)
     num_tokens = sum(len(item.token_ids) for item in items)
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    token_qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
     results = []
     for native in (False, True):
         k_cache, v_cache = (c.clone() for c in caches)
         k_cache = k_cache.as_strided(caches[0].shape, caches[0].stride())  # keep the layout
-        real, positions, meta = _step_metadata(items, block_size, num_blocks, native)
+        keys, positions, meta = _step_metadata(items, block_size, num_blocks, native)
+        order = sorted(range(num_tokens), key=lambda row: str(keys[row]))  # same rows, both
+        qkv = torch.empty_like(token_qkv)
+        qkv[order] = token_qkv
         x = qkv.clone()
         if native:
             out = rope_write_attend(x, num_heads, *tables, positions, k_cache, v_cache, meta)
         else:
             out = _torch_path(x, positions, tables, k_cache, v_cache, meta, num_heads)
-        results.append((out.float(), k_cache.float(), v_cache.float()))
+        real = [row for row in order if keys[row] is not None]  # a padding row's is discarded
+        results.append((out.float()[real], k_cache.float(), v_cache.float()))
         if native:
             cos, sin = (t[positions].unsqueeze(1) for t in tables)
             qk = x.view(num_tokens, -1, head_dim)[:, :num_heads + num_kv_heads]
@@ -211,9 +250,7 @@ def test_fused_rope_write_decode_matches_the_torch_path(dtype, cache_dtype, tole
             torch.testing.assert_close(qk.float(), roped.float(), atol=tolerance,
                                        rtol=tolerance)
     (expected, k_expected, v_expected), (actual, k_actual, v_actual) = results
-    real_rows = torch.tensor(real)  # a padding row's output is discarded
-    torch.testing.assert_close(actual[real_rows], expected[real_rows], atol=tolerance,
-                               rtol=tolerance)
+    torch.testing.assert_close(actual, expected, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(k_actual, k_expected, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(v_actual, v_expected, atol=0, rtol=0)
 

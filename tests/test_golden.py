@@ -139,4 +139,8 @@ def test_batch_with_chunked_prefill_matches_transformers(prompts, reference):
             rows = torch.arange(len(prompts[name]) - 1, full.shape[1] - 1)
             expected = logprobs[rows, torch.tensor(tokens)]
             got = torch.tensor([lp.logprob for lp in output.outputs[0].logprobs])
-            torch.testing.assert_close(got, expected, atol=2e-3, rtol=0, msg=name)
+            # 3e-3: at up to 16 rows the native matmul rounds activations to two int8 parts,
+            # and which attention kernel a chunk takes (SDPA or per-token queries, equally
+            # exact in fp32) flips some of those roundings: a chosen token's logprob moved by
+            # up to 1.0e-3 between the two, 2.4e-3 from transformers' at worst (plain-digits).
+            torch.testing.assert_close(got, expected, atol=3e-3, rtol=0, msg=name)

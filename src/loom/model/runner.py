@@ -39,6 +39,14 @@ from loom.outputs import TokenLogprob
 logger = logging.getLogger(__name__)
 
 _MAX_PADDING = 1.25  # padded KV a decode group may gather, relative to what it needs
+
+# Prefill chunks of fewer query x context positions than this attend, on the native path, as
+# one query per token in the decode kernel (each over the request's blocks up to its own
+# position) instead of an SDPA call: a chat prompt's or a follow-up turn's chunk is too small
+# for SDPA's fixed cost and its gather of the cached context. Per-token reads the context once
+# per query, so SDPA wins back long chunks; it took under 0.6x SDPA's time below this, and
+# lost from about twice it (benchmarks/prefill_attention.py --parts per-token).
+PER_TOKEN_PREFILL_MAX_POSITIONS = 1 << 16
 _CPU_KV_SHARE, _CPU_KV_CAP = 0.25, 4 * 2**30
 _GPU_KV_SHARE = 0.85
 
@@ -212,8 +220,10 @@ class ModelRunner:
         requests in the order their tokens take in the flat batch: decode-like requests
         first, shortest context first, so their attention batches in groups of similar
         length. A decode with draft tokens is decode-like: each of its tokens is a query of
-        its own over the request's blocks, up to its own position (no context gathered)."""
-        items = sorted(scheduled, key=lambda s: (not _decode_like(s), s.start_position))
+        its own over the request's blocks, up to its own position (no context gathered); on
+        the native path, so is a short prefill chunk (PER_TOKEN_PREFILL_MAX_POSITIONS)."""
+        per_token = self._attends_per_token
+        items = sorted(scheduled, key=lambda s: (not per_token(s), s.start_position))
         bs = self.block_size
         device = self.device
         ids: list[int] = []
@@ -231,7 +241,7 @@ class ModelRunner:
             slot_blocks.extend([self.scratch_block] * n if item.padding
                                else (item.block_ids[p // bs] for p in span))
             slot_offsets.extend(p % bs for p in span)
-            if _decode_like(item):
+            if per_token(item):
                 for p in span:
                     decode_tables.append(item.block_ids[:p // bs + 1])
                     decode_lens.append(p + 1)
@@ -252,6 +262,13 @@ class ModelRunner:
                                      prefills, prefill_bf16=bf16)
         return (items, torch.tensor(ids, dtype=torch.long, device=device),
                 torch.tensor(positions, dtype=torch.long, device=device), meta)
+
+    def _attends_per_token(self, item: ScheduledRequest) -> bool:
+        """Whether each of the item's tokens is a query of its own in the decode rows."""
+        n = len(item.token_ids)
+        return (n == 1 or item.num_draft_tokens > 0
+                or (self.native_decode
+                    and n * (item.start_position + n) < PER_TOKEN_PREFILL_MAX_POSITIONS))
 
     def _paged_decodes(self, tables: list[list[int]], lens: list[int]) -> PagedDecodes:
         max_blocks = max((len(t) for t in tables), default=0)
@@ -290,10 +307,6 @@ def _take_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return tensor[rows[0]:rows[0] + len(rows)]
     return tensor[torch.tensor(rows, device=tensor.device)]
-
-
-def _decode_like(item: ScheduledRequest) -> bool:
-    return len(item.token_ids) == 1 or item.num_draft_tokens > 0
 
 
 def _logit_rows(items: list[ScheduledRequest]
