@@ -129,15 +129,16 @@ def test_amx_bf16_linear_is_a_bf16_matmul(threads: int) -> None:
     """amx_bf16_linear against F.linear on x and W in bf16, product widened, bias added in
     fp32, as bf16_linear: within one bf16 rounding of each sum (the tiles sum in another
     order), mostly equal over all the calls (one row of 32 sums may hold two rounded apart);
-    at row counts below, at and between tiles of 16 rows and pairs of them, on one block of
-    channels and on many, run by one thread or by helpers."""
+    at row counts below, at and between tiles of 16 rows and pairs of them, over several
+    panels of rows (and x rounded to bf16 on the pool), on one block of channels and on many,
+    run by one thread or by helpers."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     equal, total = 0, 0
     try:
         for rows, cols, inputs in ((1, 32, 32), (5, 96, 64), (16, 64, 96), (17, 160, 96),
                                    (32, 64, 576), (33, 96, 64), (64, 256, 128),
-                                   (300, 96, 64), (0, 64, 32)):
+                                   (300, 96, 64), (600, 64, 128), (0, 64, 32)):
             x, weight = torch.randn(rows, inputs) * 3, torch.randn(cols, inputs).bfloat16()
             bias = torch.randn(cols)
             product = F.linear(x.bfloat16(), weight).float()
@@ -193,7 +194,11 @@ def test_model_logits_match_with_and_without_the_fused_kernels(tmp_path) -> None
 
 @pytest.mark.integration
 @pytest.mark.skipif(paged_attention_ops() is None, reason="no C++ compiler for the kernels")
-@pytest.mark.parametrize("kv_dtype,atol", [(torch.float32, 1e-4),
+@pytest.mark.parametrize("kv_dtype,atol", [# c's chunk after its cached prefix attends per
+                                           # token on the native path, by SDPA on the torch
+                                           # one: fp32 sums in two orders, 30 layers deep
+                                           # (1.2e-4 on logits of tens measured)
+                                           (torch.float32, 2e-4),
                                            # the paths' RoPE differ in the last bit, which
                                            # sometimes rounds a key to the next fp16 value
                                            (torch.float16, 1e-2)])

@@ -226,7 +226,10 @@ torch::Tensor bf16_linear(torch::Tensor x, std::vector<torch::Tensor> slices,
 // matmuls are bound by streaming the weights from memory, and oneDNN's calls on these small
 // shapes took far longer than the stream; the loop below reads each weight block once per call
 // and keeps up with the stream to a few tens of rows (BENCHMARKS.md has the A/B). Threads
-// take blocks of 32 channels one at a time from parallel_dynamic's counter.
+// take (panel of rows, block of 32 channels) items one at a time from parallel_dynamic's
+// counter, panel by panel: a prefill's x (megabytes) would otherwise be read from memory once
+// per block, while a panel of kAmxPanelRows rows stays in L2 across the blocks and only the
+// weight is read again per panel.
 //
 //   x (rows padded to 16, zeros)      W block nb (32 channels)
 //   rows m0 .. m0+15  -> A tile 4  x  B tile 6 (channels 0-15)  -> C tile 0
@@ -240,6 +243,10 @@ torch::Tensor bf16_linear(torch::Tensor x, std::vector<torch::Tensor> slices,
 #include <unistd.h>
 
 constexpr int64_t kAmxBlock = 32;  // output channels per block, inputs per step
+constexpr int64_t kAmxPanelRows = 256;  // rows of x per item (x's bf16 panel in L2)
+// Elements of x from which its rounding to bf16 is shared out over the pool (a prefill
+// chunk's; a decode step's is a few microseconds on the calling thread).
+constexpr int64_t kParallelRounding = 1 << 16;
 
 // Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA), once per process; a kernel or VM without it says no.
@@ -264,11 +271,20 @@ static void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// x (fp32 [rows, K]) into bf16 [padded rows, K], rounded as to_bf16, pad rows zero.
+// x (fp32 [rows, K]) into bf16 [padded rows, K], rounded as to_bf16, pad rows zero; a
+// prefill's rows in tasks of 64 on the pool.
 static void to_bf16_padded(const float* x, int64_t rows, int64_t padded, int64_t K,
                            uint16_t* out) {
-  round_to_bf16(x, rows * K, out);
   std::memset(out + rows * K, 0, (padded - rows) * K * sizeof(uint16_t));
+  constexpr int64_t kRowsPerTask = 64;
+  if (rows * K < kParallelRounding) return round_to_bf16(x, rows * K, out);
+  const int64_t tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  parallel_dynamic(tasks, [&](std::atomic<int64_t>& next) {
+    for (int64_t t; (t = next++) < tasks;) {
+      const int64_t begin = t * kRowsPerTask, end = std::min(rows, begin + kRowsPerTask);
+      round_to_bf16(x + begin * K, (end - begin) * K, out + begin * K);
+    }
+  });
 }
 
 // Up to 32 rows of one block's sums (buf, [32, 32] fp32) into out: rounded to bf16 and
@@ -339,11 +355,16 @@ torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor tiles,
   to_bf16_padded(x.data_ptr<float>(), rows, padded, K, x_bf16);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>());
   float* o = out.data_ptr<float>();
-  parallel_dynamic(blocks, [&](std::atomic<int64_t>& next) {
+  const int64_t panels = (padded + kAmxPanelRows - 1) / kAmxPanelRows, items = panels * blocks;
+  parallel_dynamic(items, [&](std::atomic<int64_t>& next) {
     configure_tiles();  // tile state is per thread
-    for (int64_t nb; (nb = next++) < blocks;)
-      amx_block(x_bf16, rows, padded, K, w + nb * K * kAmxBlock,
-                b == nullptr ? nullptr : b + nb * kAmxBlock, o + nb * kAmxBlock, cols);
+    for (int64_t item; (item = next++) < items;) {
+      const int64_t nb = item % blocks, r0 = item / blocks * kAmxPanelRows;
+      amx_block(x_bf16 + r0 * K, std::min(kAmxPanelRows, rows - r0),
+                std::min(kAmxPanelRows, padded - r0), K, w + nb * K * kAmxBlock,
+                b == nullptr ? nullptr : b + nb * kAmxBlock, o + r0 * cols + nb * kAmxBlock,
+                cols);
+    }
     _tile_release();  // back to the init state: a context switch then saves no tile data
   });
   return out;
