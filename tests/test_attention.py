@@ -166,16 +166,24 @@ MIXED_STEP = [("d0", 1, 0, 0), ("d1", 1, 15, 0), ("d2", 1, 16, 0), ("d3", 1, 31,
               ("p1", 25, 40, 0), ("p2", 260, 0, 0), ("p3", 100, 600, 0)]
 
 
+def _step_items(chosen: list[tuple[str, int, int, int]], free: list[int], block_size: int
+                ) -> tuple[list[ScheduledRequest], list[int]]:
+    """(request id, tokens, start, drafts) rows as scheduled requests, each given the blocks its
+    context needs from `free` in order; also the blocks left over."""
+    items = []
+    for request_id, tokens, start, drafts in chosen:
+        count = -(-(start + tokens) // block_size)
+        items.append(_scheduled(request_id, tokens, start, free[:count], drafts))
+        free = free[count:]
+    return items, free
+
+
 @pytest.mark.parametrize("native", [False, True])
 def test_short_prefill_chunks_attend_per_token_on_the_native_path(native: bool) -> None:
     """Below PER_TOKEN_PREFILL_MAX_POSITIONS query x context positions a chunk's tokens become
     decode rows (each over its blocks up to its own position), after the decodes; longer
     chunks keep their SDPA span, as every chunk does on the torch path."""
-    items, free = [], list(range(100))
-    for request_id, tokens, start, drafts in MIXED_STEP:
-        count = -(-(start + tokens) // 16)
-        items.append(_scheduled(request_id, tokens, start, free[:count], drafts))
-        free = free[count:]
+    items, _ = _step_items(MIXED_STEP, list(range(100)), 16)
     keys, _, meta = _step_metadata(items, 16, 100, native)
     spans = {keys[span.query_start][0]: span for span in meta.prefills}
     short = [("p0", 20, 0), ("p1", 25, 40)]  # 400 and 1,625 positions; p2, p3 above the bound
@@ -210,12 +218,8 @@ def test_fused_rope_write_decode_matches_the_torch_path(dtype, cache_dtype, tole
     attention: the output rows, the caches it wrote and the roped q/k it leaves in qkv."""
     block_size, num_blocks = 16, 120
     chosen = {"decodes": MIXED_STEP[:7], "prefills": MIXED_STEP[7:], "mixed": MIXED_STEP}[step]
-    free = random.Random(1).sample(range(num_blocks), num_blocks)
-    items = []
-    for request_id, tokens, start, drafts in chosen:
-        count = -(-(start + tokens) // block_size)
-        items.append(_scheduled(request_id, tokens, start, free[:count], drafts))
-        free = free[count:]
+    items, free = _step_items(chosen, random.Random(1).sample(range(num_blocks), num_blocks),
+                              block_size)
     if step != "prefills":  # (which then has no decodes at all: an empty block table)
         items.append(ScheduledRequest("pad", [1], 7, free[:1], SamplingParams(), True, [],
                                       padding=True))  # a finished request's blocks, as static.py
