@@ -55,10 +55,12 @@ INT8_MAX_ROWS = 16
 
 # Rows above which a layer with bf16 copies sends a call to them (`Linear`'s bf16_above_rows,
 # chosen by loom.model.backends): where the bf16 matmul overtook the int8 path over the chain
-# of the model's matmuls. On AVX-512 bf16 without AMX (oneDNN) that was at 16 rows; on AMX,
-# with loom's tile kernel, whose cost stays near the weights' stream up to tens of rows, at 4
-# (BENCHMARKS.md).
-BF16_ABOVE_ROWS = INT8_MAX_ROWS
+# of the model's matmuls. On AVX-512 bf16 without AMX (oneDNN's packed slices on loom's pool)
+# the whole decode step measured faster on the copies from 2 rows, even with their larger
+# stream of weights (a Zen 5 EPYC); on AMX, with loom's tile kernel, whose cost stays near the
+# weights' stream up to tens of rows, from 4 (BENCHMARKS.md). One row stays on the int8 path:
+# a tie there, and a third of the bytes for a home server's one user.
+BF16_ABOVE_ROWS = 1
 BF16_ABOVE_ROWS_AMX = 3
 
 
