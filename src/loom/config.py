@@ -84,7 +84,7 @@ class ModelConfig:
         "weights; auto = the first of these that applies"))
     batched_matmul: Literal["auto", "native", "bfloat16"] = field(
         default="auto", metadata=flag_help(
-        "matmuls of more than 16 rows, 3 on CPUs with AMX (prefill chunks, batched decode) "
+        "matmuls of more than 1 row, 3 on CPUs with AMX (prefill chunks, batched decode) "
         "when the native kernel runs: native = the kernel itself; bfloat16 = bf16 copies "
         "of the weights (loom's AMX kernel where the CPU has AMX, else oneDNN; 2 bytes a "
         "weight more memory; fast only with native bf16; on CPUs with AMX the attention "
