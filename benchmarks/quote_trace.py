@@ -1,13 +1,19 @@
 """Write a `loom bench` trace of requests that quote or edit their context: the traffic n-gram
 speculative decoding is for (a RAG answer citing its document, a code edit returning the
 function). Documents are this repository's own text, so the trace needs nothing downloaded.
+Each request asks for greedy sampling (`temperature` 0, `--temperature` to change it), as code
+edit tools and agents do for a copy task; without it the server's default (1.0 on an OpenAI
+server) makes a small model's "quote" a paraphrase, and there is little left to speculate on.
 
     python benchmarks/quote_trace.py -o benchmarks/traces/quote-16.jsonl
     NGRAM='{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,
             "prompt_lookup_min":2}'   # on one line, without spaces
     loom bench compare --trace benchmarks/traces/quote-16.jsonl --overlap 1,8 \
         --output-dir benchmarks/results/spec-quote --config plain= \
-        --config ngram="--speculative-config $NGRAM"
+        --config ngram="--speculative-config '$NGRAM'"
+
+(The inner single quotes matter: a --config's flags are split as a shell would split them, so
+the JSON's double quotes would otherwise be taken as quoting and dropped.)
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-chars", type=int, default=1600)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature every request asks for (default: 0, greedy)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     docs = documents(args.max_chars)
@@ -59,7 +67,8 @@ def main() -> None:
     for i in range(args.num_requests):
         task = rng.choice(sorted(TASKS))
         lines.append({"id": f"{task}-{i:05d}", "class": task,
-                      "prompt": rng.choice(docs) + TASKS[task], "max_tokens": args.max_tokens})
+                      "prompt": rng.choice(docs) + TASKS[task], "max_tokens": args.max_tokens,
+                      "temperature": args.temperature})
     Path(args.output).write_text("".join(json.dumps(line) + "\n" for line in lines))
     print(f"wrote {args.num_requests} requests to {args.output}")
 

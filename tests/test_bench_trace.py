@@ -9,6 +9,7 @@ import random
 import pytest
 from bench_helpers import bundled_synth
 
+from loom.bench.client import completion_payload
 from loom.bench.tokens import PromptSynth
 from loom.bench.trace import (
     CLASSES,
@@ -107,10 +108,23 @@ def test_own_logs_replay_as_they_are(tmp_path, synth: PromptSynth) -> None:
     assert first.prompt == "Hello there"
 
 
+def test_a_requests_temperature_reaches_the_payload_and_survives_a_rewrite(tmp_path) -> None:
+    path = tmp_path / "greedy.jsonl"
+    path.write_text(json.dumps({"prompt": "Quote this", "max_tokens": 4, "temperature": 0})
+                    + "\n" + json.dumps({"prompt": "Say anything", "max_tokens": 4}) + "\n")
+    greedy, default = load_trace(path).requests
+    assert completion_payload(greedy, "m")["temperature"] == 0
+    assert "temperature" not in completion_payload(default, "m")  # the server's default
+    write_trace(Trace([greedy, default]), tmp_path / "again.jsonl")
+    assert [r.temperature for r in load_trace(tmp_path / "again.jsonl").requests] == [0, None]
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"prompt": "x"}', "max_tokens"),
     ('{"max_tokens": 3}', "prompt"),
     ('{"prompt": "x", "max_tokens": 3, "arrival_s": -1}', "arrival_s"),
+    ('{"prompt": "x", "max_tokens": 3, "temperature": 3}', "temperature"),
+    ('{"prompt": "x", "max_tokens": 3, "temperature": "hot"}', "temperature"),
     ("not json", "not JSON"),
 ])
 def test_bad_lines_name_the_line(tmp_path, line: str, message: str) -> None:

@@ -75,6 +75,8 @@ def completion_payload(request: TraceRequest, model: str,
     }
     if request.priority is not None:  # only when asked: some servers refuse it under fcfs
         payload["priority"] = request.priority
+    if request.temperature is not None:  # else the server's default, whatever it is
+        payload["temperature"] = request.temperature
     return {**payload, **(extra or {})}
 
 

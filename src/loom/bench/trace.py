@@ -49,6 +49,7 @@ class TraceRequest:
     session: str | None = None
     after: str | None = None
     think_s: float | None = None
+    temperature: float | None = None  # None: the server's default sampling
 
     @classmethod
     def from_json(cls, obj: dict[str, Any], where: str) -> TraceRequest:
@@ -62,12 +63,17 @@ class TraceRequest:
             value = obj.get(key)
             if value is not None and (not isinstance(value, (int, float)) or value < 0):
                 raise ValueError(f"{where}: {key} must be a number >= 0")
+        temperature = obj.get("temperature")
+        if temperature is not None and (not isinstance(temperature, (int, float))
+                                        or isinstance(temperature, bool)
+                                        or not 0 <= temperature <= 2):
+            raise ValueError(f"{where}: temperature must be a number from 0 to 2")
         return cls(max_tokens=max_tokens, prompt=prompt if isinstance(prompt, str) else None,
                    prompt_len=prompt_len, cls=str(obj.get("class", "default")),
                    arrival_s=obj.get("arrival_s"), cancel_after_s=obj.get("cancel_after_s"),
                    priority=obj.get("priority"), id=obj.get("id"), tenant=obj.get("tenant"),
                    session=obj.get("session"), after=obj.get("after"),
-                   think_s=obj.get("think_s"))
+                   think_s=obj.get("think_s"), temperature=temperature)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "class": self.cls, "prompt": self.prompt,
@@ -75,7 +81,7 @@ class TraceRequest:
                                "arrival_s": self.arrival_s, "cancel_after_s": self.cancel_after_s,
                                "priority": self.priority, "tenant": self.tenant,
                                "session": self.session, "after": self.after,
-                               "think_s": self.think_s}
+                               "think_s": self.think_s, "temperature": self.temperature}
         return {k: v for k, v in out.items() if v is not None}
 
 
