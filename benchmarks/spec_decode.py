@@ -1,11 +1,18 @@
-"""Speculative decoding (n-gram prompt lookup) on and off, side by side, offline, one request at
-a time: decode tokens/s on prompts that quote their context and on ones that do not.
+"""Speculative decoding (n-gram prompt lookup) on and off, side by side, offline.
 
     python benchmarks/spec_decode.py --rounds 3
+    python benchmarks/spec_decode.py --rounds 3 --traffic 1,8
 
-Each round runs every prompt on both engines, alternating; the prefix cache is warmed first so
-the figure is decode speed (the prompt's prefill is the same either way). Greedy, so both
-engines produce the same tokens (checked).
+Without --traffic: one request at a time, decode tokens/s on prompts that quote their context
+and on ones that do not. Each round runs every prompt on both engines, alternating; the prefix
+cache is warmed first so the figure is decode speed (the prompt's prefill is the same either
+way). Greedy, so both engines produce the same tokens (checked).
+
+With --traffic C,...: what drafting costs where nothing is copied. The mixed workload
+(benchmarks/workload.py: synthetic chat, long and RAG prompts, none of which its answer
+quotes) at temperature 1, an OpenAI server's default, as a closed loop of C sequences
+(max_num_seqs C; the first 16 requests at C = 1, all 64 above), both engines alternating per
+round: output tok/s, and the draft tokens each engine ran per output token.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+
+from workload import bundled_tokenizer, mixed_workload, run_offline  # benchmarks/ on the path
 
 from loom import LLM, SamplingParams, host
 
@@ -36,12 +45,45 @@ def prompts() -> dict[str, str]:
     }
 
 
+def traffic(rounds: int, concurrencies: list[int], speculative_config: str) -> None:
+    items = mixed_workload(bundled_tokenizer())
+    print(f"{host.describe()}; {rounds} rounds, medians; {speculative_config}\n")
+    print("| sequences | requests | plain tok/s | ngram tok/s | ngram / plain | rounds | "
+          "draft tokens per output token | accepted |\n|--:|--:|--:|--:|--:|---|--:|--:|")
+    for c in concurrencies:
+        work = items[:16] if c == 1 else items
+        options = dict(kv_cache_memory="1GiB", max_num_seqs=c)
+        engines = {"plain": LLM(**options),
+                   "ngram": LLM(**options, speculative_config=speculative_config)}
+        output_tokens = sum(item.max_tokens for item in work)
+        rates: dict[str, list[float]] = {"plain": [], "ngram": []}
+        for _ in range(rounds):
+            for label, llm in engines.items():
+                llm.engine.kv_cache.pool.reset_prefix_cache()  # every round prefills alike
+                rates[label].append(output_tokens / run_offline(llm.engine, work, 1.0))
+        metrics = engines["ngram"].get_metrics()
+        drafted = metrics["loom:spec_decode_num_draft_tokens_total"]
+        accepted = metrics["loom:spec_decode_num_accepted_tokens_total"]
+        plain, ngram = (statistics.median(rates[k]) for k in ("plain", "ngram"))
+        per_round = ", ".join(f"{n / p:.3f}" for p, n in zip(rates["plain"], rates["ngram"]))
+        print(f"| {c} | {len(work)} | {plain:.1f} | {ngram:.1f} | {ngram / plain:.3f}x | "
+              f"{per_round} | {drafted / (rounds * output_tokens):.3f} | "
+              f"{100 * accepted / max(drafted, 1):.0f}% |", flush=True)
+        del engines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--traffic", default=None, metavar="C,...",
+                        help="the mixed workload at temperature 1 at these concurrencies "
+                             "instead of the one-request prompts")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--speculative-config", default=NGRAM)
     args = parser.parse_args()
+    if args.traffic:
+        traffic(args.rounds, [int(c) for c in args.traffic.split(",")], args.speculative_config)
+        return
     options = dict(kv_cache_memory="512MiB", max_model_len=4096)
     engines = {"plain": LLM(**options),
                "ngram": LLM(**options, speculative_config=args.speculative_config)}

@@ -52,11 +52,12 @@ def bundled_tokenizer() -> Tokenizer:
     return load_tokenizer(None)
 
 
-def run_offline(engine: EngineCore, items: list[WorkItem]) -> float:
-    """Queue every item at once (greedy, ignore_eos) and step until all finish; wall seconds."""
+def run_offline(engine: EngineCore, items: list[WorkItem], temperature: float = 0.0) -> float:
+    """Queue every item at once (greedy unless `temperature`, ignore_eos) and step until all
+    finish; wall seconds."""
     for i, item in enumerate(items):
         engine.add_request(f"r{i}", item.prompt_token_ids, SamplingParams(
-            max_tokens=item.max_tokens, temperature=0, ignore_eos=True))
+            max_tokens=item.max_tokens, temperature=temperature, ignore_eos=True))
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()

@@ -12,7 +12,7 @@ import torch
 from stand_in import expected_output, make_engine
 
 from loom.config import SchedulerConfig, SpeculativeConfig
-from loom.core.spec_decode import NgramProposer
+from loom.core.spec_decode import DRAFT_ROW_COST, NgramProposer, drafts_worth_proposing
 from loom.model.spec_verify import verify_drafts
 from loom.request import Request
 from loom.sampling import SamplingParams
@@ -67,24 +67,52 @@ def test_proposals_stop_at_the_end_of_the_context() -> None:
     assert proposer.propose(request_of([3, 4, 5, 3, 4]), 4) == [5, 3, 4]
 
 
-def test_a_request_whose_drafts_keep_failing_backs_off_for_longer_each_time() -> None:
-    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1,
+def test_drafts_are_as_many_as_the_acceptance_makes_worth_a_row() -> None:
+    assert drafts_worth_proposing(1.0, 4) == 4
+    assert drafts_worth_proposing(0.9, 4) == 4  # 0.9^4 = 0.66: the fourth is still worth it
+    assert drafts_worth_proposing(0.5, 4) == 2  # 0.5^3 = 0.125 < DRAFT_ROW_COST
+    assert drafts_worth_proposing(0.3, 4) == 1
+    assert drafts_worth_proposing(DRAFT_ROW_COST, 4) == 0
+
+
+def test_a_request_whose_drafts_keep_failing_drafts_fewer_then_pauses_longer() -> None:
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1,
                                                prompt_lookup_max=1))
-    request = request_of([1, 2, 1, 2, 1])
+    request = request_of([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1])
     proposer.new_step()
-    assert proposer.propose(request, 2) == [2, 1]
-    paused_steps = []
-    for _ in range(4):
-        proposer.record("r", 2, 0)  # every draft rejected
+    sizes, paused_steps = [], []
+    for _ in range(7):
+        drafts = proposer.propose(request, 4)
+        sizes.append(len(drafts))
+        proposer.record("r", len(drafts), 0)  # every draft rejected
         paused = 0
         while True:
             proposer.new_step()
-            if proposer.propose(request, 2):
+            if proposer.propose(request, 4):
                 break
             paused += 1
         paused_steps.append(paused)
-    assert paused_steps[0] == 0  # one miss is forgiven
-    assert 0 < paused_steps[1] < paused_steps[2] < paused_steps[3]
+    assert sizes[:3] == [4, 2, 1]  # acceptance 1 -> 0.5 -> 0.25: fewer drafts, no pause yet
+    assert paused_steps[:2] == [0, 0]
+    assert 0 < paused_steps[2] < paused_steps[3] < paused_steps[4] < paused_steps[5]
+    assert sizes[3:] == [1, 1, 1, 1]  # after a pause, one draft probes
+    proposer.record("r", 1, 1)  # a kept probe: more drafts again, no pause
+    proposer.new_step()
+    assert len(proposer.propose(request, 4)) > 1
+
+
+def test_a_new_request_starts_from_the_traffics_acceptance() -> None:
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1,
+                                               prompt_lookup_max=1))
+    tokens = [1, 2, 3, 4, 5, 1]
+    proposer.new_step()
+    assert len(proposer.propose(Request("first", tokens, SamplingParams(max_tokens=8)), 4)) == 4
+    for i in range(40):  # many requests' drafts rejected: traffic that does not copy
+        other = Request(f"other-{i}", tokens, SamplingParams(max_tokens=8))
+        proposer.record(other.request_id, len(proposer.propose(other, 4)), 0)
+    assert proposer.traffic_acceptance < DRAFT_ROW_COST
+    late = Request("late", tokens, SamplingParams(max_tokens=8))
+    assert len(proposer.propose(late, 4)) == 1  # a probe, not four rows
 
 
 # -- verification keeps the model's distribution ------------------------------------------------

@@ -6,24 +6,43 @@ that followed them then are a cheap guess at what comes next. The scheduler feed
 (drafts) to the model in the same step as the request's next token; the runner keeps the
 longest run the model agrees with, so one step can yield several tokens.
 
-Drafts cost their tokens in the step's budget and KV slots whether accepted or not, so each
-request backs off by itself: while its drafts keep being rejected it stops drafting for a
-while, longer each time, and traffic that does not copy its context pays almost nothing.
+Drafts cost their rows in the step whether accepted or not, and in a batch every request
+waits for the step, so a draft is only worth proposing where it is likely to be kept:
+
+- each request keeps p, its estimated chance that a draft token is accepted given the ones
+  before it were (a moving average of accepted / tested positions, a rejection ending the
+  test), and drafts k tokens only while p^k, the chance that the k-th is reached and kept, is
+  at least DRAFT_ROW_COST, a draft row's share of a step (so p = 0.9 drafts 4, p = 0.5 two);
+- a new request starts from the acceptance the traffic as a whole has been getting, so on
+  traffic that does not copy its context a request never starts with a full set of drafts;
+- where p is too low for even one draft, the request pauses drafting, for longer each time,
+  and then probes with a single draft; a kept probe raises p again.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from loom.config import SpeculativeConfig
 from loom.request import Request
 
-# Back-off: below this share of draft tokens accepted (a moving average over the request's
-# recent drafts) a request pauses drafting, first for _FIRST_PAUSE steps, doubling up to
-# _MAX_PAUSE while acceptance stays low.
-_MIN_ACCEPTANCE = 0.3
-_ACCEPTANCE_DECAY = 0.5  # weight of the newest verification in the moving average
-_FIRST_PAUSE, _MAX_PAUSE = 4, 256
+# A draft row's cost as a share of a decode step (the step with 1 + 4 drafts at one sequence
+# took 1.4-1.8x a plain step on a 2-core CPU): the k-th draft is proposed while the chance
+# that it is reached and kept, p^k, is at least this.
+DRAFT_ROW_COST = 0.15
+_ACCEPTANCE_DECAY = 0.5  # weight of the newest verification in a request's moving average
+_TRAFFIC_DECAY = 0.05  # the same for the traffic-wide acceptance, over many requests
+_FIRST_PAUSE, _MAX_PAUSE = 4, 256  # steps without drafts after a miss at low p, doubling
+
+
+def drafts_worth_proposing(acceptance: float, max_drafts: int) -> int:
+    """The largest k <= max_drafts with acceptance^k >= DRAFT_ROW_COST (0 if none)."""
+    if acceptance >= 1.0:
+        return max_drafts
+    if acceptance <= DRAFT_ROW_COST:
+        return 0
+    return min(max_drafts, int(math.log(DRAFT_ROW_COST) / math.log(acceptance)))
 
 
 @dataclass
@@ -31,9 +50,9 @@ class _RequestIndex:
     """Where each n-gram of a request's context last ended, for every n in the lookup range;
     extended as tokens arrive, so a lookup is a dict probe, not a scan."""
 
+    acceptance: float
     last_end: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
     indexed_until: int = 0  # n-grams ending at positions < this are in last_end
-    acceptance: float = 1.0
     pause: int = 0
     resume_at: int = 0  # the proposer's step count from which the request drafts again
 
@@ -44,17 +63,22 @@ class NgramProposer:
         self.sizes = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)
         self._index: dict[str, _RequestIndex] = {}
         self._step = 0
+        self.traffic_acceptance = 1.0  # optimistic until drafts have been verified
 
     def new_step(self) -> None:
         self._step += 1
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
         """Up to `max_drafts` tokens that followed the longest earlier occurrence of the
-        request's last n tokens (n from prompt_lookup_max down to prompt_lookup_min)."""
-        index = self._index.setdefault(request.request_id, _RequestIndex())
-        max_drafts = min(max_drafts, self.config.num_speculative_tokens)
+        request's last n tokens (n from prompt_lookup_max down to prompt_lookup_min), as many
+        as the request's acceptance makes worth it; one, a probe, after a pause."""
+        index = self._index.get(request.request_id)
+        if index is None:
+            index = self._index[request.request_id] = _RequestIndex(self.traffic_acceptance)
         if max_drafts <= 0 or self._step < index.resume_at:
             return []
+        max_drafts = max(1, drafts_worth_proposing(
+            index.acceptance, min(max_drafts, self.config.num_speculative_tokens)))
         length = request.num_tokens
         self._extend(index, request, length)
         for n in self.sizes:
@@ -81,17 +105,19 @@ class NgramProposer:
         index.indexed_until = length
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
-        """Fold one verification into the request's acceptance; pause it while that is low."""
+        """Fold one verification into the request's and the traffic's acceptance; pause the
+        request while its acceptance is too low for a single draft."""
         index = self._index.get(request_id)
         if index is None or num_drafts == 0:
             return
-        rate = num_accepted / num_drafts
-        index.acceptance = (1 - _ACCEPTANCE_DECAY) * index.acceptance + _ACCEPTANCE_DECAY * rate
-        if index.acceptance < _MIN_ACCEPTANCE:
+        # positions tested: the accepted ones and the first rejected one, if any
+        rate = num_accepted / (num_accepted + (num_accepted < num_drafts))
+        index.acceptance += _ACCEPTANCE_DECAY * (rate - index.acceptance)
+        self.traffic_acceptance += _TRAFFIC_DECAY * (rate - self.traffic_acceptance)
+        if drafts_worth_proposing(index.acceptance, 1) == 0:
             index.pause = min(_MAX_PAUSE, max(_FIRST_PAUSE, 2 * index.pause))
             index.resume_at = self._step + index.pause
-            index.acceptance = _MIN_ACCEPTANCE  # on probation when it resumes
-        elif rate == 1.0:
+        elif num_accepted == num_drafts:
             index.pause = 0
 
     def forget(self, request_id: str) -> None:
