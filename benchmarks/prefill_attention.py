@@ -15,8 +15,8 @@ Five parts, each printed as a Markdown table:
 * per-token: a chunk of Q tokens after P cached ones, over an fp16 paged cache, two ways: the
   SDPA call `loom.model.attention` makes for a prefill span (bf16 where the engine would
   choose it) and the native decode kernel with one query row per token, each over the blocks
-  up to its own position (how the runner sends chunks of up to
-  PER_TOKEN_PREFILL_MAX_QUERIES tokens), medians of 15;
+  up to its own position (how the runner sends chunks of fewer query x context positions than
+  `Backends.per_token_prefill_max_positions`), medians of 15;
 * burst: the 64 prompts of benchmarks/traces/mixed-64.jsonl submitted at once, as a closed
   loop of 64 users starts: prefill only (max_tokens 1), then the whole trace with its output
   lengths (ignore_eos), twice each in one process, every round's prompts behind a prefix of
@@ -124,16 +124,19 @@ def accuracy_part() -> None:
 
 
 def per_token_part() -> None:
-    caches = attention.new_kv_cache(200, 16, KV_HEADS, HEAD_DIM, torch.float16,
+    caches = attention.new_kv_cache(400, 16, KV_HEADS, HEAD_DIM, torch.float16,
                                     torch.device("cpu"))
     for cache in caches:
         cache.copy_(torch.randn(cache.shape))
-    print("| chunk tokens | cached before | SDPA ms | per-token ms | per-token / SDPA |\n"
-          "|--:|--:|--:|--:|--:|")
-    for cached in (0, 64, 256, 1024):
-        for query in (8, 32, 64, 128, 256):
+    print("| chunk tokens | cached before | positions | SDPA ms | per-token ms | per-token / SDPA "
+          "|\n|--:|--:|--:|--:|--:|--:|")
+    for cached in (0, 64, 256, 1024, 2048, 4096):
+        for query in (8, 32, 64, 128, 256, 512, 1024):
+            if cached + query > 5120 or (query < 256 and cached > 1024):
+                continue  # past the cache, or far below both bounds
             sdpa, rows = _per_token_case(query, cached, caches)
-            print(f"| {query} | {cached} | {sdpa:.3f} | {rows:.3f} | {rows / sdpa:.2f}x |")
+            print(f"| {query} | {cached} | {query * (cached + query):,} | {sdpa:.3f} | "
+                  f"{rows:.3f} | {rows / sdpa:.2f}x |")
 
 
 def _per_token_case(query: int, cached: int, caches: tuple[torch.Tensor, torch.Tensor]

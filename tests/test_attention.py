@@ -22,9 +22,10 @@ from loom.model.attention import (
     write_kv,
     zeros,
 )
+from loom.model.backends import PER_TOKEN_PREFILL_MAX_POSITIONS_BF16
 from loom.model.kernels import paged_attention_ops
 from loom.model.llama import _rope
-from loom.model.runner import PER_TOKEN_PREFILL_MAX_POSITIONS, ModelRunner
+from loom.model.runner import ModelRunner
 from loom.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -127,7 +128,10 @@ def _step_metadata(items: list[ScheduledRequest], block_size: int, scratch_block
     runner = ModelRunner.__new__(ModelRunner)
     runner.block_size, runner.device, runner.scratch_block = block_size, torch.device("cpu"), \
         scratch_block
-    runner.backends = SimpleNamespace(native_decode=native, bf16_prefill_attention=False)
+    # the smaller per-token bound, so that MIXED_STEP's long chunks stay SDPA spans
+    runner.backends = SimpleNamespace(
+        native_decode=native, bf16_prefill_attention=False,
+        per_token_prefill_max_positions=PER_TOKEN_PREFILL_MAX_POSITIONS_BF16)
     items, _, positions, meta = runner._prepare(items)
     keys = [None if item.padding else (item.request_id, item.start_position + i)
             for item in items for i in range(len(item.token_ids))]
@@ -180,14 +184,14 @@ def _step_items(chosen: list[tuple[str, int, int, int]], free: list[int], block_
 
 @pytest.mark.parametrize("native", [False, True])
 def test_short_prefill_chunks_attend_per_token_on_the_native_path(native: bool) -> None:
-    """Below PER_TOKEN_PREFILL_MAX_POSITIONS query x context positions a chunk's tokens become
+    """Below the per-token bound of query x context positions a chunk's tokens become
     decode rows (each over its blocks up to its own position), after the decodes; longer
     chunks keep their SDPA span, as every chunk does on the torch path."""
     items, _ = _step_items(MIXED_STEP, list(range(100)), 16)
     keys, _, meta = _step_metadata(items, 16, 100, native)
     spans = {keys[span.query_start][0]: span for span in meta.prefills}
     short = [("p0", 20, 0), ("p1", 25, 40)]  # 400 and 1,625 positions; p2, p3 above the bound
-    assert all(t * (s + t) < PER_TOKEN_PREFILL_MAX_POSITIONS for _, t, s in short)
+    assert all(t * (s + t) < PER_TOKEN_PREFILL_MAX_POSITIONS_BF16 for _, t, s in short)
     if not native:
         assert set(spans) == {"p0", "p1", "p2", "p3"}
         return

@@ -13,7 +13,11 @@ from loom import LLM, SamplingParams, host
 from loom.config import CacheConfig, ModelConfig
 from loom.host import has_native_bf16
 from loom.model import backends
-from loom.model.backends import resolve_backends
+from loom.model.backends import (
+    PER_TOKEN_PREFILL_MAX_POSITIONS,
+    PER_TOKEN_PREFILL_MAX_POSITIONS_BF16,
+    resolve_backends,
+)
 from loom.model.linear import BF16_ABOVE_ROWS, BF16_ABOVE_ROWS_AMX
 from loom.model.loader import load_model
 
@@ -85,6 +89,10 @@ def test_auto_choices_on_each_cpu(monkeypatch, native_bf16: bool, amx: bool) -> 
     assert (f"bf16 above {above} rows" in auto.describe()) == native_bf16
     assert auto.bf16_prefill_attention == amx  # long prefill attention follows, on AMX
     assert ("long prefill attention bf16" in auto.describe()) == amx
+    # against a bf16 SDPA short chunks stay per-token rows only up to a smaller bound
+    assert auto.per_token_prefill_max_positions == (
+        PER_TOKEN_PREFILL_MAX_POSITIONS_BF16 if amx else PER_TOKEN_PREFILL_MAX_POSITIONS)
+    assert PER_TOKEN_PREFILL_MAX_POSITIONS_BF16 < PER_TOKEN_PREFILL_MAX_POSITIONS
     no_blocks = resolve(has_blocks=False)
     assert no_blocks.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
     assert not no_blocks.batched_bf16

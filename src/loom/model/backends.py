@@ -25,6 +25,17 @@ from loom.model.linear import (
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# On the native path a prefill chunk of fewer query x context positions than this attends as
+# one query per token in the decode kernel (each over the request's blocks up to its own
+# position) instead of an SDPA call: a chat prompt's or a follow-up turn's chunk is too small
+# for SDPA's fixed cost and its gather of the cached context. Per-token rows read the context
+# once per query, so SDPA wins back long chunks, the sooner the faster it is
+# (`benchmarks/prefill_attention.py --parts per-token`): against torch's bf16 SDPA on AMX
+# per-token took under 0.6x its time below 2^16 positions and lost from about twice that;
+# against fp32 SDPA (an AVX2 EPYC) it took 0.54-0.83x up to 2^20 and 0.92-1.05x beyond.
+PER_TOKEN_PREFILL_MAX_POSITIONS = 1 << 20
+PER_TOKEN_PREFILL_MAX_POSITIONS_BF16 = 1 << 16  # where long chunks attend in bf16
+
 # auto keeps bf16 copies of a GGUF's weights (about 3.5x its 4-bit size) only up to this
 # share of the memory available at start-up: the KV cache takes up to another quarter, and a
 # home server's other programs the rest. A larger model stays on the native kernel alone.
@@ -44,6 +55,8 @@ class Backends:
     bf16_above_rows: int | None = None
     # long prefill chunks attend in bf16 (model/attention.py, AttentionMetadata.prefill_bf16)
     bf16_prefill_attention: bool = False
+    # native path: prefill chunks of fewer query x context positions attend per token (runner)
+    per_token_prefill_max_positions: int = PER_TOKEN_PREFILL_MAX_POSITIONS
 
     @property
     def batched_bf16(self) -> bool:
@@ -100,14 +113,17 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
     # the casts in and out of bf16 are fused_ops' too
     bf16_above_rows = _bf16_above_rows(config, device, linear == "native" and fused is not None,
                                        bf16_copy_bytes)
+    # where prefill's matmuls already run in bf16, its long attention does too: measured
+    # faster on AMX (torch's bf16 SDPA runs on its tiles), not on other CPUs
+    bf16_prefill_attention = (bf16_above_rows is not None and dtype == torch.float32
+                              and host.has_amx())
     return Backends(
         device=device, dtype=dtype, kv_dtype=kv_dtype, num_threads=num_threads,
         native_decode=native_decode, linear=linear, fused_ops=fused,
-        bf16_above_rows=bf16_above_rows,
-        # where prefill's matmuls already run in bf16, its long attention does too: measured
-        # faster on AMX (torch's bf16 SDPA runs on its tiles), not on other CPUs
-        bf16_prefill_attention=(bf16_above_rows is not None and dtype == torch.float32
-                                and host.has_amx()))
+        bf16_above_rows=bf16_above_rows, bf16_prefill_attention=bf16_prefill_attention,
+        per_token_prefill_max_positions=(PER_TOKEN_PREFILL_MAX_POSITIONS_BF16
+                                         if bf16_prefill_attention
+                                         else PER_TOKEN_PREFILL_MAX_POSITIONS))
 
 
 def resolve_device(name: str) -> torch.device:

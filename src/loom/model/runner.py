@@ -40,13 +40,6 @@ logger = logging.getLogger(__name__)
 
 _MAX_PADDING = 1.25  # padded KV a decode group may gather, relative to what it needs
 
-# Prefill chunks of fewer query x context positions than this attend, on the native path, as
-# one query per token in the decode kernel (each over the request's blocks up to its own
-# position) instead of an SDPA call: a chat prompt's or a follow-up turn's chunk is too small
-# for SDPA's fixed cost and its gather of the cached context. Per-token reads the context once
-# per query, so SDPA wins back long chunks; it took under 0.6x SDPA's time below this, and
-# lost from about twice it (benchmarks/prefill_attention.py --parts per-token).
-PER_TOKEN_PREFILL_MAX_POSITIONS = 1 << 16
 _CPU_KV_SHARE, _CPU_KV_CAP = 0.25, 4 * 2**30
 _GPU_KV_SHARE = 0.85
 
@@ -221,7 +214,7 @@ class ModelRunner:
         first, shortest context first, so their attention batches in groups of similar
         length. A decode with draft tokens is decode-like: each of its tokens is a query of
         its own over the request's blocks, up to its own position (no context gathered); on
-        the native path, so is a short prefill chunk (PER_TOKEN_PREFILL_MAX_POSITIONS)."""
+        the native path, so is a short prefill chunk (Backends.per_token_prefill_max_positions)."""
         per_token = self._attends_per_token
         items = sorted(scheduled, key=lambda s: (not per_token(s), s.start_position))
         bs = self.block_size
@@ -267,8 +260,8 @@ class ModelRunner:
         """Whether each of the item's tokens is a query of its own in the decode rows."""
         n = len(item.token_ids)
         return (n == 1 or item.num_draft_tokens > 0
-                or (self.native_decode
-                    and n * (item.start_position + n) < PER_TOKEN_PREFILL_MAX_POSITIONS))
+                or (self.native_decode and n * (item.start_position + n)
+                    < self.backends.per_token_prefill_max_positions))
 
     def _paged_decodes(self, tables: list[list[int]], lens: list[int]) -> PagedDecodes:
         max_blocks = max((len(t) for t in tables), default=0)
