@@ -32,7 +32,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # once per query, so SDPA wins back long chunks, the sooner the faster it is
 # (`benchmarks/prefill_attention.py --parts per-token`): against torch's bf16 SDPA on AMX
 # per-token took under 0.6x its time below 2^16 positions and lost from about twice that;
-# against fp32 SDPA (an AVX2 EPYC) it took 0.54-0.83x up to 2^20 and 0.92-1.05x beyond.
+# against fp32 SDPA (an AVX2 EPYC) it took 0.10-0.93x up to 2^20 and 0.90-1.06x from 1.3M.
 PER_TOKEN_PREFILL_MAX_POSITIONS = 1 << 20
 PER_TOKEN_PREFILL_MAX_POSITIONS_BF16 = 1 << 16  # where long chunks attend in bf16
 
@@ -55,12 +55,17 @@ class Backends:
     bf16_above_rows: int | None = None
     # long prefill chunks attend in bf16 (model/attention.py, AttentionMetadata.prefill_bf16)
     bf16_prefill_attention: bool = False
-    # native path: prefill chunks of fewer query x context positions attend per token (runner)
-    per_token_prefill_max_positions: int = PER_TOKEN_PREFILL_MAX_POSITIONS
 
     @property
     def batched_bf16(self) -> bool:
         return self.bf16_above_rows is not None
+
+    @property
+    def per_token_prefill_max_positions(self) -> int:
+        """Native path: prefill chunks of fewer query x context positions attend per token
+        (the runner's choice), fewer where the SDPA they compete with runs in bf16."""
+        return (PER_TOKEN_PREFILL_MAX_POSITIONS_BF16 if self.bf16_prefill_attention
+                else PER_TOKEN_PREFILL_MAX_POSITIONS)
 
     @property
     def prepack(self) -> bool:
@@ -113,17 +118,14 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
     # the casts in and out of bf16 are fused_ops' too
     bf16_above_rows = _bf16_above_rows(config, device, linear == "native" and fused is not None,
                                        bf16_copy_bytes)
-    # where prefill's matmuls already run in bf16, its long attention does too: measured
-    # faster on AMX (torch's bf16 SDPA runs on its tiles), not on other CPUs
-    bf16_prefill_attention = (bf16_above_rows is not None and dtype == torch.float32
-                              and host.has_amx())
     return Backends(
         device=device, dtype=dtype, kv_dtype=kv_dtype, num_threads=num_threads,
         native_decode=native_decode, linear=linear, fused_ops=fused,
-        bf16_above_rows=bf16_above_rows, bf16_prefill_attention=bf16_prefill_attention,
-        per_token_prefill_max_positions=(PER_TOKEN_PREFILL_MAX_POSITIONS_BF16
-                                         if bf16_prefill_attention
-                                         else PER_TOKEN_PREFILL_MAX_POSITIONS))
+        bf16_above_rows=bf16_above_rows,
+        # where prefill's matmuls already run in bf16, its long attention does too: measured
+        # faster on AMX (torch's bf16 SDPA runs on its tiles), not on other CPUs
+        bf16_prefill_attention=(bf16_above_rows is not None and dtype == torch.float32
+                                and host.has_amx()))
 
 
 def resolve_device(name: str) -> torch.device:
