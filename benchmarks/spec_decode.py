@@ -11,8 +11,10 @@ way). Greedy, so both engines produce the same tokens (checked).
 With --traffic C,...: what drafting costs where nothing is copied. The mixed workload
 (benchmarks/workload.py: synthetic chat, long and RAG prompts, none of which its answer
 quotes) at temperature 1, an OpenAI server's default, as a closed loop of C sequences
-(max_num_seqs C; the first 16 requests at C = 1, all 64 above), both engines alternating per
-round: output tok/s, and the draft tokens each engine ran per output token.
+(max_num_seqs C; the first 16 requests at C = 1, all 64 above). The two engines step in turn,
+one step each, every step timed (workload.run_interleaved), so the machine's drift hits both
+alike; which one steps first alternates by round. Output tok/s over each engine's own step
+time, and the draft tokens the ngram engine ran per output token.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
-from workload import bundled_tokenizer, mixed_workload, run_offline  # benchmarks/ on the path
+from workload import bundled_tokenizer, mixed_workload, run_interleaved  # benchmarks/ on the path
 
 from loom import LLM, SamplingParams, host
 
@@ -57,10 +59,14 @@ def traffic(rounds: int, concurrencies: list[int], speculative_config: str) -> N
                    "ngram": LLM(**options, speculative_config=speculative_config)}
         output_tokens = sum(item.max_tokens for item in work)
         rates: dict[str, list[float]] = {"plain": [], "ngram": []}
-        for _ in range(rounds):
-            for label, llm in engines.items():
+        for r in range(rounds):
+            order = list(engines) if r % 2 == 0 else list(reversed(engines))
+            for llm in engines.values():
                 llm.engine.kv_cache.pool.reset_prefix_cache()  # every round prefills alike
-                rates[label].append(output_tokens / run_offline(llm.engine, work, 1.0))
+            seconds = run_interleaved({label: engines[label].engine for label in order},
+                                      work, 1.0)
+            for label, spent in seconds.items():
+                rates[label].append(output_tokens / spent)
         metrics = engines["ngram"].get_metrics()
         drafted = metrics["loom:spec_decode_num_draft_tokens_total"]
         accepted = metrics["loom:spec_decode_num_accepted_tokens_total"]

@@ -52,13 +52,38 @@ def bundled_tokenizer() -> Tokenizer:
     return load_tokenizer(None)
 
 
-def run_offline(engine: EngineCore, items: list[WorkItem], temperature: float = 0.0) -> float:
-    """Queue every item at once (greedy unless `temperature`, ignore_eos) and step until all
-    finish; wall seconds."""
+def queue_work(engine: EngineCore, items: list[WorkItem], temperature: float = 0.0) -> None:
+    """Queue every item at once: greedy unless `temperature`, ignore_eos."""
     for i, item in enumerate(items):
         engine.add_request(f"r{i}", item.prompt_token_ids, SamplingParams(
             max_tokens=item.max_tokens, temperature=temperature, ignore_eos=True))
+
+
+def run_offline(engine: EngineCore, items: list[WorkItem], temperature: float = 0.0) -> float:
+    """Queue every item at once and step until all finish; wall seconds."""
+    queue_work(engine, items, temperature)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
     return time.perf_counter() - start
+
+
+def run_interleaved(engines: dict[str, EngineCore], items: list[WorkItem],
+                    temperature: float = 0.0) -> dict[str, float]:
+    """Every engine runs the same items (queued at once), the engines stepping in turn, one
+    step each, every step timed: the seconds each engine spent in its own steps.
+
+    Run one after the other, two engines see different moments of a shared machine, and a
+    few percent between them drowns in its drift; stepped in turn, anything slowing the
+    machine for longer than a few steps slows both alike, so their ratio keeps small effects.
+    """
+    for engine in engines.values():
+        queue_work(engine, items, temperature)
+    seconds = dict.fromkeys(engines, 0.0)
+    while any(engine.has_unfinished_requests() for engine in engines.values()):
+        for label, engine in engines.items():
+            if engine.has_unfinished_requests():
+                start = time.perf_counter()
+                engine.step()
+                seconds[label] += time.perf_counter() - start
+    return seconds
