@@ -6,7 +6,10 @@ the repository root, e.g.:
     python benchmarks/ab_engine.py --a dtype=float32 --b dtype=bfloat16 --rounds 3
 
 Settings are `LLM(...)` keyword arguments (numbers and true/false are converted); both runs
-also get --common.
+also get --common. Both engines live in one process and step in turn, one step each, every
+step timed (workload.run_interleaved), which one first alternating by round: the machine's
+drift hits both alike, so the ratio resolves a few percent where runs one after the other
+spread more than that. Each engine's tok/s is over its own step time.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import sys
 from typing import Any
 
 sys.path.insert(0, "benchmarks")
-from workload import bundled_tokenizer, mixed_workload, run_offline  # noqa: E402
+from workload import bundled_tokenizer, mixed_workload, run_interleaved  # noqa: E402
 
 from loom import LLM  # noqa: E402
 
@@ -36,12 +39,6 @@ def parse_settings(text: str) -> dict[str, Any]:
     return settings
 
 
-def run_once(settings: dict[str, Any], items: list) -> tuple[float, float]:
-    """(output tok/s, wall seconds) for the whole workload."""
-    wall = run_offline(LLM(**settings).engine, items)
-    return sum(item.max_tokens for item in items) / wall, wall
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--a", required=True, help="settings of A, e.g. dtype=float32")
@@ -50,18 +47,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     items = mixed_workload(bundled_tokenizer())
+    output_tokens = sum(item.max_tokens for item in items)
     common = parse_settings(args.common)
+    settings = {"A": args.a, "B": args.b}
+    engines = {label: LLM(**{**common, **parse_settings(text)}).engine
+               for label, text in settings.items()}
     runs: dict[str, list[float]] = {"A": [], "B": []}
     for r in range(args.rounds):
-        for label, text in (("A", args.a), ("B", args.b)):
-            tok_s, wall = run_once({**common, **parse_settings(text)}, items)
-            runs[label].append(tok_s)
-            print(f"round {r + 1} {label} ({text}): {tok_s:.1f} tok/s, wall {wall:.1f} s",
-                  flush=True)
+        order = ["A", "B"] if r % 2 == 0 else ["B", "A"]
+        for engine in engines.values():
+            engine.kv_cache.pool.reset_prefix_cache()  # every round prefills alike
+        seconds = run_interleaved({label: engines[label] for label in order}, items)
+        for label in order:
+            runs[label].append(output_tokens / seconds[label])
+            print(f"round {r + 1} {label} ({settings[label]}): {runs[label][-1]:.1f} tok/s, "
+                  f"{seconds[label]:.1f} s in its steps", flush=True)
     a, b = statistics.median(runs["A"]), statistics.median(runs["B"])
+    per_round = ", ".join(f"{rb / ra:.3f}" for ra, rb in zip(runs["A"], runs["B"]))
     print(f"\n| setting | output tok/s (median of {args.rounds}) |\n|---|---|")
     print(f"| A: {args.a} | {a:.1f} |\n| B: {args.b} | {b:.1f} |")
-    print(f"\nB / A = {b / a:.2f}x  (common: {args.common})")
+    print(f"\nB / A = {b / a:.3f}x, rounds {per_round}  (common: {args.common})")
 
 
 if __name__ == "__main__":
