@@ -94,14 +94,14 @@ def test_kernel_paths_match_their_references(quant: str, rows: int, out_features
     panels = to_panels(bq, ops)
     exact = F.linear(x, bq.dequantize())
     scale = exact.abs().amax().item() if rows else 1.0  # fp32 rounding is relative to it
-    summed = max(3.0, in_features / 32) * scale  # ... and grows with the blocks summed
+    growth = max(1.0, in_features / 96)  # ... and grows with the inputs summed, past 3 blocks
     for b in (None, bias):
         extra = 0 if b is None else b
         fp32 = ops.block_quant_linear(x, panels, b, FP32)
         int8 = ops.block_quant_linear(x, panels, b, INT8)
-        torch.testing.assert_close(fp32, exact + extra, rtol=1e-5, atol=max(1e-5, 1e-6 * scale))
+        torch.testing.assert_close(fp32, exact + extra, rtol=1e-5, atol=1e-5 * growth)
         torch.testing.assert_close(int8, two_part_reference(x, bq) + extra, rtol=1e-5,
-                                   atol=1e-6 * summed)
+                                   atol=3e-6 * scale * growth)
         torch.testing.assert_close(int8, exact + extra, rtol=0, atol=2e-4 * scale)
 
 
