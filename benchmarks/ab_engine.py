@@ -7,7 +7,7 @@ the repository root, e.g.:
 
 Settings are `LLM(...)` keyword arguments (numbers and true/false are converted); both runs
 also get --common. Both engines live in one process and step in turn, one step each, every
-step timed (workload.run_interleaved), which one first alternating by round: the machine's
+step timed (workload.interleaved_rounds), which one first alternating by round: the machine's
 drift hits both alike, so the ratio resolves a few percent where runs one after the other
 spread more than that. Each engine's tok/s is over its own step time.
 """
@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 sys.path.insert(0, "benchmarks")
-from workload import bundled_tokenizer, mixed_workload, run_interleaved  # noqa: E402
+from workload import bundled_tokenizer, interleaved_rounds, mixed_workload  # noqa: E402
 
 from loom import LLM  # noqa: E402
 
@@ -47,21 +47,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     items = mixed_workload(bundled_tokenizer())
-    output_tokens = sum(item.max_tokens for item in items)
     common = parse_settings(args.common)
     settings = {"A": args.a, "B": args.b}
     engines = {label: LLM(**{**common, **parse_settings(text)}).engine
                for label, text in settings.items()}
-    runs: dict[str, list[float]] = {"A": [], "B": []}
-    for r in range(args.rounds):
-        order = ["A", "B"] if r % 2 == 0 else ["B", "A"]
-        for engine in engines.values():
-            engine.kv_cache.pool.reset_prefix_cache()  # every round prefills alike
-        seconds = run_interleaved({label: engines[label] for label in order}, items)
-        for label in order:
-            runs[label].append(output_tokens / seconds[label])
-            print(f"round {r + 1} {label} ({settings[label]}): {runs[label][-1]:.1f} tok/s, "
-                  f"{seconds[label]:.1f} s in its steps", flush=True)
+    output_tokens = sum(item.max_tokens for item in items)
+
+    def report(round_number: int, seconds: dict[str, float]) -> None:
+        for label, spent in seconds.items():
+            print(f"round {round_number} {label} ({settings[label]}): "
+                  f"{output_tokens / spent:.1f} tok/s, {spent:.1f} s in its steps", flush=True)
+
+    runs = interleaved_rounds(engines, items, args.rounds, report=report)
     a, b = statistics.median(runs["A"]), statistics.median(runs["B"])
     per_round = ", ".join(f"{rb / ra:.3f}" for ra, rb in zip(runs["A"], runs["B"]))
     print(f"\n| setting | output tok/s (median of {args.rounds}) |\n|---|---|")

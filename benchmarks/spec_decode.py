@@ -12,7 +12,7 @@ With --traffic C,...: what drafting costs where nothing is copied. The mixed wor
 (benchmarks/workload.py: synthetic chat, long and RAG prompts, none of which its answer
 quotes) at temperature 1, an OpenAI server's default, as a closed loop of C sequences
 (max_num_seqs C; the first 16 requests at C = 1, all 64 above). The two engines step in turn,
-one step each, every step timed (workload.run_interleaved), so the machine's drift hits both
+one step each, every step timed (workload.interleaved_rounds), so the machine's drift hits both
 alike; which one steps first alternates by round. Output tok/s over each engine's own step
 time, and the draft tokens the ngram engine ran per output token.
 """
@@ -24,7 +24,11 @@ import statistics
 import time
 from pathlib import Path
 
-from workload import bundled_tokenizer, mixed_workload, run_interleaved  # benchmarks/ on the path
+from workload import (  # benchmarks/ on the path
+    bundled_tokenizer,
+    interleaved_rounds,
+    mixed_workload,
+)
 
 from loom import LLM, SamplingParams, host
 
@@ -58,15 +62,8 @@ def traffic(rounds: int, concurrencies: list[int], speculative_config: str) -> N
         engines = {"plain": LLM(**options),
                    "ngram": LLM(**options, speculative_config=speculative_config)}
         output_tokens = sum(item.max_tokens for item in work)
-        rates: dict[str, list[float]] = {"plain": [], "ngram": []}
-        for r in range(rounds):
-            order = list(engines) if r % 2 == 0 else list(reversed(engines))
-            for llm in engines.values():
-                llm.engine.kv_cache.pool.reset_prefix_cache()  # every round prefills alike
-            seconds = run_interleaved({label: engines[label].engine for label in order},
-                                      work, 1.0)
-            for label, spent in seconds.items():
-                rates[label].append(output_tokens / spent)
+        rates = interleaved_rounds({label: llm.engine for label, llm in engines.items()}, work,
+                                   rounds, 1.0)
         metrics = engines["ngram"].get_metrics()
         drafted = metrics["loom:spec_decode_num_draft_tokens_total"]
         accepted = metrics["loom:spec_decode_num_accepted_tokens_total"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer
@@ -87,3 +88,26 @@ def run_interleaved(engines: dict[str, EngineCore], items: list[WorkItem],
                 engine.step()
                 seconds[label] += time.perf_counter() - start
     return seconds
+
+
+def interleaved_rounds(engines: dict[str, EngineCore], items: list[WorkItem], rounds: int,
+                       temperature: float = 0.0,
+                       report: Callable[[int, dict[str, float]], None] | None = None
+                       ) -> dict[str, list[float]]:
+    """Output tok/s of each engine per round of run_interleaved (over its own step time),
+    which engine steps first alternating by round; the prefix caches are emptied before each
+    round, so every round prefills alike. `report(round, seconds in each engine's steps)`
+    after each round, for progress."""
+    output_tokens = sum(item.max_tokens for item in items)
+    rates: dict[str, list[float]] = {label: [] for label in engines}
+    for r in range(rounds):
+        order = list(engines) if r % 2 == 0 else list(reversed(engines))
+        for engine in engines.values():
+            engine.kv_cache.pool.reset_prefix_cache()
+        seconds = run_interleaved({label: engines[label] for label in order}, items,
+                                  temperature)
+        for label in order:
+            rates[label].append(output_tokens / seconds[label])
+        if report is not None:
+            report(r + 1, seconds)
+    return rates
