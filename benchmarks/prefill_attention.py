@@ -16,7 +16,9 @@ Five parts, each printed as a Markdown table:
   SDPA call `loom.model.attention` makes for a prefill span (bf16 where the engine would
   choose it) and the native decode kernel with one query row per token, each over the blocks
   up to its own position (how the runner sends chunks of fewer query x context positions than
-  `Backends.per_token_prefill_max_positions`), medians of 15;
+  `Backends.per_token_prefill_max_positions`), medians of 15; with `--against REV` also the
+  decode kernel's source at git revision REV, compiled beside today's and timed on the same
+  inputs in turns (decode_kernel.py's `alternating`), for a before/after ratio;
 * burst: the 64 prompts of benchmarks/traces/mixed-64.jsonl submitted at once, as a closed
   loop of 64 users starts: prefill only (max_tokens 1), then the whole trace with its output
   lengths (ignore_eos), twice each in one process, every round's prompts behind a prefix of
@@ -32,6 +34,7 @@ from the repository root:
     python benchmarks/prefill_attention.py
     python benchmarks/prefill_attention.py --parts prefill --lengths 500 1000 2000
     python benchmarks/prefill_attention.py --parts per-token burst
+    python benchmarks/prefill_attention.py --parts per-token --against HEAD~1
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 import loom  # noqa: F401 - before torch: it sets the OpenMP wait policy (loom/threads.py)
 
@@ -54,6 +58,7 @@ from loom.model import attention
 from loom.model.kernels import paged_attention_ops
 
 sys.path.insert(0, "benchmarks")
+from decode_kernel import alternating, kernel_at  # noqa: E402
 from roofline import best_and_median  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -123,25 +128,31 @@ def accuracy_part() -> None:
               f"{math.exp(r['nll_test'] / r['positions']):.4f} |")
 
 
-def per_token_part() -> None:
-    caches = attention.new_kv_cache(400, 16, KV_HEADS, HEAD_DIM, torch.float16,
+def per_token_part(against: str | None) -> None:
+    caches = attention.new_kv_cache(520, 16, KV_HEADS, HEAD_DIM, torch.float16,
                                     torch.device("cpu"))
     for cache in caches:
         cache.copy_(torch.randn(cache.shape))
+    old = kernel_at(against) if against else None
+    extra = f" per-token at {against} ms | now / {against} |" if old else ""
     print("| chunk tokens | cached before | positions | SDPA ms | per-token ms | per-token / SDPA "
-          "|\n|--:|--:|--:|--:|--:|--:|")
-    for cached in (0, 64, 256, 1024, 2048, 4096):
-        for query in (8, 32, 64, 128, 256, 512, 1024):
-            if cached + query > 5120 or (query < 256 and cached > 1024):
+          f"|{extra}\n|--:|--:|--:|--:|--:|--:|" + ("--:|--:|" if old else ""))
+    for cached in (0, 64, 256, 1024, 2048, 4096, 6144):
+        for query in (8, 32, 64, 128, 256, 512, 1024, 2048):
+            if cached + query > 8192 or (query < 256 and cached > 1024):
                 continue  # past the cache, or far below both bounds
-            sdpa, rows = _per_token_case(query, cached, caches)
-            print(f"| {query} | {cached} | {query * (cached + query):,} | {sdpa:.3f} | "
-                  f"{rows:.3f} | {rows / sdpa:.2f}x |")
+            sdpa, rows, rows_old = _per_token_case(query, cached, caches, old)
+            row = (f"| {query} | {cached} | {query * (cached + query):,} | {sdpa:.3f} | "
+                   f"{rows:.3f} | {rows / sdpa:.2f}x |")
+            if rows_old is not None:
+                row += f" {rows_old:.3f} | {rows / rows_old:.2f}x |"
+            print(row, flush=True)
 
 
-def _per_token_case(query: int, cached: int, caches: tuple[torch.Tensor, torch.Tensor]
-                    ) -> tuple[float, float]:
-    """(SDPA ms, per-token rows ms) for one chunk over blocks drawn at random."""
+def _per_token_case(query: int, cached: int, caches: tuple[torch.Tensor, torch.Tensor],
+                    old: ModuleType | None) -> tuple[float, float, float | None]:
+    """(SDPA ms, per-token rows ms, the same rows on `old`'s kernel ms) for one chunk over
+    blocks drawn at random."""
     k_cache, v_cache = caches
     context = cached + query
     blocks = torch.randperm(k_cache.shape[0])[:-(-context // k_cache.shape[1])]
@@ -155,9 +166,15 @@ def _per_token_case(query: int, cached: int, caches: tuple[torch.Tensor, torch.T
     lens = torch.arange(cached + 1, context + 1)
     sdpa = median_ms(lambda: attention._attend_prefills(q, k, v, k_cache, v_cache, meta, out),
                      repeats=15)
-    rows = median_ms(lambda: paged_attention_ops().paged_decode_attention(
-        q, k_cache, v_cache, tables, lens, HEAD_DIM ** -0.5), repeats=15)
-    return sdpa, rows
+    def per_token_rows(ops: ModuleType) -> float:
+        return median_ms(lambda: ops.paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, HEAD_DIM ** -0.5), repeats=15)
+
+    if old is None:
+        return sdpa, per_token_rows(paged_attention_ops()), None
+    rows, rows_old = alternating([lambda: per_token_rows(paged_attention_ops()),
+                                  lambda: per_token_rows(old)], rounds=4)
+    return sdpa, rows, rows_old
 
 
 def burst_part() -> None:
@@ -185,15 +202,18 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["sdpa", "prefill", "accuracy"],
                         choices=["sdpa", "prefill", "accuracy", "per-token", "burst"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 500, 1000, 2000])
+    parser.add_argument("--against", help="per-token: also time the decode kernel of this git "
+                                          "revision")
     args = parser.parse_args()
     print(f"host: {host.describe()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads\n")
     for part in args.parts:
         if part == "prefill":
             prefill_part(args.lengths)
+        elif part == "per-token":
+            per_token_part(args.against)
         else:
-            {"sdpa": sdpa_part, "accuracy": accuracy_part, "per-token": per_token_part,
-             "burst": burst_part}[part]()
+            {"sdpa": sdpa_part, "accuracy": accuracy_part, "burst": burst_part}[part]()
         print()
 
 

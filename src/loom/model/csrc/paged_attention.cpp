@@ -1,16 +1,18 @@
-// loom: decode attention straight from the paged KV cache, one query token per request, no
-// gather. Caches are indexed [block, position in block, kv head, dim] through their strides.
-// K must have position stride 1 (stored [blocks, kv_heads, dim, block_size], see
-// new_kv_cache) so that q.K over a block is a vector FMA across its positions per dim, with
-// the block's scores held in registers; V must have dim stride 1 so that p.V is a vector FMA
-// across dims, with the G heads' accumulators held in registers. Both need the shape known at
-// compile time, hence the dispatch over (G query heads per kv head, head dim); other shapes
-// use the torch path (`supported`). Work is split over (request, kv head) pairs. On AVX2 an
-// intrinsics version (below) reads each K block once for all G heads and prefetches the next
-// block; on AVX-512 the same plan runs 16 wide; elsewhere a portable version relies on the
-// compiler's vectorizer. The model calls it
-// through rope_write_decode (at the end), which also ropes q and k and writes the step's K/V:
-// one call per layer from the QKV projection to the decode rows' output.
+// loom: decode attention straight from the paged KV cache, one query token per row, no
+// gather; consecutive rows over one block table (a short prefill chunk's tokens, a decode's
+// drafts) attend a tile of tokens at a time (Tile, below). Caches are indexed [block,
+// position in block, kv head, dim] through their strides. K must have position stride 1
+// (stored [blocks, kv_heads, dim, block_size], see new_kv_cache) so that q.K over a block is a
+// vector FMA across its positions per dim, with the block's scores held in registers; V must
+// have dim stride 1 so that p.V is a vector FMA across dims, with the tile's query rows'
+// accumulators held in registers. Both need the shape known at compile time, hence the
+// dispatch over (G query heads per kv head, head dim); other shapes use the torch path
+// (`supported`). Work is split over (tile, kv head) pairs. On AVX2 an intrinsics version
+// (below) reads each K block once for all the tile's query rows and prefetches the next block;
+// on AVX-512 the same plan runs 16 wide; elsewhere a portable version relies on the
+// compiler's vectorizer. The model calls it through rope_write_decode (at the end), which also
+// ropes q and k and writes the step's K/V: one call per layer from the QKV projection to the
+// decode rows' output.
 //
 // The caches may hold a narrower type than the queries: fp32 queries over an fp16 cache (the
 // layout llama.cpp uses by default) read half the bytes, and decode attention over long
@@ -53,9 +55,26 @@ static bool worth_threads(const int64_t* lens, int64_t n, int64_t KVH) {
   return work >= kParallelWork;
 }
 
-// Requests arrive sorted by context length, shortest first. Threads take (request, kv head)
-// items one at a time (parallel_dynamic.h), longest request first, so the short ones at the
-// end even out the threads' finishing times.
+// A work item's query rows: the G heads of `tokens` consecutive rows from `first`. A prefill
+// chunk's tokens (and a decode's draft tokens) come as consecutive rows of one request, each
+// over its blocks up to its own position: a tile of them reads each K and V block once for
+// all of its tokens instead of once per token.
+//
+//   rows first .. first+2 of a chunk, one kv head, block size 16:
+//     table (the tile's last row's)  [ b7 ][ b2 ][ b9 ]
+//     row first     (len 35)         ==================  positions 0-34
+//     row first + 1 (len 36)         ===================
+//     row first + 2 (len 37)         ====================
+//   q.K runs over the last row's 37 positions for all three rows; each row's softmax covers its
+//   own length and zeroes the rest, so p.V over 37 positions adds nothing past a row's end.
+struct Tile {
+  int64_t first;
+  int tokens;
+};
+
+// Requests arrive sorted by context length, shortest first. Threads take (tile, kv head)
+// items one at a time (parallel_dynamic.h), longest first, so the short ones at the end even
+// out the threads' finishing times.
 static inline int64_t longest_first(int64_t k, int64_t n) { return n - 1 - k; }
 
 // One decode-attention call: query i's head h is at q + i * q_row + h * D and its output at
@@ -81,33 +100,86 @@ struct DecodeArgs {
   const C* v_block(int64_t block, int64_t kh) const { return vc + block * vs[0] + kh * vs[2]; }
 };
 
-// item(i, kh, scores) for every (request, kv head) pair, on the threads parallel_if picks,
-// longest request first; scores is the thread's buffer, reused across its items.
+// Whether rows first .. first + tokens - 1 can share the last one's block table: each row's
+// blocks are that table's first blocks, and its context ends at most a block before the
+// last row's (work past a row's end is wasted, so only near neighbours share).
+template <typename T, typename C>
+static bool shares_table(const DecodeArgs<T, C>& a, int64_t first, int tokens) {
+  const int64_t last = first + tokens - 1;
+  const int64_t* table = a.table(last);
+  for (int64_t r = first; r < last; ++r) {
+    if (a.lens[r] > a.lens[last] || a.lens[last] - a.lens[r] > kBlockSize) return false;
+    const int64_t blocks = (a.lens[r] + kBlockSize - 1) / kBlockSize;
+    if (!std::equal(table, table + blocks, a.table(r))) return false;
+  }
+  return true;
+}
+
+// The rows as tiles of `tokens` rows where they share a table (shares_table), else of one.
+template <typename T, typename C>
+static std::vector<Tile> tile_rows(const DecodeArgs<T, C>& a, int tokens) {
+  std::vector<Tile> tiles;
+  for (int64_t r = 0; r < a.n;) {
+    const int count = tokens > 1 && r + tokens <= a.n && shares_table(a, r, tokens) ? tokens : 1;
+    tiles.push_back({r, count});
+    r += count;
+  }
+  return tiles;
+}
+
+// item(tile, kh, scores) for every (tile, kv head) pair, on the threads parallel_if picks,
+// longest first; scores is the thread's buffer, reused across its items.
 template <typename T, typename C, typename Item>
-static void for_each_item(const DecodeArgs<T, C>& a, const Item& item) {
-  parallel_if(worth_threads(a.lens, a.n, a.KVH), a.n * a.KVH, [&](std::atomic<int64_t>& next) {
+static void for_each_item(const DecodeArgs<T, C>& a, const std::vector<Tile>& tiles,
+                          const Item& item) {
+  const int64_t n = static_cast<int64_t>(tiles.size()) * a.KVH;
+  parallel_if(worth_threads(a.lens, a.n, a.KVH), n, [&](std::atomic<int64_t>& next) {
     std::vector<float> scores;
-    for (int64_t idx; (idx = next++) < a.n * a.KVH;)
-      item(longest_first(idx / a.KVH, a.n), idx % a.KVH, scores);
+    for (int64_t idx; (idx = next++) < n;)
+      item(tiles[longest_first(idx / a.KVH, tiles.size())], idx % a.KVH, scores);
   });
 }
 
-// The G query heads of kv head kh of request i, scaled, as fp32.
-template <typename T, typename C, int G, int D>
-static inline void load_query(const DecodeArgs<T, C>& a, int64_t i, int64_t kh, float (&qf)[G][D]) {
-  for (int g = 0; g < G; ++g)
+// Query row r of a tile is head kh * G + r % G of its row first + r / G.
+template <int G>
+static inline int64_t row_of(const Tile& t, int r) { return t.first + r / G; }
+
+// The tile's R = G x tile tokens query rows of kv head kh, scaled, as fp32.
+template <int G, typename T, typename C, int R, int D>
+static inline void load_query(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
+                              float (&qf)[R][D]) {
+  for (int r = 0; r < R; ++r)
     for (int d = 0; d < D; ++d)
-      qf[g][d] = static_cast<float>(a.q[i * a.q_row + (kh * G + g) * D + d]) * a.scale;
+      qf[r][d] = static_cast<float>(a.q[row_of<G>(t, r) * a.q_row + (kh * G + r % G) * D + d]) *
+                 a.scale;
 }
 
-
-template <typename T, typename C, int G, int D>
-static inline void store_output(const float (&acc)[G][D], const DecodeArgs<T, C>& a, int64_t i,
-                                int64_t kh) {
-  for (int g = 0; g < G; ++g)
+template <int G, typename T, typename C, int R, int D>
+static inline void store_output(const float (&acc)[R][D], const DecodeArgs<T, C>& a,
+                                const Tile& t, int64_t kh) {
+  for (int r = 0; r < R; ++r)
     for (int d = 0; d < D; ++d)
-      a.out[i * a.out_row + (kh * G + g) * D + d] = static_cast<T>(acc[g][d]);
+      a.out[row_of<G>(t, r) * a.out_row + (kh * G + r % G) * D + d] = static_cast<T>(acc[r][d]);
 }
+
+static inline void softmax(float* s, int64_t L);
+
+// Each of the R score rows (row stride `row`, scores up to the tile's length `len`) to
+// probabilities over its own row's context, zero past it.
+template <int G, int R, typename T, typename C>
+static inline void normalize_rows(const DecodeArgs<T, C>& a, const Tile& t, float* scores,
+                                  int64_t row, int64_t len) {
+  for (int r = 0; r < R; ++r) {
+    const int64_t own = a.lens[row_of<G>(t, r)];
+    softmax(scores + r * row, own);
+    std::fill(scores + r * row + own, scores + r * row + len, 0.f);
+  }
+}
+
+// Query tokens per tile: the G heads of each token take registers in q.K and p.V, and up to
+// six rows fit AVX2's sixteen; a kv head with more query heads than three runs one token.
+template <int G>
+constexpr int kTileTokens = G <= 3 ? 6 / G : 1;
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -274,78 +346,80 @@ static inline void block_scores(const C* const (&kb)[NB], int64_t dim_stride,
 }
 
 // AVX-512: the AVX2 kernel's plan (below) with 16-wide vectors; q.K takes two blocks at a
-// time, and p.V holds the G heads' accumulators for 64 dims (32 past 4 heads) in registers.
-template <typename T, typename C, int G, int D>
-static void decode(const DecodeArgs<T, C>& a) {
+// time, and p.V holds the R rows' accumulators for 64 dims (32 past 4 rows) in registers.
+template <typename T, typename C, int G, int D, int QT>
+static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
+                        std::vector<float>& scores) {
   constexpr int64_t BS = kBlockSize;
-  constexpr int DC = std::min(D, G <= 4 ? 64 : 32);
+  constexpr int R = G * QT;
+  constexpr int DC = std::min(D, R <= 4 ? 64 : 32);
   static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 1 vector");
-  for_each_item(a, [&](int64_t i, int64_t kh, std::vector<float>& scores) {
-    const int64_t L = a.lens[i], num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
-    const int64_t* table = a.table(i);
-    float qf[G][D];
-    load_query(a, i, kh, qf);
-    scores.resize(G * Lp);
-    int64_t b = 0;
-    for (; b + 2 <= num_blocks; b += 2) {
-      for (int64_t ahead = b + 2; ahead < std::min(b + 2 + kPrefetchBlocks, num_blocks); ++ahead)
-        prefetch_k<D>(a, table[ahead], kh);
-      for (int64_t j = b; j < b + 2; ++j) prefetch_v<D, _MM_HINT_T1>(a, table[j], kh);
-      const C* const kb[2] = {a.k_block(table[b], kh), a.k_block(table[b + 1], kh)};
-      block_scores<C, G, D, 2>(kb, a.ks[3], qf, &scores[b * BS], Lp);
-    }
-    if (b < num_blocks) {
-      prefetch_v<D, _MM_HINT_T1>(a, table[b], kh);
-      const C* const kb[1] = {a.k_block(table[b], kh)};
-      block_scores<C, G, D, 1>(kb, a.ks[3], qf, &scores[b * BS], Lp);
-    }
-    for (int64_t ahead = 0; ahead < std::min(kPrefetchBlocks, num_blocks); ++ahead)
-      prefetch_v<D>(a, table[ahead], kh);
-    for (int g = 0; g < G; ++g) softmax(&scores[g * Lp], L);
-    float acc[G][D] = {};
-    weighted_values<Lanes16, DC, kPrefetchBlocks>(a, table, num_blocks, L, kh, scores.data(), Lp,
-                                                  acc);
-    store_output(acc, a, i, kh);
-  });
+  const int64_t last = t.first + QT - 1;
+  const int64_t L = a.lens[last], num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
+  const int64_t* table = a.table(last);
+  float qf[R][D];
+  load_query<G>(a, t, kh, qf);
+  scores.resize(R * Lp);
+  int64_t b = 0;
+  for (; b + 2 <= num_blocks; b += 2) {
+    for (int64_t ahead = b + 2; ahead < std::min(b + 2 + kPrefetchBlocks, num_blocks); ++ahead)
+      prefetch_k<D>(a, table[ahead], kh);
+    for (int64_t j = b; j < b + 2; ++j) prefetch_v<D, _MM_HINT_T1>(a, table[j], kh);
+    const C* const kb[2] = {a.k_block(table[b], kh), a.k_block(table[b + 1], kh)};
+    block_scores<C, R, D, 2>(kb, a.ks[3], qf, &scores[b * BS], Lp);
+  }
+  if (b < num_blocks) {
+    prefetch_v<D, _MM_HINT_T1>(a, table[b], kh);
+    const C* const kb[1] = {a.k_block(table[b], kh)};
+    block_scores<C, R, D, 1>(kb, a.ks[3], qf, &scores[b * BS], Lp);
+  }
+  for (int64_t ahead = 0; ahead < std::min(kPrefetchBlocks, num_blocks); ++ahead)
+    prefetch_v<D>(a, table[ahead], kh);
+  normalize_rows<G, R>(a, t, scores.data(), Lp, L);
+  float acc[R][D] = {};
+  weighted_values<Lanes16, DC, kPrefetchBlocks>(a, table, num_blocks, L, kh, scores.data(), Lp,
+                                                acc);
+  store_output<G>(acc, a, t, kh);
 }
 #else
-// AVX2: each K block is read once for all G heads (scores of 16 positions x G heads in
+// AVX2: each K block is read once for all R rows (scores of 16 positions x R rows in
 // registers), and p.V is weighted_values over 8-wide vectors.
-template <typename T, typename C, int G, int D>
-static void decode(const DecodeArgs<T, C>& a) {
+template <typename T, typename C, int G, int D, int QT>
+static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
+                        std::vector<float>& scores) {
   constexpr int64_t BS = kBlockSize;
-  constexpr int DC = G <= 4 ? 16 : 8;  // dims per p.V pass: 2 * G (or G) accumulators
+  constexpr int R = G * QT;
+  constexpr int DC = R <= 6 ? 16 : 8;  // dims per p.V pass: 2 * R (or R) accumulators
   static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 2 vectors");
-  for_each_item(a, [&](int64_t i, int64_t kh, std::vector<float>& scores) {
-    const int64_t L = a.lens[i], num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
-    const int64_t* table = a.table(i);
-    float qf[G][D];
-    load_query(a, i, kh, qf);
-    scores.resize(G * Lp);
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const C* kb = a.k_block(table[b], kh);
-      if (b + 1 < num_blocks) prefetch_k<D>(a, table[b + 1], kh);
-      prefetch_v<D, _MM_HINT_T1>(a, table[b], kh);
-      __m256 s[G][2];
-      for (int g = 0; g < G; ++g) s[g][0] = s[g][1] = _mm256_setzero_ps();
-      for (int d = 0; d < D; ++d) {
-        const __m256 k0 = load8(kb + d * a.ks[3]), k1 = load8(kb + d * a.ks[3] + 8);
-        for (int g = 0; g < G; ++g) {
-          const __m256 qd = _mm256_set1_ps(qf[g][d]);
-          s[g][0] = _mm256_fmadd_ps(qd, k0, s[g][0]);
-          s[g][1] = _mm256_fmadd_ps(qd, k1, s[g][1]);
-        }
-      }
-      for (int g = 0; g < G; ++g) {
-        _mm256_storeu_ps(&scores[g * Lp + b * BS], s[g][0]);
-        _mm256_storeu_ps(&scores[g * Lp + b * BS + 8], s[g][1]);
+  const int64_t last = t.first + QT - 1;
+  const int64_t L = a.lens[last], num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
+  const int64_t* table = a.table(last);
+  float qf[R][D];
+  load_query<G>(a, t, kh, qf);
+  scores.resize(R * Lp);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const C* kb = a.k_block(table[b], kh);
+    if (b + 1 < num_blocks) prefetch_k<D>(a, table[b + 1], kh);
+    prefetch_v<D, _MM_HINT_T1>(a, table[b], kh);
+    __m256 s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      const __m256 k0 = load8(kb + d * a.ks[3]), k1 = load8(kb + d * a.ks[3] + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 qd = _mm256_set1_ps(qf[r][d]);
+        s[r][0] = _mm256_fmadd_ps(qd, k0, s[r][0]);
+        s[r][1] = _mm256_fmadd_ps(qd, k1, s[r][1]);
       }
     }
-    for (int g = 0; g < G; ++g) softmax(&scores[g * Lp], L);
-    float acc[G][D] = {};
-    weighted_values<Lanes8, DC, 1>(a, table, num_blocks, L, kh, scores.data(), Lp, acc);
-    store_output(acc, a, i, kh);
-  });
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(&scores[r * Lp + b * BS], s[r][0]);
+      _mm256_storeu_ps(&scores[r * Lp + b * BS + 8], s[r][1]);
+    }
+  }
+  normalize_rows<G, R>(a, t, scores.data(), Lp, L);
+  float acc[R][D] = {};
+  weighted_values<Lanes8, DC, 1>(a, table, num_blocks, L, kh, scores.data(), Lp, acc);
+  store_output<G>(acc, a, t, kh);
 }
 #endif  // __AVX512F__
 #else
@@ -358,46 +432,58 @@ static inline void softmax(float* s, int64_t L) {
   for (int64_t p = 0; p < L; ++p) s[p] *= inv;
 }
 
-template <typename T, typename C, int G, int D>
-static void decode(const DecodeArgs<T, C>& a) {
+template <typename T, typename C, int G, int D, int QT>
+static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
+                        std::vector<float>& scores) {
   constexpr int64_t BS = kBlockSize;
-  for_each_item(a, [&](int64_t i, int64_t kh, std::vector<float>& scores) {
-    const int64_t L = a.lens[i];
-    const int64_t* table = a.table(i);
-    float qf[G][D];
-    load_query(a, i, kh, qf);
-    scores.resize(G * (L + BS));
-    for (int64_t b = 0; b * BS < L; ++b) {
-      const C* kb = a.k_block(table[b], kh);
-      for (int g = 0; g < G; ++g) {
-        float s[BS] = {};
-        for (int d = 0; d < D; ++d) {
-          const float qd = qf[g][d];
-          const C* krow = kb + d * a.ks[3];
+  constexpr int R = G * QT;
+  const int64_t last = t.first + QT - 1;
+  const int64_t L = a.lens[last];
+  const int64_t* table = a.table(last);
+  float qf[R][D];
+  load_query<G>(a, t, kh, qf);
+  scores.resize(R * (L + BS));
+  for (int64_t b = 0; b * BS < L; ++b) {
+    const C* kb = a.k_block(table[b], kh);
+    for (int r = 0; r < R; ++r) {
+      float s[BS] = {};
+      for (int d = 0; d < D; ++d) {
+        const float qd = qf[r][d];
+        const C* krow = kb + d * a.ks[3];
 #pragma omp simd
-          for (int64_t p = 0; p < BS; ++p) s[p] += qd * static_cast<float>(krow[p]);
-        }
-        std::copy_n(s, BS, &scores[g * (L + BS) + b * BS]);  // row padded: whole blocks
+        for (int64_t p = 0; p < BS; ++p) s[p] += qd * static_cast<float>(krow[p]);
       }
+      std::copy_n(s, BS, &scores[r * (L + BS) + b * BS]);  // row padded: whole blocks
     }
-    for (int g = 0; g < G; ++g) softmax(&scores[g * (L + BS)], L);
-    float acc[G][D] = {};
-    for (int64_t p = 0; p < L; ++p) {
-      const C* v = a.v_block(table[p / BS], kh) + (p % BS) * a.vs[1];
-      float vf[D];
+  }
+  normalize_rows<G, R>(a, t, scores.data(), L + BS, L);
+  float acc[R][D] = {};
+  for (int64_t p = 0; p < L; ++p) {
+    const C* v = a.v_block(table[p / BS], kh) + (p % BS) * a.vs[1];
+    float vf[D];
 #pragma omp simd
-      for (int d = 0; d < D; ++d) vf[d] = static_cast<float>(v[d]);
-      for (int g = 0; g < G; ++g) {
-        const float w = scores[g * (L + BS) + p];
+    for (int d = 0; d < D; ++d) vf[d] = static_cast<float>(v[d]);
+    for (int r = 0; r < R; ++r) {
+      const float w = scores[r * (L + BS) + p];
 #pragma omp simd
-        for (int d = 0; d < D; ++d) acc[g][d] += w * vf[d];
-      }
+      for (int d = 0; d < D; ++d) acc[r][d] += w * vf[d];
     }
-    store_output(acc, a, i, kh);
-  });
+  }
+  store_output<G>(acc, a, t, kh);
 }
 
 #endif
+
+// Every row's attention, in tiles where rows share a block table (tile_rows).
+template <typename T, typename C, int G, int D>
+static void decode(const DecodeArgs<T, C>& a) {
+  constexpr int QT = kTileTokens<G>;
+  const std::vector<Tile> tiles = tile_rows(a, QT);
+  for_each_item(a, tiles, [&](const Tile& t, int64_t kh, std::vector<float>& scores) {
+    if (t.tokens == QT) return attend_tile<T, C, G, D, QT>(a, t, kh, scores);
+    attend_tile<T, C, G, D, 1>(a, t, kh, scores);
+  });
+}
 
 // (G, D) instantiated; anything else goes through torch.
 #define LOOM_FOR_EACH_SHAPE(X) \
