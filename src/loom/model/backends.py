@@ -28,12 +28,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # On the native path a prefill chunk of fewer query x context positions than this attends as
 # one query per token in the decode kernel (each over the request's blocks up to its own
 # position) instead of an SDPA call: a chat prompt's or a follow-up turn's chunk is too small
-# for SDPA's fixed cost and its gather of the cached context. Per-token rows read the context
-# once per query, so SDPA wins back long chunks, the sooner the faster it is
-# (`benchmarks/prefill_attention.py --parts per-token`): against torch's bf16 SDPA on AMX
-# per-token took under 0.6x its time below 2^16 positions and lost from about twice that;
-# against fp32 SDPA (an AVX2 EPYC) it took 0.10-0.93x up to 2^20 and 0.90-1.06x from 1.3M.
-PER_TOKEN_PREFILL_MAX_POSITIONS = 1 << 20
+# for SDPA's fixed cost and its gather of the cached context. The kernel reads the context
+# once per tile of a few tokens, SDPA once per chunk, so SDPA can win back long chunks, the
+# sooner the faster it is (`benchmarks/prefill_attention.py --parts per-token`): against
+# torch's bf16 SDPA on AMX per-token rows (then read once per token) took under 0.6x its time
+# below 2^16 positions and lost from about twice that; against fp32 SDPA (an AVX2 EPYC) the
+# tiles took 0.10-0.79x its time at every chunk measured, up to 2,048 tokens after 6,144
+# cached (2^24 positions, the largest chunk of the default token budget at an 8K context).
+PER_TOKEN_PREFILL_MAX_POSITIONS = 1 << 24
 PER_TOKEN_PREFILL_MAX_POSITIONS_BF16 = 1 << 16  # where long chunks attend in bf16
 
 # auto keeps bf16 copies of a GGUF's weights (about 3.5x its 4-bit size) only up to this
