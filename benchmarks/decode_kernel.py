@@ -104,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
     low, high = (int(x) for x in args.contexts.split("-"))
     old = kernel_at(args.against) if args.against else None
-    extra = (f" | now, called straight | {args.against} ms/layer | now / {args.against}"
+    extra = (f" | now, called straight | {args.against} ms/layer | {args.against} / now"
              if old else "")
     print("| dtype | KV cache | decodes | mean context | torch path ms/layer | native ms/layer "
           f"| native GFLOP/s | speed-up{extra} |\n|---|---|--:|--:|--:|--:|--:|--:|"
