@@ -176,6 +176,19 @@ static inline void normalize_rows(const DecodeArgs<T, C>& a, const Tile& t, floa
   }
 }
 
+// A tile's context: its last row's length, that in whole blocks, and its block table.
+struct TileContext {
+  int64_t len, num_blocks, padded_len;
+  const int64_t* table;
+};
+
+template <typename T, typename C>
+static inline TileContext tile_context(const DecodeArgs<T, C>& a, const Tile& t) {
+  const int64_t last = t.first + t.tokens - 1, len = a.lens[last];
+  const int64_t num_blocks = (len + kBlockSize - 1) / kBlockSize;
+  return {len, num_blocks, num_blocks * kBlockSize, a.table(last)};
+}
+
 // Query tokens per tile: the G heads of each token take registers in q.K and p.V, and up to
 // six rows fit AVX2's sixteen; a kv head with more query heads than three runs one token.
 template <int G>
@@ -354,9 +367,7 @@ static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
   constexpr int R = G * QT;
   constexpr int DC = std::min(D, R <= 4 ? 64 : 32);
   static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 1 vector");
-  const int64_t last = t.first + QT - 1;
-  const int64_t L = a.lens[last], num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
-  const int64_t* table = a.table(last);
+  const auto [L, num_blocks, Lp, table] = tile_context(a, t);
   float qf[R][D];
   load_query<G>(a, t, kh, qf);
   scores.resize(R * Lp);
@@ -391,9 +402,7 @@ static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
   constexpr int R = G * QT;
   constexpr int DC = R <= 6 ? 16 : 8;  // dims per p.V pass: 2 * R (or R) accumulators
   static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 2 vectors");
-  const int64_t last = t.first + QT - 1;
-  const int64_t L = a.lens[last], num_blocks = (L + BS - 1) / BS, Lp = num_blocks * BS;
-  const int64_t* table = a.table(last);
+  const auto [L, num_blocks, Lp, table] = tile_context(a, t);
   float qf[R][D];
   load_query<G>(a, t, kh, qf);
   scores.resize(R * Lp);
@@ -437,9 +446,7 @@ static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
                         std::vector<float>& scores) {
   constexpr int64_t BS = kBlockSize;
   constexpr int R = G * QT;
-  const int64_t last = t.first + QT - 1;
-  const int64_t L = a.lens[last];
-  const int64_t* table = a.table(last);
+  const auto [L, num_blocks, Lp, table] = tile_context(a, t);  // rows padded: L + BS
   float qf[R][D];
   load_query<G>(a, t, kh, qf);
   scores.resize(R * (L + BS));
