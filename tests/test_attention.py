@@ -57,17 +57,26 @@ def test_native_decode_attention_matches_torch(dtype, cache_dtype, tolerance, nu
     torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype,cache_dtype,tolerance", DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (6, 3, 64), (4, 4, 128)])
 def test_rows_over_one_block_table_attend_in_tiles_each_over_its_own_context(
-        num_heads, num_kv_heads, head_dim) -> None:
+        dtype, cache_dtype, tolerance, num_heads, num_kv_heads, head_dim) -> None:
     """A chunk's tokens as consecutive rows, each over the request's blocks up to its own
     position, are attended a tile of tokens at a time (each block read once for the tile).
     Beside them: a request with the next context length over other blocks, which must not join
     the chunk's tile, and one whose first blocks are the chunk's, which may: every row must
     still see exactly its own context."""
-    ops = paged_attention_ops()
+    expected, actual = tiles_both_ways(paged_attention_ops(), dtype, cache_dtype, num_heads,
+                                       num_kv_heads, head_dim)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def tiles_both_ways(ops: ModuleType, dtype: torch.dtype, cache_dtype: torch.dtype,
+                    num_heads: int, num_kv_heads: int,
+                    head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(torch path, ops' kernel) attention of the rows the tile test above describes."""
     torch.manual_seed(0)
-    k_cache, v_cache = new_kv_cache(64, 16, num_kv_heads, head_dim, torch.float32,
+    k_cache, v_cache = new_kv_cache(64, 16, num_kv_heads, head_dim, cache_dtype,
                                     torch.device("cpu"))
     k_cache.copy_(torch.randn(k_cache.shape))
     v_cache.copy_(torch.randn(v_cache.shape))
@@ -76,14 +85,14 @@ def test_rows_over_one_block_table_attend_in_tiles_each_over_its_own_context(
             + [(extends_chunk, length) for length in (45, 46, 50)] + [(chunk, 3)])
     tables = [blocks[:-(-length // 16)] for blocks, length in rows]
     lens = [length for _, length in rows]
-    q = torch.randn(len(rows), num_heads, head_dim)
-    unused = torch.zeros(len(rows), num_kv_heads, head_dim)
+    q = torch.randn(len(rows), num_heads, head_dim).to(dtype)
+    unused = torch.zeros(len(rows), num_kv_heads, head_dim, dtype=dtype)
     expected = paged_attention(q, unused, unused, k_cache, v_cache,
                                decode_metadata(tables, lens, 16, False))
     decodes = decode_metadata(tables, lens, 16, True).paged_decodes
     actual = ops.paged_decode_attention(q, k_cache, v_cache, decodes.block_tables,
                                         decodes.context_lens, head_dim ** -0.5)
-    torch.testing.assert_close(actual.view_as(expected), expected, atol=1e-5, rtol=1e-5)
+    return expected, actual.view_as(expected)
 
 
 def decode_both_ways(ops: ModuleType, dtype: torch.dtype, cache_dtype: torch.dtype,

@@ -318,7 +318,10 @@ static inline void weighted_values(const DecodeArgs<T, C>& a, const int64_t* tab
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(LOOM_AVX512_ON_AVX2)
+#if !defined(__AVX512F__)
+#include "avx512_on_avx2.h"  // tests: this kernel on an AVX2 CPU
+#endif
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

@@ -1,0 +1,68 @@
+// loom: the few AVX-512 intrinsics paged_attention.cpp uses, each as two AVX2 halves, so that
+// its AVX-512 kernel can be built and checked on a CPU without AVX-512 (tests only:
+// LOOM_AVX512_ON_AVX2, see tests/test_attention_other_simd.py). Each one does lane for lane
+// what the instruction does (fused multiply-add included), so results match a real AVX-512
+// build's; only speed differs. Included after <immintrin.h>, whose own declarations the macros
+// below then shadow.
+#pragma once
+#include <immintrin.h>
+#include <cstring>
+
+static inline __m256 avx512_lo(__m512 v) { __m256 h; std::memcpy(&h, &v, 32); return h; }
+static inline __m256 avx512_hi(__m512 v) {
+  __m256 h; std::memcpy(&h, reinterpret_cast<const char*>(&v) + 32, 32); return h;
+}
+static inline __m512 avx512_join(__m256 lo, __m256 hi) {
+  __m512 v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+}
+static inline __m256i avx512i_lo(__m512i v) { __m256i h; std::memcpy(&h, &v, 32); return h; }
+static inline __m256i avx512i_hi(__m512i v) {
+  __m256i h; std::memcpy(&h, reinterpret_cast<const char*>(&v) + 32, 32); return h;
+}
+static inline __m512i avx512i_join(__m256i lo, __m256i hi) {
+  __m512i v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+}
+
+static inline __m512 avx512_loadu_ps(const float* p) {
+  return avx512_join(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+}
+static inline void avx512_storeu_ps(float* p, __m512 v) {
+  _mm256_storeu_ps(p, avx512_lo(v));
+  _mm256_storeu_ps(p + 8, avx512_hi(v));
+}
+static inline __m512 avx512_set1_ps(float x) {
+  return avx512_join(_mm256_set1_ps(x), _mm256_set1_ps(x));
+}
+static inline __m512 avx512_setzero_ps() { return avx512_set1_ps(0.f); }
+static inline __m512 avx512_fmadd_ps(__m512 a, __m512 b, __m512 c) {
+  return avx512_join(_mm256_fmadd_ps(avx512_lo(a), avx512_lo(b), avx512_lo(c)),
+                     _mm256_fmadd_ps(avx512_hi(a), avx512_hi(b), avx512_hi(c)));
+}
+static inline __m512 avx512_cvtph_ps(__m256i h) {  // 16 halves -> 16 floats
+  return avx512_join(_mm256_cvtph_ps(_mm256_castsi256_si128(h)),
+                     _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+}
+static inline __m512i avx512_cvtepu16_epi32(__m256i h) {
+  return avx512i_join(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)),
+                      _mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)));
+}
+static inline __m512i avx512_slli_epi32(__m512i v, unsigned int n) {
+  return avx512i_join(_mm256_slli_epi32(avx512i_lo(v), n), _mm256_slli_epi32(avx512i_hi(v), n));
+}
+static inline __m512 avx512_castsi512_ps(__m512i v) { __m512 f; std::memcpy(&f, &v, 64); return f; }
+
+#define _mm512_loadu_ps avx512_loadu_ps
+#define _mm512_storeu_ps avx512_storeu_ps
+#define _mm512_set1_ps avx512_set1_ps
+#define _mm512_setzero_ps avx512_setzero_ps
+#define _mm512_fmadd_ps avx512_fmadd_ps
+#define _mm512_cvtph_ps avx512_cvtph_ps
+#define _mm512_cvtepu16_epi32 avx512_cvtepu16_epi32
+#define _mm512_slli_epi32 avx512_slli_epi32
+#define _mm512_castsi512_ps avx512_castsi512_ps
