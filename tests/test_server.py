@@ -444,16 +444,17 @@ def _bounded(body: object) -> None:
     values that must be refused (negative, huge, wrong type) as they are."""
     if not isinstance(body, dict):
         return
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = 4  # the default (none) is whatever room the context has left
-    for name, cap in (("max_tokens", 4), ("max_completion_tokens", 4), ("n", 2)):
+    budgets = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+    if all(body.get(name) is None for name in budgets):  # (each endpoint ignores the others)
+        body["max_tokens"] = body["max_output_tokens"] = 4  # none: the context's room
+    for name, cap in (*((budget, 4) for budget in budgets), ("n", 2)):
         value = body.get(name)
         if type(value) is int and cap < value <= 10_000:
             body[name] = cap
 
 
 @pytest.mark.parametrize("mode", ["positive", "negative"])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_schema_generated_requests_never_get_5xx(server: str, path: str, mode: str) -> None:
     """Bodies schemathesis draws from the server's own /openapi.json, valid ones and ones
     that break it, bounded in number: each is answered below 500, and the server still

@@ -40,8 +40,10 @@ from loom.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from loom.entrypoints.openai.protocol_responses import ResponsesRequest
 from loom.entrypoints.openai.serving_chat import ChatServing
 from loom.entrypoints.openai.serving_completion import CompletionServing
+from loom.entrypoints.openai.serving_responses import ResponsesServing
 from loom.entrypoints.openai.serving_tokenize import add_tokenize_routes
 
 # FastAPI imports pydantic.v1 (for its compatibility check) the first time it builds a route:
@@ -79,6 +81,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     completions = CompletionServing(engine, model_name, config.stream_interval)
     chat = ChatServing(engine, model_name, config.stream_interval,
                        tool_call_parser=config.tool_call_parser)
+    responses = ResponsesServing(engine, model_name, config.stream_interval,
+                                 tool_call_parser=config.tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -99,6 +103,10 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     async def create_chat_completion(request: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
         return await chat.create(request, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create(request, raw_request)
 
     get = partial(app.api_route, methods=["GET", "HEAD"])  # HEAD: the same answer, no body
 

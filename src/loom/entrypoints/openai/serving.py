@@ -28,7 +28,12 @@ from loom.engine.async_engine import (
     RequestRejectedError,
 )
 from loom.entrypoints.openai.errors import INTERNAL_ERROR, APIError, error_body
-from loom.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from loom.entrypoints.openai.protocol import (
+    ErrorResponse,
+    PromptTokensDetails,
+    SamplingRequest,
+    UsageInfo,
+)
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling import (
     SEED_RANGE,
@@ -51,8 +56,19 @@ _LINE_BREAKS_JSON_ALLOWS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028"
                                           "\u2029": "\\u2029"})
 
 
-def sse(message: BaseModel) -> str:
-    return f"data: {message.model_dump_json().translate(_LINE_BREAKS_JSON_ALLOWS)}\n\n"
+def sse(message: BaseModel, event: str | None = None) -> str:
+    """One server-sent event; `event` names it on an `event:` line (the Responses API's)."""
+    data = f"data: {message.model_dump_json().translate(_LINE_BREAKS_JSON_ALLOWS)}\n\n"
+    return data if event is None else f"event: {event}\n{data}"
+
+
+@dataclass(frozen=True)
+class StreamEnding:
+    """How an endpoint's event stream ends: the event an error after the headers becomes,
+    and what follows the last event (chat and completions: `data: [DONE]`)."""
+
+    error_event: Callable[[ErrorResponse], str] = sse
+    last: str = SSE_DONE
 
 
 class ClientStream:
@@ -150,13 +166,14 @@ class OpenAIServing:
                            max_tokens_param)
         return requested
 
-    async def structured_outputs(self, request: SamplingRequest
+    async def structured_outputs(self, request: SamplingRequest,
+                                 format_param: str = "response_format"
                                  ) -> StructuredOutputsParams | None:
         """The request's constraint, from whichever spelling it used (vLLM's
         `structured_outputs`, a `guided_*` field, OpenAI's `response_format`), checked here
         on a worker thread so a spec that cannot compile, or a choice the vocabulary cannot
         write, is a 400 naming the field; the engine finds the grammar in the same cache."""
-        found = _structured_spec(request)
+        found = _structured_spec(request, format_param)
         if found is None:
             return None
         param, fields = found
@@ -201,15 +218,16 @@ class OpenAIServing:
     async def respond(self, raw_request: Request, requests: list[EngineRequest],
                       prompt_param: str, stream: bool,
                       events: Callable[[ClientStream, list[RequestOutput]], AsyncIterator[str]],
-                      response: Callable[[dict[str, RequestOutput]], BaseModel]) -> Response:
-        """Submit, wait for the engine's first outputs, then stream `events` or answer with
-        `response` of the final outputs (by request id)."""
+                      response: Callable[[dict[str, RequestOutput]], BaseModel],
+                      ending: StreamEnding = StreamEnding()) -> Response:
+        """Submit, wait for the engine's first outputs, then stream `events` (ended as
+        `ending` says) or answer with `response` of the final outputs (by request id)."""
         started = await self._start(raw_request, requests, prompt_param)
         if started is None:
             return Response(status_code=CLIENT_CLOSED)
         client_stream, first = started
         if stream:
-            return self._sse_response(client_stream, events(client_stream, first))
+            return self._sse_response(client_stream, events(client_stream, first), ending)
         finals = await self._finish(client_stream, first, len(requests))
         if finals is None:
             return Response(status_code=CLIENT_CLOSED)
@@ -286,25 +304,27 @@ class OpenAIServing:
         return finals if len(finals) == num_requests else None
 
     @staticmethod
-    def _sse_response(stream: ClientStream, events: AsyncIterator[str]) -> StreamingResponse:
-        """Send `events`, then `data: [DONE]`. An error after the headers went out becomes an
-        OpenAI-style error event, as vLLM sends it; its text never carries an internal
-        exception (the log does)."""
+    def _sse_response(stream: ClientStream, events: AsyncIterator[str],
+                      ending: StreamEnding) -> StreamingResponse:
+        """Send `events`, then `ending.last`. An error after the headers went out becomes
+        `ending.error_event` (by default an OpenAI-style error event, as vLLM sends it); its
+        text never carries an internal exception (the log does)."""
 
         async def body() -> AsyncIterator[str]:
             try:
                 async for event in events:
                     yield event
             except APIError as e:
-                yield sse(error_body(e.message, e.type, e.param))
+                yield ending.error_event(error_body(e.message, e.type, e.param))
             except (RequestRejectedError, EngineDeadError) as e:
-                yield sse(error_body(str(e), "service_unavailable_error"))
+                yield ending.error_event(error_body(str(e), "service_unavailable_error"))
             except Exception:  # noqa: BLE001 - fail this response alone
                 logger.exception("Streaming response failed")
-                yield sse(error_body(INTERNAL_ERROR, "internal_server_error"))
+                yield ending.error_event(error_body(INTERNAL_ERROR, "internal_server_error"))
             finally:
                 stream.close()
-            yield SSE_DONE
+            if ending.last:
+                yield ending.last
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -326,8 +346,10 @@ def usage(finals: list[RequestOutput], num_prompt_tokens: int, num_cached_tokens
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
 
 
-def _structured_spec(request: SamplingRequest) -> tuple[str, dict[str, object]] | None:
-    """(the request field that asked, StructuredOutputsParams' fields), or None."""
+def _structured_spec(request: SamplingRequest, format_param: str
+                     ) -> tuple[str, dict[str, object]] | None:
+    """(the request field that asked, StructuredOutputsParams' fields), or None;
+    `format_param` is what the API calls `response_format` (the Responses API: `text`)."""
     so = request.structured_outputs
     if so is not None:
         return "structured_outputs", {"json": so.json_, "regex": so.regex,
@@ -342,8 +364,8 @@ def _structured_spec(request: SamplingRequest) -> tuple[str, dict[str, object]] 
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return "response_format", {"json_object": True}
+        return format_param, {"json_object": True}
     if fmt.json_schema is None or fmt.json_schema.json_schema is None:
-        raise APIError(400, "response_format: type json_schema needs json_schema.schema",
-                       "response_format")
-    return "response_format", {"json": fmt.json_schema.json_schema}
+        raise APIError(400, f"{format_param}: type json_schema needs json_schema.schema",
+                       format_param)
+    return format_param, {"json": fmt.json_schema.json_schema}

@@ -61,12 +61,33 @@ from loom.sampling import StructuredOutputsParams
 
 
 @dataclass
-class _ChatChoice(Choice):
+class ChatChoiceState(Choice):
     """A streamed chat choice also tracks the text it has sent as content, and its calls."""
 
     content_sent: int = 0
     named_call: ParsedToolCall | None = None  # a named function: its id, sent first
     calls: list[ParsedToolCall] = field(default_factory=list)
+
+
+@dataclass
+class ChatPlan:
+    """A chat request made ready to run (ChatServing.plan)."""
+
+    tool_use: ToolUse
+    num_prompt_tokens: int
+    requests: list[EngineRequest]
+    choices: dict[str, ChatChoiceState]  # by engine request id
+
+
+@dataclass(frozen=True)
+class ChatFields:
+    """What an API calls the chat request's fields, so that an error names the one the client
+    sent (the Responses API sends `input`, `text` and `max_output_tokens`). `max_tokens` None:
+    whichever of max_tokens and max_completion_tokens the request used."""
+
+    messages: str = "messages"
+    response_format: str = "response_format"
+    max_tokens: str | None = None
 
 
 class ChatServing(OpenAIServing):
@@ -77,67 +98,76 @@ class ChatServing(OpenAIServing):
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-        if request.top_logprobs is not None and not request.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
-        tool_use = _tool_use(request)
-        structured = await self._structured(request, tool_use)
-        token_ids = await asyncio.to_thread(self.render, request.messages,
-                                            tool_use.tools)  # long chats take a while
-        budget_param = ("max_completion_tokens" if request.max_completion_tokens is not None
-                        else "max_tokens")
-        budget = (request.max_tokens if request.max_completion_tokens is None
-                  else request.max_completion_tokens)
-        max_tokens = self.max_tokens(budget, len(token_ids), "messages", budget_param)
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        api_names = {"max_tokens": budget_param, "logprobs": "top_logprobs"}
-        requests = [EngineRequest(f"{chat_id}-{i}", token_ids,
-                                  self.sampling_params(request, i, api_names,
-                                                       max_tokens=max_tokens, logprobs=logprobs,
-                                                       structured_outputs=structured),
-                                  request.priority)
-                    for i in range(request.n)]
-        choices = {r.request_id: _ChatChoice(i) for i, r in enumerate(requests)}
+        plan = await self.plan(request, chat_id)
         created = int(time.time())
 
         def events(stream: ClientStream, first: list[RequestOutput]) -> AsyncIterator[str]:
-            return self._events(request, tool_use, chat_id, created, stream, first, choices,
-                                len(token_ids))
+            return self._events(request, plan, chat_id, created, stream, first)
 
         def response(finals: dict[str, RequestOutput]) -> ChatCompletionResponse:
             outputs = list(finals.values())
             return ChatCompletionResponse(
                 id=chat_id, created=created, model=self.model_name,
-                choices=[self._choice(request, tool_use, finals[rid].outputs[0], choice.index)
-                         for rid, choice in choices.items()],
-                usage=usage(outputs, len(token_ids), outputs[0].num_cached_tokens))
+                choices=[self.choice(request, plan.tool_use, finals[rid].outputs[0],
+                                     choice.index)
+                         for rid, choice in plan.choices.items()],
+                usage=usage(outputs, plan.num_prompt_tokens, outputs[0].num_cached_tokens))
 
-        return await self.respond(raw_request, requests, "messages", request.stream, events,
-                                  response)
+        return await self.respond(raw_request, plan.requests, "messages", request.stream,
+                                  events, response)
 
-    async def _structured(self, request: ChatCompletionRequest, tool_use: ToolUse
-                          ) -> StructuredOutputsParams | None:
+    async def plan(self, request: ChatCompletionRequest, request_id: str,
+                   fields: ChatFields = ChatFields()) -> ChatPlan:
+        """The request made ready to run (errors name the fields as `fields` says): its tool
+        use, its prompt through the chat template, one engine request per choice."""
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
+        tool_use = _tool_use(request)
+        structured = await self._structured(request, tool_use, fields.response_format)
+        token_ids = await asyncio.to_thread(self.render, request.messages, tool_use.tools,
+                                            fields.messages)  # long chats take a while
+        budget_param = fields.max_tokens or ("max_completion_tokens"
+                                             if request.max_completion_tokens is not None
+                                             else "max_tokens")
+        budget = (request.max_tokens if request.max_completion_tokens is None
+                  else request.max_completion_tokens)
+        max_tokens = self.max_tokens(budget, len(token_ids), fields.messages, budget_param)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        api_names = {"max_tokens": budget_param, "logprobs": "top_logprobs"}
+        requests = [EngineRequest(f"{request_id}-{i}", token_ids,
+                                  self.sampling_params(request, i, api_names,
+                                                       max_tokens=max_tokens, logprobs=logprobs,
+                                                       structured_outputs=structured),
+                                  request.priority)
+                    for i in range(request.n)]
+        return ChatPlan(tool_use, len(token_ids), requests,
+                        {r.request_id: ChatChoiceState(i) for i, r in enumerate(requests)})
+
+    async def _structured(self, request: ChatCompletionRequest, tool_use: ToolUse,
+                          format_param: str) -> StructuredOutputsParams | None:
         """The answer's constraint: the one tool_choice implies, or the request's own."""
-        asked = await self.structured_outputs(request)
+        asked = await self.structured_outputs(request, format_param)
         schema = tool_use.schema()
         if schema is None:
             return asked
         if asked is not None:
             raise APIError(400, f"tool_choice {tool_use.mode!r} cannot be combined with "
-                           "response_format or structured outputs", "tool_choice")
+                           f"{format_param} or structured outputs", "tool_choice")
         return StructuredOutputsParams(json=schema)
 
-    def render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
-               ) -> list[int]:
-        """The conversation (and tools) through the model's chat template, as token ids."""
+    def render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,
+               param: str = "messages") -> list[int]:
+        """The conversation (and tools) through the model's chat template, as token ids;
+        a conversation the template refuses is a 400 naming `param`."""
         try:
             text = self.tokenizer.apply_chat_template(
                 [template_message(m) for m in messages], add_generation_prompt=True,
                 tools=tools or None)
         except (ValueError, jinja2.TemplateError) as e:
-            raise APIError(400, f"messages: {e}", "messages") from e
+            raise APIError(400, f"{param}: {e}", param) from e
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _calls(self, tool_use: ToolUse, text: str) -> ExtractedToolCalls:
+    def calls(self, tool_use: ToolUse, text: str) -> ExtractedToolCalls:
         """The answer's tool calls and its remaining content."""
         if tool_use.mode in ("required", "named"):
             return ExtractedToolCalls(None, tool_use.enforced_calls(text))
@@ -145,9 +175,10 @@ class ChatServing(OpenAIServing):
             return self.tool_parser.extract(text)
         return ExtractedToolCalls(text, [])
 
-    def _choice(self, request: ChatCompletionRequest, tool_use: ToolUse,
-                completion: CompletionOutput, index: int) -> ChatChoice:
-        found = self._calls(tool_use, completion.text)
+    def choice(self, request: ChatCompletionRequest, tool_use: ToolUse,
+               completion: CompletionOutput, index: int) -> ChatChoice:
+        """A finished choice: its content and tool calls, logprobs, why it ended."""
+        found = self.calls(tool_use, completion.text)
         return ChatChoice(
             index=index,
             message=AssistantMessage(content=found.content if found.calls else completion.text,
@@ -156,21 +187,22 @@ class ChatServing(OpenAIServing):
             finish_reason=_finish_reason(tool_use, completion, bool(found.calls)),
             stop_reason=completion.stop_reason)
 
-    async def _events(self, request: ChatCompletionRequest, tool_use: ToolUse, chat_id: str,
-                      created: int, stream: ClientStream, first: list[RequestOutput],
-                      choices: dict[str, _ChatChoice], num_prompt_tokens: int
+    async def _events(self, request: ChatCompletionRequest, plan: ChatPlan, chat_id: str,
+                      created: int, stream: ClientStream, first: list[RequestOutput]
                       ) -> AsyncIterator[str]:
+        tool_use, num_prompt_tokens = plan.tool_use, plan.num_prompt_tokens
+
         def chunk(stream_choices: list[ChatStreamChoice], **extra: object) -> str:
             return sse(ChatCompletionChunk(id=chat_id, created=created, model=self.model_name,
                                            choices=stream_choices, **extra))
 
-        def delta(output: RequestOutput, choice: _ChatChoice) -> str | None:
+        def delta(output: RequestOutput, choice: ChatChoiceState) -> str | None:
             completion = output.outputs[0]
             _, start = choice.progress.advance(completion)
             end = len(completion.token_ids)
             logprobs = self._logprobs(request, completion.token_ids[start:end],
                                       (completion.logprobs or [])[start:end])
-            message = self._delta_message(tool_use, choice, completion.text, output.finished)
+            message = self.delta_message(tool_use, choice, completion.text, output.finished)
             if not output.finished and message is None and logprobs is None:
                 return None  # tokens that are no text yet (half a UTF-8 char, a stop prefix)
             so_far = (usage([output], num_prompt_tokens, output.num_cached_tokens)
@@ -182,19 +214,19 @@ class ChatServing(OpenAIServing):
                                if output.finished else None),
                 stop_reason=completion.stop_reason)], usage=so_far)
 
-        for choice in choices.values():
+        for choice in plan.choices.values():
             yield chunk([ChatStreamChoice(index=choice.index,
                                           delta=DeltaMessage(role="assistant", content=""))])
 
         def usage_chunk(finals: list[RequestOutput]) -> str:
             return chunk([], usage=usage(finals, num_prompt_tokens, finals[0].num_cached_tokens))
 
-        async for event in self.stream_events(stream, first, choices, delta,
+        async for event in self.stream_events(stream, first, plan.choices, delta,
                                               usage_chunk if request.include_usage else None):
             yield event
 
-    def _delta_message(self, tool_use: ToolUse, choice: _ChatChoice, text: str,
-                       finished: bool) -> DeltaMessage | None:
+    def delta_message(self, tool_use: ToolUse, choice: ChatChoiceState, text: str,
+                      finished: bool) -> DeltaMessage | None:
         """What a streamed choice can send now of its answer `text` (None: nothing yet)."""
         if tool_use.mode == "named":
             return self._named_delta(tool_use, choice, text)
@@ -203,7 +235,7 @@ class ChatServing(OpenAIServing):
         if not finished:
             sure = 0 if tool_use.mode == "required" else self.tool_parser.content_prefix(text)
             return _content_delta(choice, text, sure)
-        found = self._calls(tool_use, text)
+        found = self.calls(tool_use, text)
         if not found.calls:
             return _content_delta(choice, text, len(text))
         choice.calls = found.calls
@@ -216,7 +248,7 @@ class ChatServing(OpenAIServing):
                         for i, c in enumerate(found.calls)])
 
     @staticmethod
-    def _named_delta(tool_use: ToolUse, choice: _ChatChoice, text: str) -> DeltaMessage | None:
+    def _named_delta(tool_use: ToolUse, choice: ChatChoiceState, text: str) -> DeltaMessage | None:
         """A named function's arguments are the answer itself: they stream as they come,
         after a first piece that carries the call's id and name."""
         new = text[choice.content_sent:]
@@ -281,7 +313,7 @@ def _arguments(text: str) -> Any:
                        "messages") from e
 
 
-def _content_delta(choice: _ChatChoice, text: str, sure: int) -> DeltaMessage | None:
+def _content_delta(choice: ChatChoiceState, text: str, sure: int) -> DeltaMessage | None:
     new = text[choice.content_sent:sure]
     if not new:
         return None

@@ -1,0 +1,274 @@
+"""OpenAI's Responses API (POST /v1/responses) on the wire, as pydantic models: the request,
+read into the chat request it amounts to, and the response and its output items.
+
+What loom takes: `input` as text or a list of items (messages with text content, the
+`function_call` items of an earlier answer and the `function_call_output` items that answer
+them), `instructions`, `max_output_tokens`, `temperature`, `top_p`, function `tools`,
+`tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema) and
+`stream`. loom keeps no responses, so `previous_response_id` and `background` are a 400
+naming the field (send the conversation in `input`); `store` is answered with false.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import Field
+
+from loom.entrypoints.openai.errors import APIError
+from loom.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTool,
+    FunctionCall,
+    FunctionDefinition,
+    JsonSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    OpenAIModel,
+    OpenAIRequest,
+    ResponseFormat,
+    Text,
+    ToolCall,
+)
+
+# -- the request -------------------------------------------------------------------------------
+
+
+class InputContentPart(OpenAIRequest):
+    type: str
+    text: Text | None = None
+
+
+class InputItem(OpenAIRequest):
+    """One entry of `input`: a message (`type` "message", or no type) or a function call
+    and its output. Which fields each kind needs is checked in `chat_messages`, so that the
+    error can say which entry lacks what."""
+
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Literal["user", "system", "developer", "assistant"] | None = None
+    content: Text | list[InputContentPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: Text | list[InputContentPart] | None = None
+
+
+class FunctionTool(OpenAIRequest):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionToolChoice(OpenAIRequest):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(OpenAIRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(OpenAIRequest):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(OpenAIRequest):
+    model: str | None = None
+    input: Text | list[InputItem]
+    instructions: Text | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat completion this request asks for; a 400 naming the field for what loom
+        cannot do."""
+        if self.previous_response_id is not None:
+            raise APIError(400, "previous_response_id: this server keeps no responses; send "
+                           "the conversation so far in input", "previous_response_id")
+        if self.background:
+            raise APIError(400, "background: this server answers in the foreground only",
+                           "background")
+        messages = chat_messages(self.input, self.instructions)
+        if not messages:
+            raise APIError(400, "input must not be empty", "input")
+        return ChatCompletionRequest(
+            messages=messages, max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature, top_p=self.top_p, stream=self.stream,
+            tools=[ChatTool(function=FunctionDefinition(
+                name=t.name, description=t.description, parameters=t.parameters,
+                strict=t.strict)) for t in self.tools] if self.tools else None,
+            tool_choice=(NamedToolChoice(function=NamedFunction(name=self.tool_choice.name))
+                         if isinstance(self.tool_choice, FunctionToolChoice)
+                         else self.tool_choice),
+            parallel_tool_calls=self.parallel_tool_calls,
+            response_format=_response_format(self.text))
+
+
+def chat_messages(given: str | list[InputItem], instructions: str | None) -> list[ChatMessage]:
+    """`input` as chat messages: text is one user turn; a function call joins the assistant
+    turn just before it (a turn of its own otherwise); its output is a tool turn.
+    `instructions` come first, as a system turn."""
+    messages = [ChatMessage(role="system", content=instructions)] if instructions else []
+    if isinstance(given, str):
+        return [*messages, ChatMessage(role="user", content=given)]
+    for i, item in enumerate(given):
+        where = f"input[{i}]"
+        if item.type == "message":
+            if item.role is None or item.content is None:
+                raise APIError(400, f"{where}: a message needs role and content", "input")
+            messages.append(ChatMessage(role=item.role, content=_text(item.content, where)))
+        elif item.type == "function_call":
+            if item.call_id is None or item.name is None or item.arguments is None:
+                raise APIError(400, f"{where}: a function_call needs call_id, name and "
+                               "arguments", "input")
+            call = ToolCall(id=item.call_id,
+                            function=FunctionCall(name=item.name, arguments=item.arguments))
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        else:
+            if item.call_id is None or item.output is None:
+                raise APIError(400, f"{where}: a function_call_output needs call_id and "
+                               "output", "input")
+            messages.append(ChatMessage(role="tool", tool_call_id=item.call_id,
+                                        content=_text(item.output, where)))
+    return messages
+
+
+def _text(content: str | list[InputContentPart], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    for part in content:
+        if part.type not in ("input_text", "output_text", "text") or part.text is None:
+            raise APIError(400, f"{where}: content part of type {part.type!r} is not "
+                           "supported (text only)", "input")
+    return "".join(part.text or "" for part in content)
+
+
+def _response_format(text: TextConfig | None) -> ResponseFormat | None:
+    fmt = text.format if text is not None else None
+    if fmt is None:
+        return None
+    if fmt.type == "json_schema" and fmt.json_schema is None:
+        raise APIError(400, "text.format: type json_schema needs schema", "text")
+    schema = (JsonSchemaFormat.model_validate({"name": fmt.name, "schema": fmt.json_schema,
+                                               "strict": fmt.strict})
+              if fmt.type == "json_schema" else None)
+    return ResponseFormat(type=fmt.type, json_schema=schema)
+
+
+# -- the response ------------------------------------------------------------------------------
+
+
+class OutputText(OpenAIModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class MessageItem(OpenAIModel):
+    id: str
+    type: Literal["message"] = "message"
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class FunctionCallItem(OpenAIModel):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    status: Literal["in_progress", "completed", "incomplete"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class InputTokensDetails(OpenAIModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(OpenAIModel):
+    reasoning_tokens: int = 0
+
+
+class ResponsesUsage(OpenAIModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(OpenAIModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(OpenAIModel):
+    """A response as OpenAI's clients read it; the request's settings are echoed back."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    status: Literal["in_progress", "completed", "incomplete"]
+    error: None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    model: str
+    output: list[MessageItem | FunctionCallItem] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    previous_response_id: None = None
+    reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None,
+                                                               "summary": None})
+    store: bool = False
+    temperature: float | None = None
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tool_choice: Any = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    top_p: float | None = None
+    truncation: Literal["disabled"] = "disabled"
+    usage: ResponsesUsage | None = None
+    user: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    background: bool = False
+
+    @classmethod
+    def starting(cls, response_id: str, request: ResponsesRequest, model: str
+                 ) -> ResponseObject:
+        """The response before its output: status in_progress, the request's settings."""
+        return cls(
+            id=response_id, status="in_progress", instructions=request.instructions,
+            max_output_tokens=request.max_output_tokens, model=model,
+            parallel_tool_calls=request.parallel_tool_calls is not False,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            text=(request.text.model_dump(by_alias=True, exclude_none=True)
+                  if request.text is not None and request.text.format is not None
+                  else {"format": {"type": "text"}}),
+            tool_choice=(request.tool_choice.model_dump()
+                         if isinstance(request.tool_choice, FunctionToolChoice)
+                         else request.tool_choice or "auto"),
+            tools=[t.model_dump(exclude_none=True) for t in request.tools or []],
+            user=request.user, metadata=request.metadata or {})

@@ -1,0 +1,221 @@
+"""POST /v1/responses: OpenAI's Responses API, which agent frameworks (the OpenAI Agents SDK,
+Codex-style clients) speak by default. A request is read into the chat request it amounts to
+(protocol_responses) and runs on the chat path: the same template, tool calls, structured
+outputs and streaming deltas. Only the shape differs: the answer is a list of output items (a
+message, then the function calls), and a stream is typed events, each numbered:
+
+    response.created, response.in_progress
+    per message:  output_item.added, content_part.added, output_text.delta ...,
+                  output_text.done, content_part.done, output_item.done
+    per call:     output_item.added, function_call_arguments.delta ...,
+                  function_call_arguments.done, output_item.done
+    response.completed (or response.incomplete: the answer reached max_output_tokens)
+
+An error after the stream began is an `error` event; there is no `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request, Response
+
+from loom.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    DeltaToolCall,
+    ErrorResponse,
+)
+from loom.entrypoints.openai.protocol_responses import (
+    FunctionCallItem,
+    IncompleteDetails,
+    InputTokensDetails,
+    MessageItem,
+    OutputText,
+    ResponseObject,
+    ResponsesRequest,
+    ResponsesUsage,
+)
+from loom.entrypoints.openai.serving import ClientStream, StreamEnding
+from loom.entrypoints.openai.serving_chat import ChatChoiceState, ChatFields, ChatPlan, ChatServing
+from loom.outputs import RequestOutput
+
+RESPONSES_FIELDS = ChatFields(messages="input", response_format="text",
+                              max_tokens="max_output_tokens")
+
+
+class ResponsesServing(ChatServing):
+    async def create(self, request: ResponsesRequest, raw_request: Request) -> Response:
+        response_id = f"resp_{uuid.uuid4().hex}"
+        chat_request = request.chat_request()
+        plan = await self.plan(chat_request, response_id, RESPONSES_FIELDS)
+        events = ResponseEvents(ResponseObject.starting(response_id, request, self.model_name))
+
+        def stream(client: ClientStream, first: list[RequestOutput]) -> AsyncIterator[str]:
+            return self._events(chat_request, plan, events, client, first)
+
+        def response(finals: dict[str, RequestOutput]) -> ResponseObject:
+            (output,) = finals.values()
+            choice = self.choice(chat_request, plan.tool_use, output.outputs[0], 0)
+            return events.finished(_output_items(choice), output, plan.num_prompt_tokens)
+
+        return await self.respond(raw_request, plan.requests, "input", request.stream, stream,
+                                  response, StreamEnding(events.error, last=""))
+
+    async def _events(self, request: ChatCompletionRequest, plan: ChatPlan,
+                      events: ResponseEvents, stream: ClientStream, first: list[RequestOutput]
+                      ) -> AsyncIterator[str]:
+        def piece(output: RequestOutput, choice: ChatChoiceState) -> str | None:
+            completion = output.outputs[0]
+            choice.progress.advance(completion)
+            message = self.delta_message(plan.tool_use, choice, completion.text,
+                                         output.finished)
+            sent = []
+            if message is not None and message.content:
+                sent += events.text(message.content)
+            for call in (message.tool_calls or []) if message is not None else []:
+                sent += events.call_piece(call)
+            if output.finished:
+                sent += events.finish(output, plan.num_prompt_tokens)
+            return "".join(sent) or None
+
+        yield "".join(events.start())
+        async for event in self.stream_events(stream, first, plan.choices, piece, None):
+            yield event
+
+
+def _output_items(choice: ChatChoice) -> list[MessageItem | FunctionCallItem]:
+    """A finished answer's output: its text as a message (also when it is empty and made no
+    call), then its calls."""
+    message, calls = choice.message, choice.message.tool_calls
+    status = "incomplete" if choice.finish_reason == "length" else "completed"
+    items: list[MessageItem | FunctionCallItem] = []
+    if message.content or not calls:
+        items.append(MessageItem(id=_item_id("msg"), status=status,
+                                 content=[OutputText(text=message.content or "")]))
+    items += [FunctionCallItem(id=_item_id("fc"), status="completed", call_id=call.id,
+                               name=call.function.name, arguments=call.function.arguments)
+              for call in calls]
+    return items
+
+
+def _item_id(kind: str) -> str:
+    return f"{kind}_{uuid.uuid4().hex}"
+
+
+class ResponseEvents:
+    """One response's event stream, from the chat path's deltas: it opens each output item
+    when its first piece comes, closes the message when a call begins (items are
+    sequential), and numbers every event."""
+
+    def __init__(self, response: ResponseObject) -> None:
+        self.response = response
+        self.sequence = 0
+        self.message: MessageItem | None = None
+        self.calls: dict[int, FunctionCallItem] = {}  # by the chat delta's call index
+
+    def start(self) -> list[str]:
+        snapshot = self.response.model_dump(mode="json")
+        return [self._event("response.created", response=snapshot),
+                self._event("response.in_progress", response=snapshot)]
+
+    def text(self, delta: str) -> list[str]:
+        sent = self._open_message() if self.message is None else []
+        assert self.message is not None
+        self.message.content[0].text += delta
+        sent.append(self._event("response.output_text.delta", content_index=0, delta=delta,
+                                logprobs=[], **self._where(self.message)))
+        return sent
+
+    def _open_message(self) -> list[str]:
+        self.message = MessageItem(id=_item_id("msg"), status="in_progress")
+        added = self._add(self.message)  # with no content yet: its part is added next
+        self.message.content.append(OutputText(text=""))
+        return [*added, self._event("response.content_part.added", content_index=0,
+                                    part=OutputText(text="").model_dump(mode="json"),
+                                    **self._where(self.message))]
+
+    def call_piece(self, piece: DeltaToolCall) -> list[str]:
+        sent = []
+        call = self.calls.get(piece.index)
+        if call is None:
+            sent += self._close_message("completed")
+            call = FunctionCallItem(id=_item_id("fc"), status="in_progress",
+                                    call_id=piece.id or _item_id("call"),
+                                    name=piece.function.name or "", arguments="")
+            self.calls[piece.index] = call
+            sent += self._add(call)
+        if piece.function.arguments:
+            call.arguments += piece.function.arguments
+            sent.append(self._event("response.function_call_arguments.delta",
+                                    delta=piece.function.arguments, **self._where(call)))
+        return sent
+
+    def finish(self, output: RequestOutput, num_prompt_tokens: int) -> list[str]:
+        """Close every open item, then the response itself."""
+        status = "incomplete" if output.outputs[0].finish_reason == "length" else "completed"
+        empty = self.message is None and not self.calls
+        sent = self._open_message() if empty else []  # an empty answer is still a message
+        sent += self._close_message(status)
+        for call in self.calls.values():
+            call.status = "completed"
+            sent.append(self._event("response.function_call_arguments.done", name=call.name,
+                                    arguments=call.arguments, **self._where(call)))
+            sent.append(self._event("response.output_item.done", output_index=self._index(call),
+                                    item=call.model_dump(mode="json")))
+        done = self.finished(list(self.response.output), output, num_prompt_tokens)
+        sent.append(self._event(f"response.{done.status}",
+                                response=done.model_dump(mode="json")))
+        return sent
+
+    def finished(self, items: list[MessageItem | FunctionCallItem], output: RequestOutput,
+                 num_prompt_tokens: int) -> ResponseObject:
+        """The response with its output and usage."""
+        completion = output.outputs[0]
+        length = completion.finish_reason == "length"
+        return self.response.model_copy(update={
+            "status": "incomplete" if length else "completed", "output": items,
+            "incomplete_details": IncompleteDetails(reason="max_output_tokens") if length
+            else None,
+            "usage": ResponsesUsage(
+                input_tokens=num_prompt_tokens,
+                input_tokens_details=InputTokensDetails(cached_tokens=output.num_cached_tokens),
+                output_tokens=len(completion.token_ids),
+                total_tokens=num_prompt_tokens + len(completion.token_ids))})
+
+    def error(self, body: ErrorResponse) -> str:
+        return self._event("error", code=body.error.type, message=body.error.message,
+                           param=body.error.param)
+
+    def _close_message(self, status: str) -> list[str]:
+        message = self.message
+        if message is None or message.status != "in_progress":
+            return []
+        message.status = status  # type: ignore[assignment] - "completed" or "incomplete"
+        part = message.content[0]
+        where = self._where(message)
+        return [self._event("response.output_text.done", content_index=0, text=part.text,
+                            logprobs=[], **where),
+                self._event("response.content_part.done", content_index=0,
+                            part=part.model_dump(mode="json"), **where),
+                self._event("response.output_item.done", output_index=where["output_index"],
+                            item=message.model_dump(mode="json"))]
+
+    def _add(self, item: MessageItem | FunctionCallItem) -> list[str]:
+        self.response.output.append(item)
+        return [self._event("response.output_item.added", output_index=self._index(item),
+                            item=item.model_dump(mode="json"))]
+
+    def _index(self, item: MessageItem | FunctionCallItem) -> int:
+        return next(i for i, x in enumerate(self.response.output) if x is item)
+
+    def _where(self, item: MessageItem | FunctionCallItem) -> dict[str, Any]:
+        return {"item_id": item.id, "output_index": self._index(item)}
+
+    def _event(self, type_: str, **fields: Any) -> str:
+        data = json.dumps({"type": type_, "sequence_number": self.sequence, **fields})
+        self.sequence += 1
+        return f"event: {type_}\ndata: {data}\n\n"

@@ -1,0 +1,218 @@
+"""OpenAI's Responses API (/v1/responses) through the official openai SDK against `loom serve`:
+answers agree with the chat endpoint's, a stream's events are numbered and reassemble into the
+non-streamed response, function calls and their outputs make a conversation, text.format
+constrains the answer, and what loom cannot do is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from server_helpers import serve
+
+from loom.entrypoints.openai.errors import APIError
+from loom.entrypoints.openai.protocol_responses import ResponsesRequest
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
+           "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 24}}}
+TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER,
+          "description": "The weather in a city now"}]
+QUESTION = "What is the weather in Paris?"
+
+
+# -- reading a request (no model) --------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_input_items_become_the_chat_conversation() -> None:
+    request = ResponsesRequest.model_validate({
+        "instructions": "Be brief.",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Weather "},
+                                               {"type": "input_text", "text": "in Oslo?"}]},
+                  {"type": "message", "role": "assistant", "content": "Checking."},
+                  {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                   "arguments": '{"city": "Oslo"}'},
+                  {"type": "function_call", "call_id": "c2", "name": "get_weather",
+                   "arguments": '{"city": "Bergen"}'},
+                  {"type": "function_call_output", "call_id": "c1", "output": "3 C"},
+                  {"type": "function_call_output", "call_id": "c2", "output": "5 C"}],
+        "tools": TOOLS, "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 9, "text": {"format": {"type": "json_object"}}})
+    chat = request.chat_request()
+    assert [(m.role, m.text()) for m in chat.messages] == [
+        ("system", "Be brief."), ("user", "Weather in Oslo?"), ("assistant", "Checking."),
+        ("tool", "3 C"), ("tool", "5 C")]
+    calls = chat.messages[2].tool_calls  # both calls joined the assistant turn before them
+    assert [(c.id, c.function.arguments) for c in calls] == [("c1", '{"city": "Oslo"}'),
+                                                             ("c2", '{"city": "Bergen"}')]
+    assert [m.tool_call_id for m in chat.messages[3:]] == ["c1", "c2"]
+    assert chat.tools[0].function.name == "get_weather"
+    assert chat.tool_choice.function.name == "get_weather"
+    assert chat.max_completion_tokens == 9 and chat.response_format.type == "json_object"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input"),
+    ({"input": [{"role": "user"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     "input"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text"),
+])
+def test_what_loom_cannot_do_is_an_error_naming_the_field(body: dict, param: str) -> None:
+    with pytest.raises(APIError) as caught:
+        ResponsesRequest.model_validate(body).chat_request()
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+# -- the openai SDK against loom serve ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server() -> str:
+    with serve("--kv-cache-memory", "256MiB") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.integration
+def test_an_answer_is_the_chat_endpoints_answer(client: openai.OpenAI) -> None:
+    response = client.responses.create(model="any", input=QUESTION, instructions="Be brief.",
+                                       max_output_tokens=24, temperature=0)
+    chat = client.chat.completions.create(
+        model="any", max_tokens=24, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": QUESTION}])
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.total_tokens == (response.usage.input_tokens
+                                           + response.usage.output_tokens)
+    finished = chat.choices[0].finish_reason == "length"
+    assert response.status == ("incomplete" if finished else "completed")
+    assert (response.incomplete_details is not None) == finished
+    assert response.instructions == "Be brief." and response.max_output_tokens == 24
+
+
+@pytest.mark.integration
+def test_a_stream_reassembles_into_the_non_streamed_response(client: openai.OpenAI) -> None:
+    options = {"model": "any", "input": "What is the capital of France?",
+               "max_output_tokens": 200, "temperature": 0}
+    whole = client.responses.create(**options)
+    assert whole.status == "completed"  # (the helper below wants response.completed)
+    with client.responses.stream(**options) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    types = [e.type for e in events]
+    deltas = types.count("response.output_text.delta")
+    assert deltas >= 2
+    assert types == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added",
+                     *["response.output_text.delta"] * deltas,
+                     "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done", "response.completed"]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == final.output_text == whole.output_text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+@pytest.mark.integration
+def test_a_stream_cut_by_max_output_tokens_ends_incomplete(server: str) -> None:
+    body = {"input": QUESTION, "max_output_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/responses", json=body, timeout=120) as response:
+        lines = [line for line in response.iter_lines() if line]
+    events = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+    names = [line[len("event: "):] for line in lines if line.startswith("event: ")]
+    assert names == [e["type"] for e in events]  # each event named on its own line
+    assert "[DONE]" not in lines[-1]
+    last = events[-1]
+    assert last["type"] == "response.incomplete"
+    assert last["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert last["response"]["usage"]["output_tokens"] == 3
+    assert last["response"]["output"][0]["status"] == "incomplete"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}],
+                         ids=["required", "named"])
+def test_function_calls_stream_and_answer_as_items(client: openai.OpenAI,
+                                                   tool_choice: object) -> None:
+    options = {"model": "any", "input": QUESTION, "tools": TOOLS, "tool_choice": tool_choice,
+               "parallel_tool_calls": False, "max_output_tokens": 80, "temperature": 0}
+    whole = client.responses.create(**options)
+    (call,) = whole.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    with client.responses.stream(**options) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    pieces = "".join(e.delta for e in events
+                     if e.type == "response.function_call_arguments.delta")
+    assert pieces == final.output[0].arguments == call.arguments
+    assert [e.type for e in events][-3:] == ["response.function_call_arguments.done",
+                                             "response.output_item.done",
+                                             "response.completed"]
+
+
+@pytest.mark.integration
+def test_a_function_output_continues_the_conversation(client: openai.OpenAI) -> None:
+    first = client.responses.create(model="any", input=QUESTION, tools=TOOLS,
+                                    tool_choice="required", max_output_tokens=80,
+                                    temperature=0)
+    call = first.output[0]
+    turn = [{"role": "user", "content": QUESTION},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name,
+             "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id,
+             "output": json.dumps({"celsius": 21, "sky": "sunny"})}]
+    second = client.responses.create(model="any", input=turn, tools=TOOLS,
+                                     max_output_tokens=40, temperature=0)
+    assert second.output and second.status in ("completed", "incomplete")
+    assert second.usage.input_tokens > first.usage.input_tokens  # the call and its output
+    assert second.usage.input_tokens_details.cached_tokens > 0  # after the same prefix
+
+
+@pytest.mark.integration
+def test_text_format_json_schema_constrains_the_answer(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 20},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+    response = client.responses.create(
+        model="any", input="Describe a person.", max_output_tokens=60, temperature=1.0,
+        text={"format": {"type": "json_schema", "name": "person", "schema": schema}})
+    jsonschema.validate(json.loads(response.output_text), schema)
+    assert response.text.format.type == "json_schema"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("options", "param"), [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "max_output_tokens": 10 ** 6}, "max_output_tokens"),
+    ({"input": "x", "temperature": -1}, "temperature"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
+     "tool_choice"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a",
+                                        "schema": {"type": "nonsense"}}}}, "text"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     "input"),
+])
+def test_bad_requests_are_400s_naming_the_field(client: openai.OpenAI, options: dict,
+                                                param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="any", **options)
+    assert caught.value.body["param"] == param
