@@ -216,3 +216,46 @@ def test_bad_requests_are_400s_naming_the_field(client: openai.OpenAI, options: 
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model="any", **options)
     assert caught.value.body["param"] == param
+
+
+@pytest.mark.integration
+def test_an_openai_agents_sdk_agent_calls_a_tool_through_loom(server: str) -> None:
+    """The OpenAI Agents SDK, an agent framework written against OpenAI's own server, runs an
+    agent on loom over /v1/responses: it calls the tool, gets the result back into the
+    conversation and ends with an answer, streamed and not."""
+    import asyncio
+
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)  # (it would post traces to OpenAI)
+    cities: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city now."""
+        cities.append(city)
+        return json.dumps({"city": city, "celsius": 21, "sky": "sunny"})
+
+    async def run_both() -> tuple[object, object, int]:
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+        agent = Agent(name="weather", instructions="You answer questions about the weather.",
+                      tools=[get_weather],
+                      model=OpenAIResponsesModel(model="any", openai_client=client),
+                      model_settings=ModelSettings(tool_choice="required", max_tokens=200,
+                                                   temperature=0))
+        whole = await Runner.run(agent, QUESTION, max_turns=2)
+        streamed = Runner.run_streamed(agent, QUESTION, max_turns=2)
+        events = [event async for event in streamed.stream_events()]
+        return whole.final_output, streamed.final_output, len(events)
+
+    whole, streamed, num_events = asyncio.run(run_both())
+    assert len(cities) == 2 and all(cities)  # one call a run, with the required argument
+    assert whole and whole == streamed  # greedy: the same answer either way
+    assert num_events > 4
