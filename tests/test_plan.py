@@ -195,6 +195,23 @@ def test_config_json_folder_and_gpu_spec_file(tmp_path):
         load_catalogue([str(spec)])
 
 
+def test_the_loom_command_names_a_folder_on_disk(tmp_path):
+    """vLLM fetches a hub name itself; loom reads models from disk only, so for a known model
+    its command names the folder that the printed download makes, and for a path the path."""
+    settings = PlanSettings(max_model_len=4096)
+    h100 = resolve_gpus(["h100-sxm"], builtin_catalogue())
+    (known,) = plan(_known("llama-3.1-8b"), h100, settings)
+    flags = known["flags"]
+    assert flags["download"] == ("hf download meta-llama/Llama-3.1-8B-Instruct "
+                                 "--local-dir ./Llama-3.1-8B-Instruct")
+    assert flags["loom_serve"].startswith("loom serve --model ./Llama-3.1-8B-Instruct ")
+    assert flags["vllm_serve"].startswith("vllm serve meta-llama/Llama-3.1-8B-Instruct ")
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    (on_disk,) = plan(resolve_model(str(tmp_path)), h100, settings)
+    assert on_disk["flags"]["download"] is None
+    assert on_disk["flags"]["loom_serve"].startswith(f"loom serve --model {tmp_path} ")
+
+
 def test_prices_only_from_the_flag():
     assert parse_prices("h100-sxm=2.4, H200=3") == {"h100-sxm": 2.4, "h200": 3.0}
     with pytest.raises(PlanError, match="bad --price"):

@@ -215,6 +215,17 @@ def test_cli_what_if_across_gpus(tmp_path, capsys):
     assert (tmp_path / "what-if" / "scorecard.md").exists()
 
 
+def test_cli_what_if_gives_a_loom_command_that_runs_from_disk(tmp_path, capsys):
+    """loom reads models from disk only: for a known model its command downloads first."""
+    write_trace(_trace(), tmp_path / "t.jsonl")
+    args = _cli(["simulate", "--model", "llama-3.1-8b", "--gpus", "h100-sxm",
+                 "--max-model-len", "8192", "--trace", str(tmp_path / "t.jsonl"), "--rate", "2"])
+    assert args.func(args) == 0
+    assert ("h100-sxm-tp1 (loom): hf download meta-llama/Llama-3.1-8B-Instruct --local-dir "
+            "./Llama-3.1-8B-Instruct && loom serve --model ./Llama-3.1-8B-Instruct "
+            ) in capsys.readouterr().out
+
+
 def test_cli_needs_a_trace_and_a_load(tmp_path):
     with pytest.raises(ValueError, match="needs --trace"):
         args = _cli(["simulate", "--profile", "p.json"])

@@ -16,12 +16,27 @@ from loom.plan.catalogue import PlanError
 @dataclass(frozen=True)
 class PlanModel:
     """A model's shape plus what the serve commands need to name it. `gguf_weight_bytes`:
-    the tensors' size as the GGUF stores them (its own quantization), None for other kinds."""
+    the tensors' size as the GGUF stores them (its own quantization), None for other kinds.
+    `hub_id`: a known model's Hugging Face name, which vLLM fetches by itself; loom reads
+    models from disk only, so its command names the folder a download makes."""
 
     name: str
     arch: ModelArch
     serve_name: str  # what to pass as --model / vllm serve's model
     gguf_weight_bytes: int | None = None
+    hub_id: str | None = None
+
+    @property
+    def loom_model(self) -> str:
+        """What `loom serve --model` takes: the path given, or a known model's download."""
+        return f"./{self.hub_id.split('/')[-1]}" if self.hub_id else self.serve_name
+
+    @property
+    def download(self) -> str | None:
+        """The command that puts a known model where `loom_model` says."""
+        if self.hub_id is None:
+            return None
+        return f"hf download {self.hub_id} --local-dir {self.loom_model}"
 
 
 def known_models() -> dict[str, dict]:
@@ -34,7 +49,8 @@ def resolve_model(text: str | None) -> PlanModel:
     known = known_models()
     if text is not None and text.lower() in known:
         entry = known[text.lower()]
-        return PlanModel(text.lower(), arch_from_hf_config(entry["config"]), entry["hf_id"])
+        return PlanModel(text.lower(), arch_from_hf_config(entry["config"]), entry["hf_id"],
+                         hub_id=entry["hf_id"])
     if text is None:
         from loom.model.arch import default_model_path
 

@@ -143,5 +143,6 @@ def flags(cap: Capacity, model: PlanModel, s: PlanSettings) -> dict[str, Any]:
     return {"kv_cache_memory_bytes": budget_mib * 2**20 if loom else None,
             "gpu_memory_utilization": round(1 - s.safety_margin, 2),
             "loom": loom, "vllm": vllm,
-            "loom_serve": f"loom serve --model {model.serve_name} {loom}" if loom else None,
+            "loom_serve": f"loom serve --model {model.loom_model} {loom}" if loom else None,
+            "download": model.download if loom else None,
             "vllm_serve": f"vllm serve {model.serve_name} {vllm}"}

@@ -93,6 +93,8 @@ def print_plan(rows: list[dict[str, Any]], model: PlanModel, s: PlanSettings,
         seen.add(key)
         console.print(f"[bold]{r['gpu']} x{r['tensor_parallel_size']}[/bold]", highlight=False)
         if r["flags"]["loom_serve"]:
+            if r["flags"]["download"]:  # loom reads from disk; vllm fetches the name itself
+                console.print(f"  {r['flags']['download']}", highlight=False, soft_wrap=True)
             console.print(f"  {r['flags']['loom_serve']}", highlight=False, soft_wrap=True)
         console.print(f"  {r['flags']['vllm_serve']}", highlight=False, soft_wrap=True)
 

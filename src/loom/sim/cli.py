@@ -226,8 +226,11 @@ def _configs(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
                 skipped.append(f"{gpu.key} x{tp}: {e}")
                 continue
             serve = flags(capacity(model, gpu, tp, settings), model, settings)
+            loom = serve["loom_serve"]
+            if loom and serve["download"]:  # loom reads from disk; vllm fetches the name
+                loom = f"{serve['download']} && {loom}"
             configs.append(SimConfig(f"{gpu.key}-tp{tp}", profile, **common,
-                                     serve_commands={"loom": serve["loom_serve"],
+                                     serve_commands={"loom": loom,
                                                      "vllm": serve["vllm_serve"]}))
     if not configs:
         raise ValueError("no configuration fits: " + "; ".join(skipped))
