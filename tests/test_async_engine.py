@@ -100,6 +100,39 @@ def test_requests_join_the_running_batch(make_engine: Callable[..., AsyncEngine]
     assert short.metrics.finished_time < long.metrics.finished_time
 
 
+def test_a_request_arrives_when_submitted_not_when_the_running_step_ends(
+        make_engine: Callable[..., AsyncEngine], core: EngineCore,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop takes new requests in between steps; a request submitted during a step still
+    arrived when it was submitted, so its queue time and TTFT include the wait for that step
+    (as its client sees it), and its queue timeout runs from then."""
+    entered, release = threading.Event(), threading.Event()
+    step = core.step
+
+    def held_step(in_flight: object) -> object:
+        if not entered.is_set():
+            entered.set()
+            release.wait(60)
+        return step(in_flight)
+
+    monkeypatch.setattr(core, "step", held_step)
+    engine = make_engine()
+
+    async def run() -> tuple[RequestOutput, float]:
+        running = engine.submit([request("running", max_tokens=3)])
+        await asyncio.to_thread(entered.wait, 60)  # its first step is under way, held
+        late = engine.submit([request("late", max_tokens=2)])
+        submitted = time.monotonic()
+        release.set()
+        outputs = [o async for o in late][-1][0]
+        _ = [o async for o in running]
+        return outputs, submitted
+
+    late, submitted = asyncio.run(run())
+    assert late.finished
+    assert late.metrics.arrival_time <= submitted < late.metrics.first_scheduled_time
+
+
 def test_closing_a_stream_aborts_and_frees_blocks(make_engine: Callable[..., AsyncEngine],
                                                   core: EngineCore) -> None:
     engine = make_engine()

@@ -201,8 +201,10 @@ class AsyncEngine:
 
     def submit_to(self, requests: list[EngineRequest], stream: OutputSink) -> None:
         """`submit`, with the outputs going to `stream` (from any thread; the engine process
-        sends them on to the server process). Raises as `submit` does."""
-        deadline = time.monotonic() + (self.queue_timeout or 0.0)
+        sends them on to the server process). Raises as `submit` does. The requests arrive
+        now, not when the loop takes them in at the top of its next step: the wait for the
+        step in progress counts in their queue time and TTFT, as a client sees it."""
+        arrival = time.monotonic()
         with self._cond:
             if self._dead is not None:
                 raise EngineDeadError(str(self._dead))
@@ -218,7 +220,7 @@ class AsyncEngine:
                     f"server is at capacity: {max(0, not_running - free_slots)} requests "
                     f"already waiting, {len(requests)} more asked for "
                     f"(max_num_queued_reqs={self.max_num_queued_reqs}); retry later"))
-            self._adds.extend((stream, r, deadline) for r in requests)
+            self._adds.extend((stream, r, arrival) for r in requests)
             self._cond.notify()
 
     def _reject(self, requests: list[EngineRequest], why: str) -> None:
@@ -272,16 +274,16 @@ class AsyncEngine:
         with self._cond:  # held while adding, so admission never sees a request in neither place
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
-            for stream, request, deadline in adds:
+            for stream, request, arrival in adds:
                 try:
                     self.core.add_request(request.request_id, request.prompt_token_ids,
-                                          request.params, request.priority)
+                                          request.params, request.priority, arrival)
                 except Exception as e:  # noqa: BLE001 - ValueError (can never run) or a bug:
                     stream.put_threadsafe([e])  # either way this request fails alone
                     continue
                 self._streams[request.request_id] = stream
                 if self.queue_timeout is not None:
-                    self._deadlines[request.request_id] = deadline
+                    self._deadlines[request.request_id] = arrival + self.queue_timeout
             self._num_waiting = self.core.num_waiting
         for request_id in aborts:
             self._deadlines.pop(request_id, None)

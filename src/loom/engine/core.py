@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from loom.config import CacheConfig, EngineConfig
@@ -68,9 +68,9 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None
     prompt_logprobs: list[TokenLogprob | None] | None
+    metrics: RequestMetrics
     error: str | None = None
     last_token_time: float = 0.0
-    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
 
 class EngineCore:
@@ -137,9 +137,10 @@ class EngineCore:
     # -- requests --------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
-        """Tokenize and queue a request. Raises ValueError naming the problem if it can never
-        run; nothing else is affected."""
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        """Tokenize and queue a request that arrived at `arrival_time` (time.monotonic();
+        default now). Raises ValueError naming the problem if it can never run; nothing else
+        is affected."""
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -162,7 +163,8 @@ class EngineCore:
             request=request, prompt=text,
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
             logprobs=[] if params.logprobs is not None else None,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            metrics=RequestMetrics(time.monotonic() if arrival_time is None else arrival_time))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         if self.scheduler.abort_request(request_id) is None:
