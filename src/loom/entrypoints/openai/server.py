@@ -81,8 +81,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     completions = CompletionServing(engine, model_name, config.stream_interval)
     chat = ChatServing(engine, model_name, config.stream_interval,
                        tool_call_parser=config.tool_call_parser)
-    responses = ResponsesServing(engine, model_name, config.stream_interval,
-                                 tool_call_parser=config.tool_call_parser)
+    responses = ResponsesServing(chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

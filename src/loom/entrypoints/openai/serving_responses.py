@@ -25,7 +25,6 @@ from fastapi import Request, Response
 
 from loom.entrypoints.openai.protocol import (
     ChatChoice,
-    ChatCompletionRequest,
     DeltaToolCall,
     ErrorResponse,
 )
@@ -47,32 +46,36 @@ RESPONSES_FIELDS = ChatFields(messages="input", response_format="text",
                               max_tokens="max_output_tokens")
 
 
-class ResponsesServing(ChatServing):
+class ResponsesServing:
+    """/v1/responses on the chat endpoint's serving: its template, tool parser, engine."""
+
+    def __init__(self, chat: ChatServing) -> None:
+        self.chat = chat
+
     async def create(self, request: ResponsesRequest, raw_request: Request) -> Response:
-        response_id = f"resp_{uuid.uuid4().hex}"
+        chat, response_id = self.chat, f"resp_{uuid.uuid4().hex}"
         chat_request = request.chat_request()
-        plan = await self.plan(chat_request, response_id, RESPONSES_FIELDS)
-        events = ResponseEvents(ResponseObject.starting(response_id, request, self.model_name))
+        plan = await chat.plan(chat_request, response_id, RESPONSES_FIELDS)
+        events = ResponseEvents(ResponseObject.starting(response_id, request, chat.model_name))
 
         def stream(client: ClientStream, first: list[RequestOutput]) -> AsyncIterator[str]:
-            return self._events(chat_request, plan, events, client, first)
+            return self._events(plan, events, client, first)
 
         def response(finals: dict[str, RequestOutput]) -> ResponseObject:
             (output,) = finals.values()
-            choice = self.choice(chat_request, plan.tool_use, output.outputs[0], 0)
+            choice = chat.choice(chat_request, plan.tool_use, output.outputs[0], 0)
             return events.finished(_output_items(choice), output, plan.num_prompt_tokens)
 
-        return await self.respond(raw_request, plan.requests, "input", request.stream, stream,
+        return await chat.respond(raw_request, plan.requests, "input", request.stream, stream,
                                   response, StreamEnding(events.error, last=""))
 
-    async def _events(self, request: ChatCompletionRequest, plan: ChatPlan,
-                      events: ResponseEvents, stream: ClientStream, first: list[RequestOutput]
-                      ) -> AsyncIterator[str]:
+    async def _events(self, plan: ChatPlan, events: ResponseEvents, stream: ClientStream,
+                      first: list[RequestOutput]) -> AsyncIterator[str]:
         def piece(output: RequestOutput, choice: ChatChoiceState) -> str | None:
             completion = output.outputs[0]
-            choice.progress.advance(completion)
-            message = self.delta_message(plan.tool_use, choice, completion.text,
-                                         output.finished)
+            choice.progress.advance(completion)  # (what stream_interval counts from)
+            message = self.chat.delta_message(plan.tool_use, choice, completion.text,
+                                              output.finished)
             sent = []
             if message is not None and message.content:
                 sent += events.text(message.content)
@@ -83,7 +86,7 @@ class ResponsesServing(ChatServing):
             return "".join(sent) or None
 
         yield "".join(events.start())
-        async for event in self.stream_events(stream, first, plan.choices, piece, None):
+        async for event in self.chat.stream_events(stream, first, plan.choices, piece, None):
             yield event
 
 
