@@ -6,6 +6,7 @@ from BF16_PREFILL_MIN_POSITIONS; the KV cache's lazily zeroed, huge-page memory.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -52,9 +53,8 @@ def test_native_decode_attention_matches_torch(dtype, cache_dtype, tolerance, nu
                                                num_kv_heads, head_dim) -> None:
     ops = paged_attention_ops()
     assert ops is not None, "the kernel must build on the test machine"
-    expected, actual = decode_both_ways(ops, dtype, cache_dtype, num_heads, num_kv_heads,
-                                        head_dim)
-    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert_kernel_matches_torch(decode_both_ways, ops, dtype, cache_dtype, tolerance,
+                                (num_heads, num_kv_heads, head_dim))
 
 
 @pytest.mark.parametrize("dtype,cache_dtype,tolerance", DTYPES)
@@ -66,8 +66,16 @@ def test_rows_over_one_block_table_attend_in_tiles_each_over_its_own_context(
     Beside them: a request with the next context length over other blocks, which must not join
     the chunk's tile, and one whose first blocks are the chunk's, which may: every row must
     still see exactly its own context."""
-    expected, actual = tiles_both_ways(paged_attention_ops(), dtype, cache_dtype, num_heads,
-                                       num_kv_heads, head_dim)
+    assert_kernel_matches_torch(tiles_both_ways, paged_attention_ops(), dtype, cache_dtype,
+                                tolerance, (num_heads, num_kv_heads, head_dim))
+
+
+def assert_kernel_matches_torch(both_ways: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                                ops: ModuleType, dtype: torch.dtype, cache_dtype: torch.dtype,
+                                tolerance: float, shape: tuple[int, int, int]) -> None:
+    """`both_ways` (decode_both_ways, tiles_both_ways) on `ops`' kernel: its rows match the
+    torch path's; shape is (query heads, kv heads, head dim)."""
+    expected, actual = both_ways(ops, dtype, cache_dtype, *shape)
     torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 

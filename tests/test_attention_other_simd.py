@@ -11,8 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-import torch
-from test_attention import DTYPES, decode_both_ways, tiles_both_ways
+from test_attention import DTYPES, assert_kernel_matches_torch, decode_both_ways, tiles_both_ways
 from torch.utils.cpp_extension import load
 
 from loom import host
@@ -43,9 +42,8 @@ def other_ops() -> ModuleType:
 def test_other_simd_decode_kernel_matches_torch(other_ops: ModuleType, dtype, cache_dtype,
                                                 tolerance, num_heads, num_kv_heads,
                                                 head_dim) -> None:
-    expected, actual = decode_both_ways(other_ops, dtype, cache_dtype, num_heads, num_kv_heads,
-                                        head_dim)
-    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert_kernel_matches_torch(decode_both_ways, other_ops, dtype, cache_dtype, tolerance,
+                                (num_heads, num_kv_heads, head_dim))
 
 
 @pytest.mark.parametrize("dtype,cache_dtype,tolerance", DTYPES)
@@ -53,6 +51,5 @@ def test_other_simd_decode_kernel_matches_torch(other_ops: ModuleType, dtype, ca
 def test_other_simd_kernel_attends_tiles_each_row_over_its_own_context(
         other_ops: ModuleType, dtype, cache_dtype, tolerance, num_heads, num_kv_heads,
         head_dim) -> None:
-    expected, actual = tiles_both_ways(other_ops, dtype, cache_dtype, num_heads, num_kv_heads,
-                                       head_dim)
-    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert_kernel_matches_torch(tiles_both_ways, other_ops, dtype, cache_dtype, tolerance,
+                                (num_heads, num_kv_heads, head_dim))

@@ -8,52 +8,51 @@
 #include <immintrin.h>
 #include <cstring>
 
-static inline __m256 avx512_lo(__m512 v) { __m256 h; std::memcpy(&h, &v, 32); return h; }
-static inline __m256 avx512_hi(__m512 v) {
-  __m256 h; std::memcpy(&h, reinterpret_cast<const char*>(&v) + 32, 32); return h;
+// Half i (0: lanes 0-7, 1: lanes 8-15) of a 512-bit vector, and two halves as one.
+template <typename Half, typename Wide>
+static inline Half avx512_half(Wide v, int i) {
+  Half h;
+  std::memcpy(&h, reinterpret_cast<const char*>(&v) + 32 * i, 32);
+  return h;
 }
-static inline __m512 avx512_join(__m256 lo, __m256 hi) {
-  __m512 v;
+template <typename Wide, typename Half>
+static inline Wide avx512_join(Half lo, Half hi) {
+  Wide v;
   std::memcpy(&v, &lo, 32);
   std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
   return v;
 }
-static inline __m256i avx512i_lo(__m512i v) { __m256i h; std::memcpy(&h, &v, 32); return h; }
-static inline __m256i avx512i_hi(__m512i v) {
-  __m256i h; std::memcpy(&h, reinterpret_cast<const char*>(&v) + 32, 32); return h;
-}
-static inline __m512i avx512i_join(__m256i lo, __m256i hi) {
-  __m512i v;
-  std::memcpy(&v, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-  return v;
-}
+static inline __m256 avx512_lo(__m512 v) { return avx512_half<__m256>(v, 0); }
+static inline __m256 avx512_hi(__m512 v) { return avx512_half<__m256>(v, 1); }
+static inline __m256i avx512i_lo(__m512i v) { return avx512_half<__m256i>(v, 0); }
+static inline __m256i avx512i_hi(__m512i v) { return avx512_half<__m256i>(v, 1); }
 
 static inline __m512 avx512_loadu_ps(const float* p) {
-  return avx512_join(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+  return avx512_join<__m512>(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
 }
 static inline void avx512_storeu_ps(float* p, __m512 v) {
   _mm256_storeu_ps(p, avx512_lo(v));
   _mm256_storeu_ps(p + 8, avx512_hi(v));
 }
 static inline __m512 avx512_set1_ps(float x) {
-  return avx512_join(_mm256_set1_ps(x), _mm256_set1_ps(x));
+  return avx512_join<__m512>(_mm256_set1_ps(x), _mm256_set1_ps(x));
 }
 static inline __m512 avx512_setzero_ps() { return avx512_set1_ps(0.f); }
 static inline __m512 avx512_fmadd_ps(__m512 a, __m512 b, __m512 c) {
-  return avx512_join(_mm256_fmadd_ps(avx512_lo(a), avx512_lo(b), avx512_lo(c)),
+  return avx512_join<__m512>(_mm256_fmadd_ps(avx512_lo(a), avx512_lo(b), avx512_lo(c)),
                      _mm256_fmadd_ps(avx512_hi(a), avx512_hi(b), avx512_hi(c)));
 }
 static inline __m512 avx512_cvtph_ps(__m256i h) {  // 16 halves -> 16 floats
-  return avx512_join(_mm256_cvtph_ps(_mm256_castsi256_si128(h)),
+  return avx512_join<__m512>(_mm256_cvtph_ps(_mm256_castsi256_si128(h)),
                      _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
 }
 static inline __m512i avx512_cvtepu16_epi32(__m256i h) {
-  return avx512i_join(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)),
+  return avx512_join<__m512i>(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)),
                       _mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)));
 }
 static inline __m512i avx512_slli_epi32(__m512i v, unsigned int n) {
-  return avx512i_join(_mm256_slli_epi32(avx512i_lo(v), n), _mm256_slli_epi32(avx512i_hi(v), n));
+  return avx512_join<__m512i>(_mm256_slli_epi32(avx512i_lo(v), n),
+                              _mm256_slli_epi32(avx512i_hi(v), n));
 }
 static inline __m512 avx512_castsi512_ps(__m512i v) { __m512 f; std::memcpy(&f, &v, 64); return f; }
 
