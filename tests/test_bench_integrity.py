@@ -150,7 +150,8 @@ def test_compare_with_repeats_and_a_simulated_config_then_the_report(tmp_path: P
     compare(trace, [("fast", "--ttft 0.1 --itl 0.01"), ("slow", "--ttft 0.4 --itl 0.03"),
                     ("model", f"simulate:--profile {profile}")],
             out, Load(max_concurrency=4), Limits(), server_cmd, concurrencies=[4], slo=slo,
-            scrape_interval_s=0.2, health_timeout_s=60, progress=False, repeats=2)
+            target_options={"scrape_interval_s": 0.2}, health_timeout_s=60, progress=False,
+            repeats=2)
     logs = sorted(p.name for p in out.glob("*.server.log"))
     assert logs == ["fast.repeat1.server.log", "fast.repeat2.server.log",
                     "slow.repeat1.server.log", "slow.repeat2.server.log"]

@@ -73,7 +73,7 @@ def _replay_parent() -> argparse.ArgumentParser:
     p.add_argument("--trace", required=True, help="JSONL trace (see loom bench trace)")
     add_cli_args(p, Load, only=("burstiness", "max_concurrency", "duration_s", "burst",
                                 "ramp_up"))
-    add_cli_args(p, Target, only=("scrape_interval_s", "request_timeout_s"))
+    add_cli_args(p, Target, only=("scrape_interval_s", "request_timeout_s", "endpoint"))
     p.add_argument("--repeats", type=int, default=1,
                    help="run each point K times; scorecard cells show medians with a "
                         "bootstrap 95%% interval, and differences inside the noise are marked")
@@ -420,7 +420,8 @@ def _compare(args: argparse.Namespace) -> int:
     result = compare(_load_trace(args), configs, out_dir, _load(args), _limits(args),
                      args.server_cmd or LOOM_SERVE, args.server_flags, slo=slo,
                      gpu_cost_per_hour=args.gpu_cost_per_hour,
-                     scrape_interval_s=_target_option(args, "scrape_interval_s"),
+                     target_options={name: _target_option(args, name) for name in
+                                     ("scrape_interval_s", "request_timeout_s", "endpoint")},
                      health_timeout_s=args.health_timeout, repeats=args.repeats,
                      **_sweep_points(args))
     print_scorecard([r for s in result["sweeps"] for r in s["runs"]], slo,

@@ -1,9 +1,11 @@
-"""One streaming /v1/completions request, timed from the client's side.
+"""One streaming request, timed from the client's side: /v1/completions, or
+/v1/chat/completions for servers that offer only chat (each prompt one user message, which
+the server's chat template wraps in its own tokens).
 
-Only what any OpenAI-compatible server does is assumed: SSE chunks of `choices[0].text`, an
-optional usage chunk, `data: [DONE]`. Output lengths are the trace's because the request asks
-for `ignore_eos` with `max_tokens`. Every request ends in exactly one status, so nothing a
-server refuses or breaks goes uncounted.
+Only what any OpenAI-compatible server does is assumed: SSE chunks of `choices[0].text` (chat:
+`choices[0].delta.content`), an optional usage chunk, `data: [DONE]`. Output lengths are the
+trace's because the request asks for `ignore_eos` with its token budget. Every request ends in
+exactly one status, so nothing a server refuses or breaks goes uncounted.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import httpx
 from loom.bench.trace import TraceRequest
 
 OK, CANCELLED, REJECTED, ERROR, TIMEOUT = "ok", "cancelled", "rejected", "error", "timeout"
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 @dataclass
@@ -67,10 +71,16 @@ class RequestResult:
 
 
 def completion_payload(request: TraceRequest, model: str,
-                       extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The request body; `extra` adds or overrides fields (token-id prompts, temperature)."""
+                       extra: dict[str, Any] | None = None,
+                       endpoint: str = "completions") -> dict[str, Any]:
+    """The request body for `endpoint` (a key of ENDPOINTS); `extra` adds or overrides fields
+    (token-id prompts, temperature)."""
+    asked: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": request.prompt}],
+         "max_completion_tokens": request.max_tokens} if endpoint == "chat"
+        else {"prompt": request.prompt, "max_tokens": request.max_tokens})
     payload: dict[str, Any] = {
-        "model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
+        "model": model, **asked,
         "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
     }
     if request.priority is not None:  # only when asked: some servers refuse it under fcfs
@@ -82,16 +92,18 @@ def completion_payload(request: TraceRequest, model: str,
 
 async def send(client: httpx.AsyncClient, url: str, request: TraceRequest, model: str,
                result: RequestResult, run_start: float,
-               extra: dict[str, Any] | None = None) -> RequestResult:
-    """Send `request`, fill `result`; closes the stream after `cancel_after_s` if set."""
+               extra: dict[str, Any] | None = None,
+               endpoint: str = "completions") -> RequestResult:
+    """Send `request` to `url`, the server's `endpoint` (a key of ENDPOINTS); fill `result`;
+    closes the stream after `cancel_after_s` if set."""
     t0 = time.perf_counter()
     result.start_s = t0 - run_start
-    payload = completion_payload(request, model, extra)
+    payload = completion_payload(request, model, extra, endpoint)
     try:
         if request.cancel_after_s is None:
-            await _stream(client, url, payload, result, t0)
+            await _stream(client, url, payload, result, t0, endpoint)
         else:
-            await asyncio.wait_for(_stream(client, url, payload, result, t0),
+            await asyncio.wait_for(_stream(client, url, payload, result, t0, endpoint),
                                    request.cancel_after_s)
     except asyncio.TimeoutError:
         result.status = CANCELLED
@@ -104,7 +116,7 @@ async def send(client: httpx.AsyncClient, url: str, request: TraceRequest, model
 
 
 async def _stream(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
-                  result: RequestResult, t0: float) -> None:
+                  result: RequestResult, t0: float, endpoint: str) -> None:
     async with client.stream("POST", url, json=payload) as response:
         result.http_status = response.status_code
         if response.status_code != 200:
@@ -132,8 +144,7 @@ async def _stream(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
                 usage_tokens = usage.get("completion_tokens", usage_tokens)
                 if result.prompt_len is None:  # a trace of plain text: the server's count
                     result.prompt_len = usage.get("prompt_tokens")
-            choices = chunk.get("choices") or []
-            if not choices or not choices[0].get("text"):
+            if not _chunk_text(chunk, endpoint):
                 continue
             if last is None:
                 result.ttft_s = now - t0
@@ -150,6 +161,16 @@ async def _stream(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
             result.status, result.error = ERROR, "no tokens in the response"
         else:
             result.status = OK
+
+
+def _chunk_text(chunk: dict[str, Any], endpoint: str) -> str | None:
+    """The output text a stream chunk carries (a chat's first chunk carries only its role)."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return None
+    if endpoint == "chat":
+        return (choices[0].get("delta") or {}).get("content")
+    return choices[0].get("text")
 
 
 async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:

@@ -14,6 +14,7 @@ import asyncio
 import re
 import shlex
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +47,16 @@ def compare(trace: Trace, configs: list[tuple[str, str]], out_dir: Path, base: L
             limits: Limits, server_cmd: str, common_flags: str = "",
             rates: list[float] | None = None, concurrencies: list[int] | None = None,
             auto: AutoSearch | None = None, slo: Slo | None = None,
-            gpu_cost_per_hour: float | None = None, scrape_interval_s: float = 1.0,
+            gpu_cost_per_hour: float | None = None,
+            target_options: Mapping[str, Any] | None = None,
             health_timeout_s: float = 600.0, progress: bool = True,
             repeats: int = 1) -> dict[str, Any]:
     """Sweep every configuration `repeats` times, interleaved (A B A B: a drift of the
     machine hits both alike), each repeat on a freshly started server (so no prefix cache or
     warm state carries over); a simulated configuration (`simulate:` flags) runs once, being
-    deterministic. Each configuration's repeats are merged point by point (repeats.py)."""
+    deterministic. Each configuration's repeats are merged point by point (repeats.py).
+    `target_options`: the Target fields for every server (scrape interval, request timeout,
+    endpoint)."""
     if repeats < 1:
         raise ValueError("--repeats must be >= 1")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -70,7 +74,7 @@ def compare(trace: Trace, configs: list[tuple[str, str]], out_dir: Path, base: L
                              else f"{name}.repeat{k + 1}.server.log")
             with LocalServer(server_cmd, all_flags, log, health_timeout_s) as server:
                 target = Target(server.url, server_pid=server.pid,
-                                scrape_interval_s=scrape_interval_s)
+                                **(target_options or {}))
                 result = asyncio.run(sweep(trace, base, target, limits, rates, concurrencies,
                                            auto, slo, name, progress))
             result["config"] = {"name": name, "flags": all_flags,

@@ -17,7 +17,7 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from rich.console import Console
@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from loom.bench import results as R
 from loom.bench.arrivals import TRACE_RATE, Burst, RampUp, schedule
-from loom.bench.client import RequestResult, send
+from loom.bench.client import ENDPOINTS, RequestResult, send
 from loom.bench.scrape import Snapshot, parse_metrics
 from loom.bench.sysinfo import hardware, process_memory
 from loom.bench.trace import Trace, TraceRequest
@@ -107,6 +107,10 @@ class Target:
         "seconds between /metrics samples for the timeline", flag="--scrape-interval"))
     request_timeout_s: float = field(default=600.0, metadata=flag_help(
         "seconds before a request counts as failed", flag="--request-timeout"))
+    endpoint: Literal["completions", "chat"] = field(default="completions", metadata=flag_help(
+        "the API to replay on: completions (/v1/completions) or chat (/v1/chat/completions, "
+        "for servers that offer only chat: each prompt is one user message, so the server's "
+        "chat template adds its tokens to every prompt)"))
 
     @property
     def root(self) -> str:
@@ -280,8 +284,8 @@ async def replay(trace: Trace, load: Load, target: Target, slo: R.Slo | None = N
         gc.collect()
         gc.freeze()
         try:
-            sent, duration = await _send_all(client, trace, load, target.root + "/v1/completions",
-                                             model, monitor, label or "replay", progress)
+            sent, duration = await _send_all(client, trace, load, target, model, monitor,
+                                             label or "replay", progress)
         finally:
             gc.unfreeze()
         await monitor.sample()  # the state right after the last request
@@ -290,12 +294,13 @@ async def replay(trace: Trace, load: Load, target: Target, slo: R.Slo | None = N
                         target, slo, label, date)
 
 
-async def _send_all(client: httpx.AsyncClient, trace: Trace, load: Load, url: str, model: str,
-                    monitor: _Monitor, label: str,
+async def _send_all(client: httpx.AsyncClient, trace: Trace, load: Load, target: Target,
+                    model: str, monitor: _Monitor, label: str,
                     progress: bool) -> tuple[list[RequestResult], float]:
     """Send the trace on the load's schedule and wait for every request to end; returns the
     results in send order and the run's duration (first send to last response). A session's
     turn waits for the answer to the turn before it, then its think time."""
+    url = target.root + ENDPOINTS[target.endpoint]
     sem = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     cycle = load.duration_s is not None or (load.num_requests or 0) > len(trace.requests)
     total = load.num_requests or (None if load.duration_s else len(trace.requests))
@@ -317,7 +322,8 @@ async def _send_all(client: httpx.AsyncClient, trace: Trace, load: Load, url: st
                     due = time.perf_counter() - start + (request.think_s or 0.0)
                     result.scheduled_s = max(result.scheduled_s, due)
                     await asyncio.sleep(max(0.0, start + result.scheduled_s - time.perf_counter()))
-                await send(client, url, request, model, result, start)
+                await send(client, url, request, model, result, start,
+                           endpoint=target.endpoint)
             finally:
                 done.set()
                 monitor.in_flight -= 1
@@ -366,8 +372,8 @@ def build_result(sent: list[RequestResult], duration: float, monitor: _Monitor,
                  label: str | None, date: str) -> dict[str, Any]:
     result: dict[str, Any] = {
         "kind": "run", "result_version": R.RESULT_VERSION, "label": label, "date": date,
-        "command": shlex.join(sys.argv), "backend": "openai-completions",
-        "endpoint": "/v1/completions", "base_url": target.base_url, "model_id": model,
+        "command": shlex.join(sys.argv), "backend": f"openai-{target.endpoint}",
+        "endpoint": ENDPOINTS[target.endpoint], "base_url": target.base_url, "model_id": model,
         "tokenizer_id": trace.header.get("tokenizer"), "server": server,
         "trace": trace.describe(), "hardware": hardware(), **load.describe(),
         "slo": str(slo) if slo else None, "duration": duration,
