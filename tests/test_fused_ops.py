@@ -4,6 +4,8 @@ decode attention op (csrc/paged_attention.cpp) against the model with torch's at
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -126,12 +128,16 @@ def test_amx_tiles_round_trip() -> None:
 @needs_amx
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_amx_bf16_linear_is_a_bf16_matmul(threads: int) -> None:
-    """amx_bf16_linear against F.linear on x and W in bf16, product widened, bias added in
-    fp32, as bf16_linear: within one bf16 rounding of each sum (the tiles sum in another
-    order), mostly equal over all the calls (one row of 32 sums may hold two rounded apart);
-    at row counts below, at and between tiles of 16 rows and pairs of them, over several
-    panels of rows (and x rounded to bf16 on the pool), on one block of channels and on many,
-    run by one thread or by helpers."""
+    check_amx_bf16_linear(ops, threads)
+
+
+def check_amx_bf16_linear(kernels: ModuleType, threads: int) -> None:
+    """amx_bf16_linear of `kernels` against F.linear on x and W in bf16, product widened, bias
+    added in fp32, as bf16_linear: within one bf16 rounding of each sum (the tiles sum in
+    another order), mostly equal over all the calls (one row of 32 sums may hold two rounded
+    apart); at row counts below, at and between tiles of 16 rows and pairs of them, over
+    several panels of rows (and x rounded to bf16 on the pool), on one block of channels and
+    on many, run by one thread or by helpers; bad arguments refused."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     equal, total = 0, 0
@@ -143,7 +149,7 @@ def test_amx_bf16_linear_is_a_bf16_matmul(threads: int) -> None:
             bias = torch.randn(cols)
             product = F.linear(x.bfloat16(), weight).float()
             for b in (bias, None):
-                out = ops.amx_bf16_linear(x, amx_tiles(weight), b)
+                out = kernels.amx_bf16_linear(x, amx_tiles(weight), b)
                 assert out.shape == (rows, cols) and out.dtype == torch.float32
                 got = out - bias if b is not None else out
                 one_rounding = product.abs() * 2.0**-7 + 1e-6
@@ -154,13 +160,13 @@ def test_amx_bf16_linear_is_a_bf16_matmul(threads: int) -> None:
         torch.set_num_threads(before)
     x, tiles = torch.randn(4, 64), amx_tiles(torch.randn(32, 64).bfloat16())
     with pytest.raises(RuntimeError, match="tiles"):
-        ops.amx_bf16_linear(torch.randn(4, 96), tiles, None)
+        kernels.amx_bf16_linear(torch.randn(4, 96), tiles, None)
     with pytest.raises(RuntimeError, match="tiles"):
-        ops.amx_bf16_linear(x, tiles.float(), None)
+        kernels.amx_bf16_linear(x, tiles.float(), None)
     with pytest.raises(RuntimeError, match="bias"):
-        ops.amx_bf16_linear(x, tiles, torch.randn(64))
+        kernels.amx_bf16_linear(x, tiles, torch.randn(64))
     with pytest.raises(RuntimeError, match="x must"):
-        ops.amx_bf16_linear(x.bfloat16(), tiles, None)
+        kernels.amx_bf16_linear(x.bfloat16(), tiles, None)
 
 
 def test_bad_inputs_are_refused() -> None:

@@ -1,11 +1,13 @@
-// loom: the few AVX-512 intrinsics paged_attention.cpp uses, each as two AVX2 halves, so that
-// its AVX-512 kernel can be built and checked on a CPU without AVX-512 (tests only:
-// LOOM_AVX512_ON_AVX2, see tests/test_attention_other_simd.py). Each one does lane for lane
+// loom: the few AVX-512 intrinsics loom's kernels use, each as two AVX2 halves, so that their
+// AVX-512 code can be built and checked on a CPU without AVX-512 (tests only:
+// LOOM_AVX512_ON_AVX2 in paged_attention.cpp, LOOM_AMX_ON_AVX2 in fused_ops.cpp; see
+// tests/test_other_simd.py). Each one does lane for lane
 // what the instruction does (fused multiply-add included), so results match a real AVX-512
 // build's; only speed differs. Included after <immintrin.h>, whose own declarations the macros
 // below then shadow.
 #pragma once
 #include <immintrin.h>
+#include <cstdint>
 #include <cstring>
 
 // Half i (0: lanes 0-7, 1: lanes 8-15) of a 512-bit vector, and two halves as one.
@@ -34,6 +36,21 @@ static inline void avx512_storeu_ps(float* p, __m512 v) {
   _mm256_storeu_ps(p, avx512_lo(v));
   _mm256_storeu_ps(p + 8, avx512_hi(v));
 }
+static inline __m512 avx512_add_ps(__m512 a, __m512 b) {
+  return avx512_join<__m512>(_mm256_add_ps(avx512_lo(a), avx512_lo(b)),
+                             _mm256_add_ps(avx512_hi(a), avx512_hi(b)));
+}
+// fp32 -> bf16, rounding to nearest even (no NaNs here: -ffast-math), as VCVTNEPS2BF16.
+static inline __m256bh avx512_cvtneps_pbh(__m512 v) {
+  alignas(64) uint32_t bits[16];
+  alignas(32) uint16_t out[16];
+  std::memcpy(bits, &v, 64);
+  for (int i = 0; i < 16; ++i)
+    out[i] = static_cast<uint16_t>((bits[i] + 0x7FFFu + ((bits[i] >> 16) & 1u)) >> 16);
+  __m256bh h;
+  std::memcpy(&h, out, 32);
+  return h;
+}
 static inline __m512 avx512_set1_ps(float x) {
   return avx512_join<__m512>(_mm256_set1_ps(x), _mm256_set1_ps(x));
 }
@@ -57,6 +74,9 @@ static inline __m512i avx512_slli_epi32(__m512i v, unsigned int n) {
 static inline __m512 avx512_castsi512_ps(__m512i v) { __m512 f; std::memcpy(&f, &v, 64); return f; }
 
 #define _mm512_loadu_ps avx512_loadu_ps
+#define _mm512_load_ps avx512_loadu_ps
+#define _mm512_add_ps avx512_add_ps
+#define _mm512_cvtneps_pbh avx512_cvtneps_pbh
 #define _mm512_storeu_ps avx512_storeu_ps
 #define _mm512_set1_ps avx512_set1_ps
 #define _mm512_setzero_ps avx512_setzero_ps

@@ -237,10 +237,14 @@ torch::Tensor bf16_linear(torch::Tensor x, std::vector<torch::Tensor> slices,
 //   rows m0+16 .. +31 -> A tile 5  x  B tile 6                   -> C tile 2
 //                                  x  B tile 7                   -> C tile 3
 //   summed over the K / 32 steps, then C tiles -> bf16 -> fp32 (+ bias) into out's columns.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if (defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)) || \
+    defined(LOOM_AMX_ON_AVX2)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#if !defined(__AMX_TILE__)
+#include "amx_on_avx2.h"  // tests: this kernel on a CPU without AMX, its tiles in software
+#endif
 
 constexpr int64_t kAmxBlock = 32;  // output channels per block, inputs per step
 constexpr int64_t kAmxPanelRows = 256;  // rows of x per item (x's bf16 panel in L2)
@@ -251,8 +255,12 @@ constexpr int64_t kParallelRounding = 1 << 16;
 // Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA), once per process; a kernel or VM without it says no.
 bool amx_available() {
+#if defined(__AMX_TILE__)
   static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return permitted;
+#else
+  return true;  // the tiles in software (amx_on_avx2.h)
+#endif
 }
 
 struct alignas(64) TileConfig {
