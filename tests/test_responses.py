@@ -259,3 +259,39 @@ def test_an_openai_agents_sdk_agent_calls_a_tool_through_loom(server: str) -> No
     assert len(cities) == 2 and all(cities)  # one call a run, with the required argument
     assert whole and whole == streamed  # greedy: the same answer either way
     assert num_events > 4
+
+
+@pytest.mark.integration
+def test_logprobs_as_chat_gives_them_streamed_and_not(client: openai.OpenAI) -> None:
+    """top_logprobs (or include) asks for the answer's per-token logprobs: the chat endpoint's
+    for the same conversation, the streamed deltas' adding up to the non-streamed list."""
+    options = {"model": "any", "input": "Name a colour.", "max_output_tokens": 12,
+               "temperature": 0, "top_logprobs": 2}
+    whole = client.responses.create(**options)
+    chat = client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=12,
+        temperature=0, logprobs=True, top_logprobs=2)
+    part = whole.output[0].content[0]
+    expected = chat.choices[0].logprobs.content
+    assert [(e.token, len(e.top_logprobs)) for e in part.logprobs] == [
+        (e.token, 2) for e in expected]
+    # (the second request reads the first's prompt from the fp16 prefix cache: not bitwise)
+    assert [e.logprob for e in part.logprobs] == pytest.approx([e.logprob for e in expected],
+                                                               abs=1e-2)
+    longer = {**options, "max_output_tokens": 200}  # to its end: an EOS, which has no text
+    with client.responses.stream(**longer) as stream:
+        events = list(stream)
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta"
+                for lp in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    everything = [lp.token for lp in done.logprobs]
+    assert streamed and everything[:len(streamed)] == streamed  # the rest: tokens with no text
+    assert everything == [lp.token for lp in
+                          client.responses.create(**longer).output[0].content[0].logprobs]
+    included = client.responses.create(**{k: v for k, v in options.items()
+                                          if k != "top_logprobs"},
+                                       include=["message.output_text.logprobs"])
+    assert [e.token for e in included.output[0].content[0].logprobs] == [
+        e.token for e in part.logprobs]
+    plain = client.responses.create(**{k: v for k, v in options.items() if k != "top_logprobs"})
+    assert not plain.output[0].content[0].logprobs

@@ -4,8 +4,9 @@ read into the chat request it amounts to, and the response and its output items.
 What loom takes: `input` as text or a list of items (messages with text content, the
 `function_call` items of an earlier answer and the `function_call_output` items that answer
 them), `instructions`, `max_output_tokens`, `temperature`, `top_p`, function `tools`,
-`tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema) and
-`stream`. loom keeps no responses, so `previous_response_id` and `background` are a 400
+`tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema),
+`include: ["message.output_text.logprobs"]` and `top_logprobs` (either asks for logprobs),
+and `stream`. loom keeps no responses, so `previous_response_id` and `background` are a 400
 naming the field (send the conversation in `input`); `store` is answered with false.
 """
 
@@ -34,6 +35,8 @@ from loom.entrypoints.openai.protocol import (
 )
 
 # -- the request -------------------------------------------------------------------------------
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # what `include` names to get them
 
 
 class InputContentPart(OpenAIRequest):
@@ -91,6 +94,8 @@ class ResponsesRequest(OpenAIRequest):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
     stream: bool = False
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -110,8 +115,10 @@ class ResponsesRequest(OpenAIRequest):
         messages = chat_messages(self.input, self.instructions)
         if not messages:
             raise APIError(400, "input must not be empty", "input")
+        logprobs = LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs is not None
         return ChatCompletionRequest(
             messages=messages, max_completion_tokens=self.max_output_tokens,
+            logprobs=logprobs, top_logprobs=self.top_logprobs if logprobs else None,
             temperature=self.temperature, top_p=self.top_p, stream=self.stream,
             tools=[ChatTool(function=FunctionDefinition(
                 name=t.name, description=t.description, parameters=t.parameters,

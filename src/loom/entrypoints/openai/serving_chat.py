@@ -183,7 +183,7 @@ class ChatServing(OpenAIServing):
             index=index,
             message=AssistantMessage(content=found.content if found.calls else completion.text,
                                      tool_calls=[_response_call(c) for c in found.calls]),
-            logprobs=self._logprobs(request, completion.token_ids, completion.logprobs),
+            logprobs=self.logprobs(request, completion.token_ids, completion.logprobs),
             finish_reason=_finish_reason(tool_use, completion, bool(found.calls)),
             stop_reason=completion.stop_reason)
 
@@ -200,7 +200,7 @@ class ChatServing(OpenAIServing):
             completion = output.outputs[0]
             _, start = choice.progress.advance(completion)
             end = len(completion.token_ids)
-            logprobs = self._logprobs(request, completion.token_ids[start:end],
+            logprobs = self.logprobs(request, completion.token_ids[start:end],
                                       (completion.logprobs or [])[start:end])
             message = self.delta_message(tool_use, choice, completion.text, output.finished)
             if not output.finished and message is None and logprobs is None:
@@ -264,7 +264,7 @@ class ChatServing(OpenAIServing):
             return None
         return DeltaMessage(tool_calls=[piece])
 
-    def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
+    def logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
                   entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
         if not request.logprobs or entries is None:
             return None

@@ -25,6 +25,8 @@ from fastapi import Request, Response
 
 from loom.entrypoints.openai.protocol import (
     ChatChoice,
+    ChatCompletionRequest,
+    ChatTokenLogprob,
     DeltaToolCall,
     ErrorResponse,
 )
@@ -59,7 +61,7 @@ class ResponsesServing:
         events = ResponseEvents(ResponseObject.starting(response_id, request, chat.model_name))
 
         def stream(client: ClientStream, first: list[RequestOutput]) -> AsyncIterator[str]:
-            return self._events(plan, events, client, first)
+            return self._events(chat_request, plan, events, client, first)
 
         def response(finals: dict[str, RequestOutput]) -> ResponseObject:
             (output,) = finals.values()
@@ -69,11 +71,16 @@ class ResponsesServing:
         return await chat.respond(raw_request, plan.requests, "input", request.stream, stream,
                                   response, StreamEnding(events.error, last=""))
 
-    async def _events(self, plan: ChatPlan, events: ResponseEvents, stream: ClientStream,
-                      first: list[RequestOutput]) -> AsyncIterator[str]:
+    async def _events(self, request: ChatCompletionRequest, plan: ChatPlan,
+                      events: ResponseEvents, stream: ClientStream, first: list[RequestOutput]
+                      ) -> AsyncIterator[str]:
         def piece(output: RequestOutput, choice: ChatChoiceState) -> str | None:
             completion = output.outputs[0]
-            choice.progress.advance(completion)  # (what stream_interval counts from)
+            _, start = choice.progress.advance(completion)  # (stream_interval counts from it)
+            logprobs = self.chat.logprobs(request, completion.token_ids[start:],
+                                          (completion.logprobs or [])[start:])
+            if logprobs is not None:  # tokens that are no text yet wait for theirs
+                events.hold(logprobs.content or [])
             message = self.chat.delta_message(plan.tool_use, choice, completion.text,
                                               output.finished)
             sent = []
@@ -96,13 +103,19 @@ def _output_items(choice: ChatChoice) -> list[MessageItem | FunctionCallItem]:
     message, calls = choice.message, choice.message.tool_calls
     status = "incomplete" if choice.finish_reason == "length" else "completed"
     items: list[MessageItem | FunctionCallItem] = []
+    logprobs = [] if choice.logprobs is None else _dumped(choice.logprobs.content)
     if message.content or not calls:
-        items.append(MessageItem(id=_item_id("msg"), status=status,
-                                 content=[OutputText(text=message.content or "")]))
+        items.append(MessageItem(id=_item_id("msg"), status=status, content=[
+            OutputText(text=message.content or "", logprobs=logprobs)]))
     items += [FunctionCallItem(id=_item_id("fc"), status="completed", call_id=call.id,
                                name=call.function.name, arguments=call.function.arguments)
               for call in calls]
     return items
+
+
+def _dumped(logprobs: list[ChatTokenLogprob] | None) -> list[dict[str, Any]]:
+    """Chat's per-token logprobs as the Responses API writes them (the same fields)."""
+    return [entry.model_dump() for entry in logprobs or []]
 
 
 def _item_id(kind: str) -> str:
@@ -119,18 +132,25 @@ class ResponseEvents:
         self.sequence = 0
         self.message: MessageItem | None = None
         self.calls: dict[int, FunctionCallItem] = {}  # by the chat delta's call index
+        self.held: list[dict[str, Any]] = []  # logprobs of tokens whose text is not sent yet
 
     def start(self) -> list[str]:
         snapshot = self.response.model_dump(mode="json")
         return [self._event("response.created", response=snapshot),
                 self._event("response.in_progress", response=snapshot)]
 
+    def hold(self, logprobs: list[ChatTokenLogprob]) -> None:
+        """Logprobs of new tokens, sent with the next text delta (or when the text closes)."""
+        self.held += _dumped(logprobs)
+
     def text(self, delta: str) -> list[str]:
         sent = self._open_message() if self.message is None else []
         assert self.message is not None
-        self.message.content[0].text += delta
+        part, logprobs, self.held = self.message.content[0], self.held, []
+        part.text += delta
+        part.logprobs += logprobs
         sent.append(self._event("response.output_text.delta", content_index=0, delta=delta,
-                                logprobs=[], **self._where(self.message)))
+                                logprobs=logprobs, **self._where(self.message)))
         return sent
 
     def _open_message(self) -> list[str]:
@@ -199,9 +219,10 @@ class ResponseEvents:
             return []
         message.status = status  # type: ignore[assignment] - "completed" or "incomplete"
         part = message.content[0]
+        part.logprobs, self.held = part.logprobs + self.held, []
         where = self._where(message)
         return [self._event("response.output_text.done", content_index=0, text=part.text,
-                            logprobs=[], **where),
+                            logprobs=part.logprobs, **where),
                 self._event("response.content_part.done", content_index=0,
                             part=part.model_dump(mode="json"), **where),
                 self._event("response.output_item.done", output_index=where["output_index"],
