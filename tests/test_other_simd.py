@@ -26,10 +26,12 @@ pytestmark = pytest.mark.integration
 
 
 def _build(name: str, source: str, flags: list[str]) -> ModuleType:
-    """A second load() of one name in a process rebuilds it, hence one build per module."""
+    """A second load() of one name in a process rebuilds it, hence one build per module. At
+    -O1: these builds are checked, never timed, and a fresh checkout's test run compiles them
+    (docs/benchmark-log.md has how much sooner than at -O3)."""
     return load(name=name, sources=[str(Path(kernels.__file__).parent / "csrc" / source)],
                 build_directory=str(kernels._build_directory(name)),
-                extra_cflags=[*kernels._CFLAGS, *flags], extra_ldflags=kernels._LDFLAGS)
+                extra_cflags=[*kernels._CFLAGS, *flags, "-O1"], extra_ldflags=kernels._LDFLAGS)
 
 
 @pytest.fixture(scope="module")
