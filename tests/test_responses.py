@@ -13,8 +13,11 @@ import openai
 import pytest
 from server_helpers import serve
 
-from loom.entrypoints.openai.errors import APIError
-from loom.entrypoints.openai.protocol_responses import ResponsesRequest
+from loom.entrypoints.openai.errors import APIError, error_body
+from loom.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall
+from loom.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
+from loom.entrypoints.openai.serving_responses import ResponseEvents
+from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
            "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 24}}}
@@ -70,6 +73,66 @@ def test_what_loom_cannot_do_is_an_error_naming_the_field(body: dict, param: str
     with pytest.raises(APIError) as caught:
         ResponsesRequest.model_validate(body).chat_request()
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def _events(sent: list[str]) -> list[dict]:
+    """Each SSE event's data, checked against its `event:` line."""
+    out = []
+    for event in sent:
+        name, data = event.removesuffix("\n\n").split("\n")
+        out.append(json.loads(data.removeprefix("data: ")))
+        assert name == f"event: {out[-1]['type']}"
+    return out
+
+
+@pytest.mark.unit
+def test_an_answer_that_calls_after_text_closes_the_message_first() -> None:
+    """Text, then a call (as the chat path hands them over): the message item is done before
+    the call item is added, every event is numbered in order, the last is the response with
+    both items and the usage; an error afterwards is one more numbered `error` event."""
+    events = ResponseEvents(ResponseObject.starting("resp_1", ResponsesRequest(input="x"), "m"))
+    completion = CompletionOutput(0, "Checking.", [5, 6, 7], "stop")
+    output = RequestOutput("r", None, [1, 2], [completion], True, metrics=RequestMetrics(0.0),
+                           num_cached_tokens=1)
+    sent = [*events.start(), *events.text("Check"), *events.text("ing."),
+            *events.call_piece(DeltaToolCall(index=0, id="call_1", type="function",
+                                             function=DeltaFunctionCall(name="f",
+                                                                        arguments='{"a":'))),
+            *events.call_piece(DeltaToolCall(index=0, function=DeltaFunctionCall(
+                arguments=" 1}"))),
+            *events.finish(output, 2),
+            events.error(error_body("boom", "internal_server_error"))]
+    data = _events(sent)
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    assert [d["type"] for d in data] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed", "error"]
+    assert data[2]["item"]["content"] == []  # the part is added by its own event
+    assert data[6]["text"] == "Checking." and data[12]["arguments"] == '{"a": 1}'
+    final = data[-2]["response"]
+    assert [(i["type"], i["status"]) for i in final["output"]] == [
+        ("message", "completed"), ("function_call", "completed")]
+    assert final["output"][1]["call_id"] == "call_1"
+    assert final["usage"]["output_tokens"] == 3 and final["usage"]["total_tokens"] == 5
+    assert final["usage"]["input_tokens_details"]["cached_tokens"] == 1
+    assert data[-1]["code"] == "internal_server_error" and data[-1]["message"] == "boom"
+
+
+@pytest.mark.unit
+def test_an_empty_answer_is_still_a_message() -> None:
+    events = ResponseEvents(ResponseObject.starting("resp_2", ResponsesRequest(input="x"), "m"))
+    output = RequestOutput("r", None, [1], [CompletionOutput(0, "", [0], "length")], True,
+                           metrics=RequestMetrics(0.0))
+    data = _events([*events.start(), *events.finish(output, 1)])
+    final = data[-1]
+    assert final["type"] == "response.incomplete"
+    assert final["response"]["output"][0]["content"][0]["text"] == ""
+    assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
 
 
 # -- the openai SDK against loom serve ---------------------------------------------------------
