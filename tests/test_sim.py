@@ -75,6 +75,25 @@ def test_deterministic_for_a_seed():
     assert _stable(a)["requests"] != _stable(c)["requests"]
 
 
+def test_a_request_sent_during_a_step_waits_for_it_in_its_queue_time():
+    """As the engine counts it: queue time and server TTFT run from the send, so a request
+    that arrives while a long prefill step runs has that step's rest in both; with no HTTP
+    time simulated, the server's TTFT is the client's."""
+    trace = Trace([TraceRequest(max_tokens=4, prompt_len=2000, cls="long", arrival_s=0.0,
+                                id="first"),
+                   TraceRequest(max_tokens=4, prompt_len=20, cls="chat", arrival_s=0.001,
+                                id="second")], {"tokenizer": "test"}, sha256="0" * 64)
+    result = _run(trace, Load(rate="trace"), max_num_batched_tokens=2048)
+    first, second = sorted(result["requests"], key=lambda r: r["id"])
+    step = first["ttft_s"]  # one step prefills the whole first prompt and samples
+    assert step > 0.002  # (2,000 tokens at this model's speed: a few ms at least)
+    assert second["ttft_s"] > step - 0.001  # it waited for that step, then had its own
+    # (the first was scheduled at once: the mean of the two is half the second's wait)
+    assert result["queue_time"]["mean_ms"] >= (step - 0.001) * 1000 / 2
+    assert result["server_ttft"]["mean_ms"] == pytest.approx(
+        (first["ttft_s"] + second["ttft_s"]) / 2 * 1000)
+
+
 def test_tiny_kv_cache_preempts_and_a_large_one_does_not():
     trace = _trace()
     tiny = _run(trace, Load(max_concurrency=32), num_blocks=80)

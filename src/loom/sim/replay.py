@@ -43,7 +43,6 @@ class _Live:
     """A request between send and end, as the client and the server see it."""
 
     result: RequestResult
-    added_at: float                 # the step boundary at which the engine got it
     cancel_at: float | None
     replica: int = 0
     scheduled: bool = False
@@ -277,7 +276,7 @@ class Simulation:
         if replica not in self._in_flight:  # idle (or between steps): it starts at `start`
             engine.now = max(engine.now, start)
         self.run.requests_per_replica[replica] += 1
-        self.live[request_id] = _Live(result, engine.now, None, replica)
+        self.live[request_id] = _Live(result, None, replica)
         limit = self.limits.max_num_queued_reqs
         if limit is not None and engine.scheduler.num_waiting >= limit:
             self.run.rejected += 1
@@ -318,7 +317,8 @@ class Simulation:
             live = self.live.get(item.request_id)
             if live is not None and not live.scheduled and not item.padding:
                 live.scheduled = True
-                self.run.queue_times.append(step.start - live.added_at)
+                # from the send, as the engine counts it (the step in progress included)
+                self.run.queue_times.append(step.start - live.result.start_s)
                 request = scheduler.requests.get(item.request_id)
                 self.run.prefix_queries += len(item.prompt_token_ids)
                 self.run.prefix_hits += request.num_cached_tokens if request else 0
@@ -331,7 +331,7 @@ class Simulation:
             r = live.result
             if live.last_token_at is None:
                 r.ttft_s = t - r.start_s
-                self.run.server_ttfts.append(t - live.added_at)
+                self.run.server_ttfts.append(r.ttft_s)  # no HTTP time here: the client's
             else:
                 r.itls_s.append(t - live.last_token_at)
             live.last_token_at = t
