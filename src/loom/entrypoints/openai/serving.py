@@ -56,9 +56,14 @@ _LINE_BREAKS_JSON_ALLOWS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028"
                                           "\u2029": "\\u2029"})
 
 
-def sse(message: BaseModel, event: str | None = None) -> str:
-    """One server-sent event; `event` names it on an `event:` line (the Responses API's)."""
-    data = f"data: {message.model_dump_json().translate(_LINE_BREAKS_JSON_ALLOWS)}\n\n"
+def sse(message: BaseModel) -> str:
+    return sse_json(message.model_dump_json())
+
+
+def sse_json(text: str, event: str | None = None) -> str:
+    """One server-sent event of JSON `text`; `event` names it on an `event:` line (the
+    Responses API's)."""
+    data = f"data: {text.translate(_LINE_BREAKS_JSON_ALLOWS)}\n\n"
     return data if event is None else f"event: {event}\n{data}"
 
 

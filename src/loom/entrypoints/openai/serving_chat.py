@@ -201,7 +201,7 @@ class ChatServing(OpenAIServing):
             _, start = choice.progress.advance(completion)
             end = len(completion.token_ids)
             logprobs = self.logprobs(request, completion.token_ids[start:end],
-                                      (completion.logprobs or [])[start:end])
+                                     (completion.logprobs or [])[start:end])
             message = self.delta_message(tool_use, choice, completion.text, output.finished)
             if not output.finished and message is None and logprobs is None:
                 return None  # tokens that are no text yet (half a UTF-8 char, a stop prefix)
@@ -265,7 +265,7 @@ class ChatServing(OpenAIServing):
         return DeltaMessage(tool_calls=[piece])
 
     def logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
-                  entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
+                 entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
         if not request.logprobs or entries is None:
             return None
 

@@ -40,7 +40,7 @@ from loom.entrypoints.openai.protocol_responses import (
     ResponsesRequest,
     ResponsesUsage,
 )
-from loom.entrypoints.openai.serving import ClientStream, StreamEnding
+from loom.entrypoints.openai.serving import ClientStream, StreamEnding, sse_json
 from loom.entrypoints.openai.serving_chat import ChatChoiceState, ChatFields, ChatPlan, ChatServing
 from loom.outputs import RequestOutput
 
@@ -242,4 +242,4 @@ class ResponseEvents:
     def _event(self, type_: str, **fields: Any) -> str:
         data = json.dumps({"type": type_, "sequence_number": self.sequence, **fields})
         self.sequence += 1
-        return f"event: {type_}\ndata: {data}\n\n"
+        return sse_json(data, type_)
