@@ -273,6 +273,11 @@ def test_text_format_json_schema_constrains_the_answer(client: openai.OpenAI) ->
                                         "schema": {"type": "nonsense"}}}}, "text"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}]},
+     "input"),
+    ({"input": "x", "tool_choice": "required",
+      "tools": [{"type": "function", "name": "f", "parameters": {"type": "nonsense"}}]},
+     "tools"),
 ])
 def test_bad_requests_are_400s_naming_the_field(client: openai.OpenAI, options: dict,
                                                 param: str) -> None:

@@ -219,3 +219,14 @@ def test_tool_choice_errors_name_the_field(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         ask(client, tool_choice="required", response_format={"type": "json_object"})
     assert caught.value.body["param"] == "tool_choice"
+    nonsense = [{"type": "function", "function": {"name": "f",
+                                                  "parameters": {"type": "nonsense"}}}]
+    with pytest.raises(openai.BadRequestError) as caught:  # its parameters cannot compile
+        client.chat.completions.create(model="any", messages=QUESTION, tools=nonsense,
+                                       tool_choice="required", max_tokens=8)
+    assert caught.value.body["param"] == "tools"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{x"}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(client, messages=[*QUESTION, {"role": "assistant", "tool_calls": [call]}])
+    assert caught.value.body["param"] == "messages"
+    assert "tool call arguments are not JSON" in caught.value.body["message"]

@@ -179,9 +179,12 @@ class OpenAIServing:
         on a worker thread so a spec that cannot compile, or a choice the vocabulary cannot
         write, is a 400 naming the field; the engine finds the grammar in the same cache."""
         found = _structured_spec(request, format_param)
-        if found is None:
-            return None
-        param, fields = found
+        return None if found is None else await self.checked_constraint(*found)
+
+    async def checked_constraint(self, param: str, fields: Mapping[str, object]
+                                 ) -> StructuredOutputsParams:
+        """StructuredOutputsParams of `fields`, compiled and checked against the vocabulary on
+        a worker thread; what fails is a 400 naming `param`, the field it came from."""
         try:
             spec = StructuredOutputsParams(**fields)
 

@@ -153,7 +153,7 @@ class ChatServing(OpenAIServing):
         if asked is not None:
             raise APIError(400, f"tool_choice {tool_use.mode!r} cannot be combined with "
                            f"{format_param} or structured outputs", "tool_choice")
-        return StructuredOutputsParams(json=schema)
+        return await self.checked_constraint("tools", {"json": schema})  # their parameters
 
     def render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,
                param: str = "messages") -> list[int]:
@@ -306,11 +306,12 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
 
 
 def _arguments(text: str) -> Any:
+    """A tool call's JSON arguments; a ValueError (naming what is wrong) where they are not
+    JSON, which the caller turns into a 400 naming its own field."""
     try:
         return json.loads(text)
     except ValueError as e:
-        raise APIError(400, f"messages: tool call arguments are not JSON: {e}",
-                       "messages") from e
+        raise ValueError(f"tool call arguments are not JSON: {e}") from e
 
 
 def _content_delta(choice: ChatChoiceState, text: str, sure: int) -> DeltaMessage | None:
