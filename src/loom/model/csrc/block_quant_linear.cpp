@@ -16,10 +16,13 @@
 // - up to `int8_rows` rows (decode steps): x is quantized once per call, per block of 32, into
 //   two int8 parts, x ~ dx * (q1 + q2 / 256) with dx = max|x| / 127 (llama.cpp's Q8_1 is q1
 //   alone: on the bundled model that changed most greedy completions; with q2 they stay
-//   fp32's, benchmarks/native_accuracy.py), and every code group is an integer dot product (_mm256_maddubs_epi16), with
+//   fp32's, benchmarks/native_accuracy.py), and every code group is an integer dot product, with
 //   no decode of the weight to floats; per block, in fp32, y += d * dx * sum(q * qx) + m *
 //   sum(x), with the exact sum of x, so that the offset term carries no rounding of x. The
-//   weight streams at its packed size.
+//   weight streams at its packed size. 4-bit codes take the two parts as bytes
+//   (_mm256_maddubs_epi16, unsigned codes); 8-bit codes take them joined, as the int16
+//   256 q1 + q2 (_mm256_madd_epi16 on the codes widened): the same integer sums in half the
+//   instructions of two signed byte products.
 // - more rows (batched decode, prefill): two panels are decoded once to fp32 (K x 16 floats, at
 //   most ~100 KB, so it stays in L2) and 6 x 16 register tiles run over it, per k two panel
 //   loads, six broadcasts and twelve FMAs, the classic AVX2 sgemm micro-kernel: the fp32
@@ -73,9 +76,11 @@ static LOOM_INLINE __m256i broadcast4(const int8_t* p) {
 
 // One row of x, per block of 32, as two int8 parts: x ~ dx * (q1 + q2 / 256), q1 = round(x / dx)
 // with dx = max|x| / 127 and q2 the rounded rest in 1/256ths, both in [-127, 127] (127 keeps
-// the sign trick of 8-bit codes exact): int16 precision. Per block: the scale dx / 256,
-// the exact sum of x, and the centring term 8 * (sum x - sum of its quantized values) for
-// 4-bit codes (see int_tile). The two parts' 32 codes are stored one after the other.
+// 256 q1 + q2 within int16): int16 precision. Per block: the scale dx / 256, the exact sum
+// of x, and the centring term 8 * (sum x - sum of its quantized values) for 4-bit codes (see
+// int_tile). For 4-bit codes the two parts' 32 codes are stored one after the other, as
+// bytes; for 8-bit codes the block is the 32 int16 values 256 q1 + q2 (the same 64 bytes).
+template <int Bits>
 static void quantize_row(const float* x, int64_t K, int8_t* qx, float* scale, float* sum,
                          float* centre) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -90,7 +95,7 @@ static void quantize_row(const float* x, int64_t K, int8_t* qx, float* scale, fl
         _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
     const float m = hmax(amax);
     const __m256 inv = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
-    __m256i q1[4], q2[4];
+    __m256i q1[4], q2[4], joined[4];
     __m256 total = _mm256_setzero_ps();  // sum of 256 q1 + q2, exact in fp32
     for (int i = 0; i < 4; ++i) {
       const __m256 t = _mm256_mul_ps(v[i], inv);
@@ -98,15 +103,25 @@ static void quantize_row(const float* x, int64_t K, int8_t* qx, float* scale, fl
       const __m256 r2 = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_round_ps(
           _mm256_mul_ps(_mm256_sub_ps(t, r1), _mm256_set1_ps(256.0f)),
           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
-      total = _mm256_add_ps(total, _mm256_fmadd_ps(r1, _mm256_set1_ps(256.0f), r2));
+      const __m256 both = _mm256_fmadd_ps(r1, _mm256_set1_ps(256.0f), r2);
+      total = _mm256_add_ps(total, both);
       q1[i] = _mm256_cvtps_epi32(r1);
       q2[i] = _mm256_cvtps_epi32(r2);
+      joined[i] = _mm256_cvtps_epi32(both);
     }
     const float s = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
     scale[b] = m / (127.0f * 256.0f);
     sum[b] = s;
     centre[b] = 8.0f * (s - scale[b] * hsum(total));
-    // the packs interleave 128-bit lanes; the permute puts the 32 codes back in order
+    // the packs interleave 128-bit lanes; the permutes put the values back in order
+    if (Bits == 8) {
+      for (int half = 0; half < 2; ++half)
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(qx + 2 * b * kQuantBlock + 32 * half),
+            _mm256_permute4x64_epi64(
+                _mm256_packs_epi32(joined[2 * half], joined[2 * half + 1]), 0xD8));
+      continue;
+    }
     for (int part = 0; part < 2; ++part) {
       const __m256i* q = part == 0 ? q1 : q2;
       const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
@@ -121,24 +136,77 @@ static LOOM_INLINE __m256 load_half8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Code group g of a block record: 32 codes, byte 4c + j = channel c, input 4g + j.
-template <int Bits>
-static LOOM_INLINE __m256i code_group(const uint8_t* rec, int g) {
-  if (Bits == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * g));
+// The 4-bit code group g of a block record: 32 codes, byte 4c + j = channel c, input 4g + j.
+static LOOM_INLINE __m256i nibble_group(const uint8_t* rec, int g) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * (g / 2)));
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   return _mm256_and_si256(g % 2 == 0 ? v : _mm256_srli_epi16(v, 4), low4);
 }
 
-// s += sum over one code group of codes * qx, per channel: 16-bit pair sums for 4-bit codes
-// (at most 2 * 15 * 127 each, so eight groups' worth fit in int16), 32-bit for 8-bit codes
-// (signed, so the sign moves onto qx for maddubs' unsigned operand).
-template <int Bits>
-static LOOM_INLINE __m256i dot_group(__m256i codes, __m256i xq, __m256i s) {
-  if (Bits == 4) return _mm256_add_epi16(s, _mm256_maddubs_epi16(codes, xq));
-  const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(codes),
-                                         _mm256_sign_epi8(xq, codes));
-  return _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+// Half h of the 8-bit code group g, widened to int16: channels 4h .. 4h + 3, 4 inputs each.
+static LOOM_INLINE __m256i byte_half_group(const uint8_t* rec, int g, int h) {
+  return _mm256_cvtepi8_epi16(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * g + 16 * h)));
+}
+
+// The 8-bit path's per-channel sums come out of _mm256_hadd_epi32 in the lane order
+// c0 c1 c4 c5 c2 c3 c6 c7; a block's scales are put in that order and the sums put back at
+// the end. The swap is its own inverse.
+static LOOM_INLINE __m256 swap_middle_pairs(__m256 v) {
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+}
+
+// t[r] = 256 sum(q * q1) + sum(q * q2) over one block, per channel, as fp32 (exact): for
+// 4-bit codes two byte products per code group (_mm256_maddubs_epi16, unsigned codes, pair
+// sums of at most 2 * 15 * 127, so eight groups' worth fit in int16), for 8-bit codes one
+// int16 product per half group with x's joined form 256 q1 + q2 (_mm256_madd_epi16: pairs of
+// at most 127 * 32767, int32 sums), in swap_middle_pairs' lane order.
+template <int Bits, int R>
+static LOOM_INLINE void block_sums(const uint8_t* rec, const int8_t* qx, int64_t K, int64_t b,
+                                   __m256* t) {
+  if constexpr (Bits == 4) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s1[R], s2[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm256_setzero_si256();
+    // two code groups (one 32-byte load) per iteration, not unrolled further: fully
+    // unrolled, GCC computed every group's products first and spilled them
+#pragma GCC unroll 1
+    for (int g = 0; g < 8; g += 2) {
+      const __m256i c0 = nibble_group(rec, g), c1 = nibble_group(rec, g + 1);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = qx + r * 2 * K + 2 * b * kQuantBlock + 4 * g;
+        s1[r] = _mm256_add_epi16(s1[r], _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(q)),
+                                                         _mm256_maddubs_epi16(c1, broadcast4(q + 4))));
+        s2[r] = _mm256_add_epi16(
+            s2[r], _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(q + kQuantBlock)),
+                                    _mm256_maddubs_epi16(c1, broadcast4(q + kQuantBlock + 4))));
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+      t[r] = _mm256_cvtepi32_ps(_mm256_add_epi32(
+          _mm256_slli_epi32(_mm256_madd_epi16(s1[r], ones), 8), _mm256_madd_epi16(s2[r], ones)));
+  } else {
+    __m256i low[R], high[R];  // channels 0-3 and 4-7, two pair sums each
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) low[r] = high[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int g = 0; g < 8; ++g) {
+      const __m256i c0 = byte_half_group(rec, g, 0), c1 = byte_half_group(rec, g, 1);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int64_t four;  // x's joined values for inputs 4g .. 4g + 3
+        std::memcpy(&four, qx + r * 2 * K + 2 * b * kQuantBlock + 8 * g, 8);
+        const __m256i xv = _mm256_set1_epi64x(four);
+        low[r] = _mm256_add_epi32(low[r], _mm256_madd_epi16(c0, xv));
+        high[r] = _mm256_add_epi32(high[r], _mm256_madd_epi16(c1, xv));
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) t[r] = _mm256_cvtepi32_ps(_mm256_hadd_epi32(low[r], high[r]));
+  }
 }
 
 // y[r, 0..7] = x[r] . panel (+ bias) for R <= 4 rows, from the two-part int8 activations.
@@ -154,7 +222,6 @@ static inline void int_tile(const uint8_t* panel, int64_t nb, const int8_t* qx,
                             int64_t K, float* y, int64_t N, const float* bias,
                             const uint8_t* ahead) {
   constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -165,38 +232,26 @@ static inline void int_tile(const uint8_t* panel, int64_t nb, const int8_t* qx,
       for (int64_t offset = 0; offset < record; offset += 64)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + b * record + offset), _MM_HINT_T0);
     }
-    __m256i s1[R], s2[R];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm256_setzero_si256();
-    // two code groups (one 32-byte load of 4-bit codes) per iteration, not unrolled further:
-    // fully unrolled, GCC computed every group's products first and spilled them
-#pragma GCC unroll 1
-    for (int g = 0; g < 8; g += 2) {
-      const __m256i c0 = code_group<Bits>(rec, g), c1 = code_group<Bits>(rec, g + 1);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const int8_t* q = qx + r * 2 * K + 2 * b * kQuantBlock + 4 * g;
-        s1[r] = dot_group<Bits>(c1, broadcast4(q + 4), dot_group<Bits>(c0, broadcast4(q), s1[r]));
-        s2[r] = dot_group<Bits>(c1, broadcast4(q + kQuantBlock + 4),
-                                dot_group<Bits>(c0, broadcast4(q + kQuantBlock), s2[r]));
-      }
+    __m256 t[R];
+    block_sums<Bits, R>(rec, qx, K, b, t);
+    __m256 d = load_half8(rec + record - kScaleBytes);
+    __m256 m = load_half8(rec + record - kScaleBytes / 2);
+    if (Bits == 8) {
+      d = swap_middle_pairs(d);
+      m = swap_middle_pairs(m);
     }
-    const __m256 d = load_half8(rec + record - kScaleBytes);
-    const __m256 m = load_half8(rec + record - kScaleBytes / 2);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m256i t1 = Bits == 4 ? _mm256_madd_epi16(s1[r], ones) : s1[r];
-      const __m256i t2 = Bits == 4 ? _mm256_madd_epi16(s2[r], ones) : s2[r];
-      const __m256 t = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(t1, 8), t2));
       const int64_t i = r * nb + b;
-      const __m256 dot = Bits == 4 ? _mm256_fmadd_ps(t, _mm256_set1_ps(scale[i]),
+      const __m256 dot = Bits == 4 ? _mm256_fmadd_ps(t[r], _mm256_set1_ps(scale[i]),
                                                      _mm256_set1_ps(centre[i]))
-                                   : _mm256_mul_ps(t, _mm256_set1_ps(scale[i]));
+                                   : _mm256_mul_ps(t[r], _mm256_set1_ps(scale[i]));
       acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum[i]), _mm256_fmadd_ps(dot, d, acc[r]));
     }
   }
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
+    if (Bits == 8) acc[r] = swap_middle_pairs(acc[r]);
     if (bias != nullptr) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(bias));
     _mm256_storeu_ps(y + r * N, acc[r]);
   }
@@ -210,7 +265,7 @@ static void int8_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
   std::vector<int8_t> qx(M * 2 * K);
   std::vector<float> scale(M * nb), sum(M * nb), centre(M * nb);
   for (int64_t r = 0; r < M; ++r)
-    quantize_row(xp + r * K, K, qx.data() + r * 2 * K, scale.data() + r * nb,
+    quantize_row<Bits>(xp + r * K, K, qx.data() + r * 2 * K, scale.data() + r * nb,
                  sum.data() + r * nb, centre.data() + r * nb);
   // a few panels per unit: fewer trips to the shared counter, still enough units to balance
   const int64_t per_unit = std::max<int64_t>(1, kUnitWeights / (kPanel * K));
