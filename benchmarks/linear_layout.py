@@ -10,9 +10,10 @@ rows, so weights stream from memory as in a real step. Layouts alternate within 
 each figure is the best of --rounds. A second table shows the packed layout's batch hint. A
 third puts loom's native kernel on the GGUF's own Q4_1/Q8_0 blocks (`--linear-backend native`,
 auto on CPU float32) next to the prepacked layout, at every row count, by path: int8
-activations (what the engine runs up to `INT8_MAX_ROWS` rows) and fp32, with the GB/s of panel
-bytes each streams. With --against REV, the kernel and layout of git revision REV are built too
-and timed in the same rounds, for a before/after ratio, and their outputs compared bit for bit:
+activations (what the engine runs up to `INT8_MAX_ROWS` rows, by code width) and fp32, with
+the GB/s of panel bytes each streams, and the chain as the engine runs it. With --against REV,
+the kernel and layout of git revision REV are built too and timed in the same rounds, for a
+before/after ratio, and their outputs compared bit for bit:
 
     python benchmarks/linear_layout.py --native-only --against 2bb86b4
 """
@@ -172,11 +173,12 @@ def native_table(rows: str, rounds: int, against: str | None) -> None:
     packed = model_chain(LLM(dtype="float32", linear_backend="onednn").engine.runner.model)
     old = linears_at(against) if against else None
     paths = {"int8": [OnPath(lin, 1 << 30) for lin in layers],
-             "fp32": [OnPath(lin, 0) for lin in layers]}
+             "fp32": [OnPath(lin, 0) for lin in layers],
+             "engine": layers}  # each layer on the path the engine picks for its code width
     new_gb = panel_bytes(layers) / 1e9
     print(f"\nNative kernel on the GGUF's blocks ({new_gb * 1e3:.0f} MB of panels) by path, "
           f"against the prepacked layout (ms per chain; the engine takes int8 up to "
-          f"{INT8_MAX_ROWS} rows):\n")
+          f"{INT8_MAX_ROWS[4]} rows for 4-bit codes and {INT8_MAX_ROWS[8]} for 8-bit ones):\n")
     extra = ""
     if old is not None:
         old_gb = panel_bytes(old) / 1e9
@@ -191,7 +193,7 @@ def native_table(rows: str, rounds: int, against: str | None) -> None:
         for _ in range(rounds):  # the chains alternate within each round
             for name, chain in chains.items():
                 best[name] = min(best[name], chain_ms(chain, m, 1))
-        t_new = best["int8" if m <= INT8_MAX_ROWS else "fp32"]
+        t_new = best["engine"]
         row = (f"| {m} | {best['prepacked']:.1f} | {best['int8']:.1f} | "
                f"{new_gb / best['int8'] * 1e3:.1f} | {best['fp32']:.1f} | "
                f"{best['prepacked'] / t_new:.2f}x |")

@@ -29,7 +29,7 @@ from loom import LLM, SamplingParams  # noqa: E402
 from loom.bench.sysinfo import hardware  # noqa: E402
 from loom.model import linear  # noqa: E402
 
-PATHS = {"fp32": 0, "int8": 1 << 30}  # linear.INT8_MAX_ROWS that forces each path
+PATHS = {"fp32": 0, "int8": 1 << 30}  # the linear.INT8_MAX_ROWS that forces each path
 
 
 def teacher_forced(ref: LLM, test: LLM) -> dict[str, float]:
@@ -91,7 +91,7 @@ def main() -> None:
     engine_rows = linear.INT8_MAX_ROWS
     try:
         for name, rows in PATHS.items():
-            linear.INT8_MAX_ROWS = rows
+            linear.INT8_MAX_ROWS = dict.fromkeys(engine_rows, rows)
             print_row(name, ref, native)
     finally:
         linear.INT8_MAX_ROWS = engine_rows

@@ -30,7 +30,7 @@ from loom.model.loader import (
     _unpermute_rope,
     load_model,
 )
-from loom.model.weights import BlockQuantWeight
+from loom.model.weights import FOUR_BIT_KINDS, BlockQuantWeight
 
 ops = block_quant_linear_ops()
 needs_kernel = pytest.mark.skipif(ops is None or not ops.supported(),
@@ -227,18 +227,20 @@ def test_kernel_takes_strided_rows_and_refuses_bad_shapes() -> None:
 
 
 @needs_kernel
-def test_linear_uses_the_kernel_at_every_batch_size() -> None:
+@pytest.mark.parametrize("quant", list(CODES))
+def test_linear_uses_the_kernel_at_every_batch_size(quant: str) -> None:
     """A block-quantized form that deliberately differs from the fp32 weight shows which path
-    each call took: int8 up to INT8_MAX_ROWS rows, fp32 above; the fp32 weight is not kept.
-    Channels that do not fill whole panel pairs, or no compiled kernel, leave the layer on the
-    fp32 weight; scales fp16 cannot hold make no blocks at all."""
-    bq = random_block_quant(32, 64, seed=2)
+    each call took: int8 up to INT8_MAX_ROWS rows for the weight's code width, fp32 above; the
+    fp32 weight is not kept. Channels that do not fill whole panel pairs, or no compiled
+    kernel, leave the layer on the fp32 weight; scales fp16 cannot hold make no blocks at all."""
+    bq = random_block_quant(32, 64, seed=2, quant=quant)
+    int8_max_rows = INT8_MAX_ROWS[4 if bq.kind in FOUR_BIT_KINDS else 8]
     other = torch.randn(32, 64)
     linear = Linear(other, None, prepack=False, block_quant=bq, block_quant_ops=ops)
     assert linear.weight is None
-    for rows in (1, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 300):
+    for rows in (1, int8_max_rows, int8_max_rows + 1, 300):
         x = torch.randn(rows, 64)
-        path = INT8 if rows <= INT8_MAX_ROWS else FP32
+        path = INT8 if rows <= int8_max_rows else FP32
         torch.testing.assert_close(linear(x), ops.block_quant_linear(x, linear.panels, None,
                                                                      path), rtol=0, atol=0)
         torch.testing.assert_close(linear(x), F.linear(x, bq.dequantize()), rtol=1e-3,

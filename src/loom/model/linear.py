@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.model.kernels import fused_ops
-from loom.model.weights import BLOCK_LAYOUT, BlockQuantWeight
+from loom.model.weights import BLOCK_LAYOUT, FOUR_BIT_KINDS, BlockQuantWeight
 
 # oneDNN picks its packed layout for a typical batch; one layout serves every batch size. A
 # 512-row hint was as fast as small ones at decode sizes and, unlike them, does not lose to
@@ -47,11 +47,14 @@ _PACK_BATCH_HINT = 512
 # two panels at a time, so a layer runs on it only with whole pairs.
 PANEL_CHANNELS = 8
 
-# Rows up to which the native kernel computes with int8 activations (decode steps); above it,
-# in fp32 (prefill), where its register tile beat the integer one (benchmarks/linear_layout.py).
-# Both paths read the same panels, so the choice is per call. Not batch-invariant: a decode row
-# in a step of more rows takes the fp32 path and can round differently.
-INT8_MAX_ROWS = 16
+# Rows up to which the native kernel computes with int8 activations (decode steps), by the
+# weight's code width; above it, in fp32 (prefill), where its register tile beats the integer
+# one. 8-bit codes cross over later: their integer product is one int16 multiply per code
+# against two byte products for 4-bit codes (measured over the bundled model's Q4_1 layers and
+# Q8_0 lm_head; benchmarks/linear_layout.py times both paths). Both paths read the same panels,
+# so the choice is per call. Not batch-invariant: a decode row in a step of more rows takes
+# the fp32 path and can round differently.
+INT8_MAX_ROWS = {4: 14, 8: 20}
 
 # Rows above which a layer with bf16 copies sends a call to them (`Linear`'s bf16_above_rows,
 # chosen by loom.model.backends): where the bf16 matmul overtook the int8 path over the chain
@@ -140,6 +143,7 @@ class Linear:
             self.out_features, self.in_features = block_quant.shape
             self.panels = to_panels(block_quant, block_quant_ops)
             self._block_quant_ops = block_quant_ops
+            self._code_bits = 4 if block_quant.kind in FOUR_BIT_KINDS else 8
             self.weight, self.prepacked = None, False
             if bf16_above_rows is not None:
                 self._bf16_above_rows = bf16_above_rows
@@ -178,8 +182,8 @@ class Linear:
                        self._bf16_ops.bf16_linear(rows.contiguous(), self.batched_slices,
                                                   self.bias))
             else:
-                out = self._block_quant_ops.block_quant_linear(rows, self.panels, self.bias,
-                                                               INT8_MAX_ROWS)
+                out = self._block_quant_ops.block_quant_linear(
+                    rows, self.panels, self.bias, INT8_MAX_ROWS[self._code_bits])
             return out if flat else out.view(*x.shape[:-1], self.out_features)
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
