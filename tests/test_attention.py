@@ -309,6 +309,31 @@ def test_fused_rope_write_decode_matches_the_torch_path(dtype, cache_dtype, tole
     torch.testing.assert_close(v_actual, v_expected, atol=0, rtol=0)
 
 
+def test_kernel_reads_v_through_its_strides_whichever_layout_holds_it() -> None:
+    """new_kv_cache stores V kv head before position (one head's block one contiguous run),
+    and the kernel reads it through its strides: the same values stored position before kv
+    head, as the cache was before, attend to the same output, bit for bit."""
+    ops = paged_attention_ops()
+    if ops is None:
+        pytest.skip("no compiled kernel")
+    blocks, bs, kv_heads, dim = 12, 16, 3, 64
+    k_cache, v_cache = new_kv_cache(blocks, bs, kv_heads, dim, torch.float16,
+                                    torch.device("cpu"))
+    assert v_cache.stride() == (kv_heads * bs * dim, dim, bs * dim, 1)
+    generator = torch.Generator().manual_seed(7)
+    k_cache.copy_(torch.randn(k_cache.shape, generator=generator))
+    v_cache.copy_(torch.randn(v_cache.shape, generator=generator))
+    position_major = v_cache.contiguous()
+    assert position_major.stride() == (bs * kv_heads * dim, kv_heads * dim, dim, 1)
+    tables, lens = [[3, 0, 7], [5, 11], [9, 1, 2, 4, 6, 8]], [40, 17, 90]
+    decodes = decode_metadata(tables, lens, bs, True).paged_decodes
+    q = torch.randn(len(lens), 9, dim, generator=generator)
+    outputs = [ops.paged_decode_attention(q, k_cache, v, decodes.block_tables,
+                                          decodes.context_lens, dim ** -0.5)
+               for v in (v_cache, position_major)]
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_fused_op_refuses_out_of_range_positions_and_slots() -> None:
     ops = paged_attention_ops()
     k_cache, v_cache = new_kv_cache(4, 16, 3, 64, torch.float32, torch.device("cpu"))

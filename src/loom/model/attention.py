@@ -85,12 +85,15 @@ def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: 
                  dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's K and V caches, both indexed [block, position in block, kv head, dim].
 
-    K is stored [block, kv head, dim, position] and handed out as a permuted view: the
-    native kernel then scores a whole block with vector FMAs across its positions (no
-    horizontal sums), while every torch op still sees the common indexing."""
+    Both are stored kv head before position and handed out as permuted views, so every torch
+    op still sees the common indexing. K is stored [block, kv head, dim, position]: the native
+    kernel then scores a whole block with vector FMAs across its positions (no horizontal
+    sums). V is stored [block, kv head, position, dim]: one kv head's block is one contiguous
+    run, which the kernel's p.V pass streams faster than rows strided by the other heads
+    (BENCHMARKS.md has the A/B)."""
     k = zeros((num_blocks, num_kv_heads, head_dim, block_size), dtype, device)
-    v = zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
-    return k.permute(0, 3, 1, 2), v
+    v = zeros((num_blocks, num_kv_heads, block_size, head_dim), dtype, device)
+    return k.permute(0, 3, 1, 2), v.permute(0, 2, 1, 3)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -5,7 +5,8 @@
 // (stored [blocks, kv_heads, dim, block_size], see new_kv_cache) so that q.K over a block is a
 // vector FMA across its positions per dim, with the block's scores held in registers; V must
 // have dim stride 1 so that p.V is a vector FMA across dims, with the tile's query rows'
-// accumulators held in registers. Both need the shape known at compile time, hence the
+// accumulators held in registers (new_kv_cache stores it [blocks, kv_heads, block_size, dim],
+// so that one kv head's block is one contiguous run). Both need the shape known at compile time, hence the
 // dispatch over (G query heads per kv head, head dim); other shapes use the torch path
 // (`supported`). Work is split over (tile, kv head) pairs. On AVX2 an intrinsics version
 // (below) reads each K block once for all the tile's query rows and prefetches the next block;
