@@ -13,6 +13,12 @@ alternate rounds. Run from the repository root:
     python benchmarks/decode_kernel.py --contexts 20-60    # short contexts: per-request costs
     python benchmarks/decode_kernel.py --layers 30         # each layer its own caches, as in
                                                            # the model: read from memory, not cache
+    python benchmarks/decode_kernel.py --layers 30 --v-layouts   # V stored kv head before
+                                      # position (new_kv_cache) against position before kv head
+
+With --v-layouts, the same values are also copied into a V cache stored position before kv
+head (each position's heads side by side, the layout before 965516a), and the kernel, called
+straight, is timed over both in turns (`alternating`); the outputs are compared bit for bit.
 """
 
 from __future__ import annotations
@@ -101,14 +107,19 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1,
                         help="layers of caches the timed calls cycle through (default 1: the "
                              "caches stay in the CPU's caches; the model's 30 do not)")
+    parser.add_argument("--v-layouts", action="store_true",
+                        help="also time the kernel over V stored position before kv head")
     args = parser.parse_args()
     low, high = (int(x) for x in args.contexts.split("-"))
     old = kernel_at(args.against) if args.against else None
     extra = (f" | now, called straight | {args.against} ms/layer | {args.against} / now"
              if old else "")
+    if args.v_layouts:
+        extra += (" | head-major V ms/layer | position-major V ms/layer | position-major / "
+                  "head-major | outputs equal")
     print("| dtype | KV cache | decodes | mean context | torch path ms/layer | native ms/layer "
           f"| native GFLOP/s | speed-up{extra} |\n|---|---|--:|--:|--:|--:|--:|--:|"
-          + ("--:|--:|--:|" if old else ""))
+          + ("--:|--:|--:|" if old else "") + ("--:|--:|--:|:-:|" if args.v_layouts else ""))
     runner = ModelRunner.__new__(ModelRunner)  # only its metadata builders
     runner.block_size, runner.device = BLOCK, torch.device("cpu")
     for dtype, cache_dtype in ((torch.float32, torch.float32), (torch.float32, torch.float16),
@@ -155,7 +166,27 @@ def main() -> None:
                 row += f" {now_ms:.3f} | {old_ms:.3f} | {old_ms / now_ms:.2f}x |"
             elif old is not None:
                 row += " - | - | - |"
+            if args.v_layouts:
+                row += v_layouts_row(q, native.paged_decodes, layers)
             print(row, flush=True)
+
+
+def v_layouts_row(q: torch.Tensor, decodes, layers: list[tuple[torch.Tensor, torch.Tensor]]
+                  ) -> str:
+    """The kernel, called straight, over the layers' caches as new_kv_cache lays them out and
+    over copies of their V stored position before kv head, in turns: the row's extra cells."""
+    ops = paged_attention_ops()
+    position_major = [(k, v.contiguous()) for k, v in layers]
+
+    def call(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ops.paged_decode_attention(q, k, v, decodes.block_tables, decodes.context_lens,
+                                          HEAD_DIM ** -0.5)
+
+    equal = all(torch.equal(call(*a), call(*b)) for a, b in zip(layers, position_major))
+    head_ms, position_ms = alternating([functools.partial(over_layers, call, caches)
+                                        for caches in (layers, position_major)])
+    return (f" {head_ms:.3f} | {position_ms:.3f} | {position_ms / head_ms:.2f}x | "
+            f"{'yes' if equal else 'no'} |")
 
 
 if __name__ == "__main__":
