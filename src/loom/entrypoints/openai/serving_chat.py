@@ -159,12 +159,8 @@ class ChatServing(OpenAIServing):
                param: str = "messages") -> list[int]:
         """The conversation (and tools) through the model's chat template, as token ids;
         a conversation the template refuses is a 400 naming `param`."""
-        try:
-            text = self.tokenizer.apply_chat_template(
-                [template_message(m) for m in messages], add_generation_prompt=True,
-                tools=tools or None)
-        except (ValueError, jinja2.TemplateError) as e:
-            raise APIError(400, f"{param}: {e}", param) from e
+        text = render_chat(self.tokenizer, messages, tools, add_generation_prompt=True,
+                           param=param)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def calls(self, tool_use: ToolUse, text: str) -> ExtractedToolCalls:
@@ -287,6 +283,19 @@ def _tool_use(request: ChatCompletionRequest) -> ToolUse:
                           else choice.model_dump(), request.parallel_tool_calls is not False)
     except ValueError as e:
         raise APIError(400, str(e), "tool_choice") from e
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
+                add_generation_prompt: bool, param: str = "messages") -> str:
+    """The conversation (and tools) through the tokenizer's chat template, as text: what
+    /v1/chat/completions and /tokenize both render. A conversation the template refuses (or
+    a tool call whose arguments are not JSON) is a 400 naming `param`."""
+    try:
+        return tokenizer.apply_chat_template(
+            [template_message(m) for m in messages],
+            add_generation_prompt=add_generation_prompt, tools=tools or None)
+    except (ValueError, jinja2.TemplateError) as e:
+        raise APIError(400, f"{param}: {e}", param) from e
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:

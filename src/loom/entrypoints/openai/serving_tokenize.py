@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import jinja2
 from fastapi import FastAPI
 
 from loom.entrypoints.openai.errors import APIError
@@ -17,7 +16,7 @@ from loom.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from loom.entrypoints.openai.serving_chat import template_message
+from loom.entrypoints.openai.serving_chat import render_chat
 
 
 def add_tokenize_routes(app: FastAPI, engine: Any) -> None:
@@ -33,12 +32,8 @@ def add_tokenize_routes(app: FastAPI, engine: Any) -> None:
             add_special = True if request.add_special_tokens is None else request.add_special_tokens
             return tokenizer.encode(request.prompt, add_special_tokens=add_special)
         tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
-        try:
-            text = tokenizer.apply_chat_template(
-                [template_message(m) for m in request.messages],
-                add_generation_prompt=request.add_generation_prompt, tools=tools or None)
-        except (ValueError, jinja2.TemplateError) as e:
-            raise APIError(400, f"messages: {e}", "messages") from e
+        text = render_chat(tokenizer, request.messages, tools,
+                           add_generation_prompt=request.add_generation_prompt)
         return tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens))
 
     @app.post("/tokenize")
