@@ -1,7 +1,8 @@
 """OpenAI's Responses API (/v1/responses) through the official openai SDK against `loom serve`:
 answers agree with the chat endpoint's, a stream's events are numbered and reassemble into the
 non-streamed response, function calls and their outputs make a conversation, text.format
-constrains the answer, and what loom cannot do is a 400 naming the field."""
+constrains the answer, a kept response continues by previous_response_id, and what loom
+cannot do is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import pytest
 from server_helpers import serve
 
 from loom.entrypoints.openai.errors import APIError, error_body
-from loom.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall
+from loom.entrypoints.openai.protocol import ChatMessage, DeltaFunctionCall, DeltaToolCall
 from loom.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
+from loom.entrypoints.openai.response_store import ResponseStore
 from loom.entrypoints.openai.serving_responses import ResponseEvents
 from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -59,7 +61,6 @@ def test_input_items_become_the_chat_conversation() -> None:
 
 @pytest.mark.unit
 @pytest.mark.parametrize(("body", "param"), [
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "x", "background": True}, "background"),
     ({"input": []}, "input"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
@@ -73,6 +74,33 @@ def test_what_loom_cannot_do_is_an_error_naming_the_field(body: dict, param: str
     with pytest.raises(APIError) as caught:
         ResponsesRequest.model_validate(body).chat_request()
     assert caught.value.status == 400 and caught.value.param == param
+
+
+@pytest.mark.unit
+def test_earlier_turns_come_between_the_instructions_and_the_input() -> None:
+    earlier = [ChatMessage(role="user", content="Hi."),
+               ChatMessage(role="assistant", content="Hello.")]
+    request = ResponsesRequest.model_validate({"instructions": "Be brief.", "input": "Again?"})
+    assert [(m.role, m.text()) for m in request.chat_request(earlier).messages] == [
+        ("system", "Be brief."), ("user", "Hi."), ("assistant", "Hello."), ("user", "Again?")]
+
+
+@pytest.mark.unit
+def test_the_store_keeps_the_most_recent_and_names_the_field_of_an_unknown_id() -> None:
+    store = ResponseStore(capacity=2)
+    turn = [ChatMessage(role="user", content="x")]
+    for i in range(3):
+        store.put(ResponseObject(id=f"resp_{i}", status="completed", model="m"), turn)
+    assert len(store) == 2 and store.get("resp_2").response.id == "resp_2"
+    with pytest.raises(APIError) as caught:
+        store.get("resp_0", "previous_response_id")  # the oldest went first
+    assert caught.value.status == 404 and caught.value.param == "previous_response_id"
+    store.delete("resp_1")
+    with pytest.raises(APIError):
+        store.delete("resp_1")
+    none = ResponseStore(capacity=0)
+    none.put(ResponseObject(id="resp_x", status="completed", model="m"), turn)
+    assert len(none) == 0
 
 
 def _events(sent: list[str]) -> list[dict]:
@@ -249,6 +277,65 @@ def test_a_function_output_continues_the_conversation(client: openai.OpenAI) -> 
 
 
 @pytest.mark.integration
+def test_previous_response_id_continues_the_kept_conversation(client: openai.OpenAI) -> None:
+    """A second turn naming the first answers as the chat endpoint does given the whole
+    conversation, without the first turn's instructions (they do not carry over); a call
+    kept in a response is answered by its output alone, and a streamed response is kept too."""
+    options = {"model": "any", "max_output_tokens": 16, "temperature": 0}
+    first = client.responses.create(input="Name a colour.", instructions="Be brief.", **options)
+    assert first.store is True
+    second = client.responses.create(input="And another?", previous_response_id=first.id,
+                                     **options)
+    chat = client.chat.completions.create(
+        model="any", max_tokens=16, temperature=0,
+        messages=[{"role": "user", "content": "Name a colour."},
+                  {"role": "assistant", "content": first.output_text},
+                  {"role": "user", "content": "And another?"}])
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.previous_response_id == first.id and second.instructions is None
+
+    called = client.responses.create(input=QUESTION, tools=TOOLS, tool_choice="required",
+                                     stream=False, **{**options, "max_output_tokens": 80})
+    call = called.output[0]
+    output = json.dumps({"celsius": 21})
+    answered = client.responses.create(
+        previous_response_id=called.id, tools=TOOLS, **options,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": output}])
+    whole = client.responses.create(tools=TOOLS, **options, input=[
+        {"role": "user", "content": QUESTION},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": output}])
+    assert answered.output_text == whole.output_text
+    assert answered.usage.input_tokens == whole.usage.input_tokens
+
+    with client.responses.stream(input="Name a fruit.", **options) as stream:
+        streamed = stream.get_final_response()
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+
+
+@pytest.mark.integration
+def test_kept_responses_are_read_and_deleted_and_store_false_keeps_none(
+        client: openai.OpenAI) -> None:
+    options = {"model": "any", "input": "Say hi.", "max_output_tokens": 8, "temperature": 0}
+    kept = client.responses.create(**options)
+    read = client.responses.retrieve(kept.id)
+    assert (read.id, read.output_text, read.usage.total_tokens) == (
+        kept.id, kept.output_text, kept.usage.total_tokens)
+    client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+    unkept = client.responses.create(store=False, **options)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.create(previous_response_id=unkept.id, **options)
+    assert caught.value.body["param"] == "previous_response_id"
+
+
+@pytest.mark.integration
 def test_text_format_json_schema_constrains_the_answer(client: openai.OpenAI) -> None:
     schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
               "properties": {"name": {"type": "string", "maxLength": 20},
@@ -262,7 +349,7 @@ def test_text_format_json_schema_constrains_the_answer(client: openai.OpenAI) ->
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("options", "param"), [
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "background": True}, "background"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "max_output_tokens": 10 ** 6}, "max_output_tokens"),
     ({"input": "x", "temperature": -1}, "temperature"),

@@ -63,6 +63,9 @@ class ServerConfig:
     max_connections: int = field(default=512, metadata=flag_help(
         "open connections at most (one more is answered 503 and closed); lowered to fit the "
         "file-descriptor limit", "Admission"))
+    max_stored_responses: int = field(default=1024, metadata=flag_help(
+        "finished /v1/responses answers kept in memory for a later previous_response_id and "
+        "GET /v1/responses/{id}, oldest dropped first; 0 = keep none"))
     shutdown_timeout: float = field(default=30.0, metadata=flag_help(
         "on SIGTERM, seconds requests in flight may run on before they are aborted"))
     engine_in_process: bool = field(default=False, metadata=flag_help(
@@ -81,6 +84,9 @@ class ServerConfig:
         for name, value in timeouts.items():
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.max_stored_responses < 0:
+            raise ValueError(f"max_stored_responses must be >= 0, got "
+                             f"{self.max_stored_responses}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.api_key == "":

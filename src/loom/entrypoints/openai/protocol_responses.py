@@ -6,8 +6,9 @@ What loom takes: `input` as text or a list of items (messages with text content,
 them), `instructions`, `max_output_tokens`, `temperature`, `top_p`, function `tools`,
 `tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema),
 `include: ["message.output_text.logprobs"]` and `top_logprobs` (either asks for logprobs),
-and `stream`. loom keeps no responses, so `previous_response_id` and `background` are a 400
-naming the field (send the conversation in `input`); `store` is answered with false.
+`stream`, `store` and `previous_response_id` (the conversation of a response this server
+kept, continued by this request's input: response_store.py). `background` is a 400 naming
+the field: loom answers in the foreground only.
 """
 
 from __future__ import annotations
@@ -103,18 +104,19 @@ class ResponsesRequest(OpenAIRequest):
     previous_response_id: str | None = None
     background: bool | None = None
 
-    def chat_request(self) -> ChatCompletionRequest:
-        """The chat completion this request asks for; a 400 naming the field for what loom
-        cannot do."""
-        if self.previous_response_id is not None:
-            raise APIError(400, "previous_response_id: this server keeps no responses; send "
-                           "the conversation so far in input", "previous_response_id")
+    def chat_request(self, earlier: list[ChatMessage] | None = None) -> ChatCompletionRequest:
+        """The chat completion this request asks for: `instructions` as a system turn, then
+        the `earlier` turns (those of the response named by previous_response_id), then
+        `input`. A 400 naming the field for what loom cannot do."""
         if self.background:
             raise APIError(400, "background: this server answers in the foreground only",
                            "background")
-        messages = chat_messages(self.input, self.instructions)
-        if not messages:
+        turns = chat_messages(self.input)
+        if not turns:
             raise APIError(400, "input must not be empty", "input")
+        system = [ChatMessage(role="system", content=self.instructions)] if self.instructions \
+            else []
+        messages = [*system, *(earlier or []), *turns]
         logprobs = LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs is not None
         return ChatCompletionRequest(
             messages=messages, max_completion_tokens=self.max_output_tokens,
@@ -130,13 +132,12 @@ class ResponsesRequest(OpenAIRequest):
             response_format=_response_format(self.text))
 
 
-def chat_messages(given: str | list[InputItem], instructions: str | None) -> list[ChatMessage]:
+def chat_messages(given: str | list[InputItem]) -> list[ChatMessage]:
     """`input` as chat messages: text is one user turn; a function call joins the assistant
-    turn just before it (a turn of its own otherwise); its output is a tool turn.
-    `instructions` come first, as a system turn."""
-    messages = [ChatMessage(role="system", content=instructions)] if instructions else []
+    turn just before it (a turn of its own otherwise); its output is a tool turn."""
     if isinstance(given, str):
-        return [*messages, ChatMessage(role="user", content=given)]
+        return [ChatMessage(role="user", content=given)]
+    messages: list[ChatMessage] = []
     for i, item in enumerate(given):
         where = f"input[{i}]"
         if item.type == "message":
@@ -246,7 +247,7 @@ class ResponseObject(OpenAIModel):
     model: str
     output: list[MessageItem | FunctionCallItem] = Field(default_factory=list)
     parallel_tool_calls: bool = True
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None,
                                                                "summary": None})
     store: bool = False
@@ -262,9 +263,10 @@ class ResponseObject(OpenAIModel):
     background: bool = False
 
     @classmethod
-    def starting(cls, response_id: str, request: ResponsesRequest, model: str
-                 ) -> ResponseObject:
-        """The response before its output: status in_progress, the request's settings."""
+    def starting(cls, response_id: str, request: ResponsesRequest, model: str,
+                 stored: bool = False) -> ResponseObject:
+        """The response before its output: status in_progress, the request's settings;
+        `stored`: whether the server keeps it once finished."""
         return cls(
             id=response_id, status="in_progress", instructions=request.instructions,
             max_output_tokens=request.max_output_tokens, model=model,
@@ -278,4 +280,12 @@ class ResponseObject(OpenAIModel):
                          if isinstance(request.tool_choice, FunctionToolChoice)
                          else request.tool_choice or "auto"),
             tools=[t.model_dump(exclude_none=True) for t in request.tools or []],
-            user=request.user, metadata=request.metadata or {})
+            user=request.user, metadata=request.metadata or {},
+            previous_response_id=request.previous_response_id,
+            store=stored)
+
+
+class DeletedResponse(OpenAIModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True

@@ -40,7 +40,12 @@ from loom.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
-from loom.entrypoints.openai.protocol_responses import ResponsesRequest
+from loom.entrypoints.openai.protocol_responses import (
+    DeletedResponse,
+    ResponseObject,
+    ResponsesRequest,
+)
+from loom.entrypoints.openai.response_store import ResponseStore
 from loom.entrypoints.openai.serving_chat import ChatServing
 from loom.entrypoints.openai.serving_completion import CompletionServing
 from loom.entrypoints.openai.serving_responses import ResponsesServing
@@ -81,7 +86,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     completions = CompletionServing(engine, model_name, config.stream_interval)
     chat = ChatServing(engine, model_name, config.stream_interval,
                        tool_call_parser=config.tool_call_parser)
-    responses = ResponsesServing(chat)
+    responses = ResponsesServing(chat, ResponseStore(config.max_stored_responses))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -106,6 +111,14 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     @app.post("/v1/responses")
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
         return await responses.create(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> ResponseObject:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> DeletedResponse:
+        return responses.delete(response_id)
 
     get = partial(app.api_route, methods=["GET", "HEAD"])  # HEAD: the same answer, no body
 

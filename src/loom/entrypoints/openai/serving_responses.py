@@ -11,14 +11,16 @@ message, then the function calls), and a stream is typed events, each numbered:
                   function_call_arguments.done, output_item.done
     response.completed (or response.incomplete: the answer reached max_output_tokens)
 
-An error after the stream began is an `error` event; there is no `data: [DONE]`.
+An error after the stream began is an `error` event; there is no `data: [DONE]`. A finished
+response is kept (unless the request says `store: false`) for a later request's
+`previous_response_id` and for GET / DELETE /v1/responses/{id} (response_store.py).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request, Response
@@ -26,11 +28,15 @@ from fastapi import Request, Response
 from loom.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
+    ChatMessage,
     ChatTokenLogprob,
     DeltaToolCall,
     ErrorResponse,
+    FunctionCall,
+    ToolCall,
 )
 from loom.entrypoints.openai.protocol_responses import (
+    DeletedResponse,
     FunctionCallItem,
     IncompleteDetails,
     InputTokensDetails,
@@ -40,6 +46,7 @@ from loom.entrypoints.openai.protocol_responses import (
     ResponsesRequest,
     ResponsesUsage,
 )
+from loom.entrypoints.openai.response_store import ResponseStore
 from loom.entrypoints.openai.serving import ClientStream, StreamEnding, sse_json
 from loom.entrypoints.openai.serving_chat import ChatChoiceState, ChatFields, ChatPlan, ChatServing
 from loom.outputs import RequestOutput
@@ -51,14 +58,21 @@ RESPONSES_FIELDS = ChatFields(messages="input", response_format="text",
 class ResponsesServing:
     """/v1/responses on the chat endpoint's serving: its template, tool parser, engine."""
 
-    def __init__(self, chat: ChatServing) -> None:
-        self.chat = chat
+    def __init__(self, chat: ChatServing, store: ResponseStore) -> None:
+        self.chat, self.store = chat, store
 
     async def create(self, request: ResponsesRequest, raw_request: Request) -> Response:
         chat, response_id = self.chat, f"resp_{uuid.uuid4().hex}"
-        chat_request = request.chat_request()
+        earlier = ([] if request.previous_response_id is None else
+                   self.store.get(request.previous_response_id,
+                                  "previous_response_id").conversation)
+        chat_request = request.chat_request(earlier)
         plan = await chat.plan(chat_request, response_id, RESPONSES_FIELDS)
-        events = ResponseEvents(ResponseObject.starting(response_id, request, chat.model_name))
+        conversation = chat_request.messages[1 if request.instructions else 0:]
+        stored = request.store is not False and self.store.capacity > 0
+        keep = self._keeper(stored, conversation)
+        events = ResponseEvents(
+            ResponseObject.starting(response_id, request, chat.model_name, stored), keep)
 
         def stream(client: ClientStream, first: list[RequestOutput]) -> AsyncIterator[str]:
             return self._events(chat_request, plan, events, client, first)
@@ -66,10 +80,27 @@ class ResponsesServing:
         def response(finals: dict[str, RequestOutput]) -> ResponseObject:
             (output,) = finals.values()
             choice = chat.choice(chat_request, plan.tool_use, output.outputs[0], 0)
-            return events.finished(_output_items(choice), output, plan.num_prompt_tokens)
+            return keep(events.finished(_output_items(choice), output, plan.num_prompt_tokens))
 
         return await chat.respond(raw_request, plan.requests, "input", request.stream, stream,
                                   response, StreamEnding(events.error, last=""))
+
+    def _keeper(self, stored: bool, conversation: list[ChatMessage]
+                ) -> Callable[[ResponseObject], ResponseObject]:
+        """What a finished response goes through: kept with its conversation and answer
+        when `stored`."""
+        def keep(response: ResponseObject) -> ResponseObject:
+            if stored:
+                self.store.put(response, [*conversation, _answer_turn(response.output)])
+            return response
+        return keep
+
+    def retrieve(self, response_id: str) -> ResponseObject:
+        return self.store.get(response_id).response
+
+    def delete(self, response_id: str) -> DeletedResponse:
+        self.store.delete(response_id)
+        return DeletedResponse(id=response_id)
 
     async def _events(self, request: ChatCompletionRequest, plan: ChatPlan,
                       events: ResponseEvents, stream: ClientStream, first: list[RequestOutput]
@@ -113,6 +144,16 @@ def _output_items(choice: ChatChoice) -> list[MessageItem | FunctionCallItem]:
     return items
 
 
+def _answer_turn(items: list[MessageItem | FunctionCallItem]) -> ChatMessage:
+    """A response's output as the assistant turn a later request continues from."""
+    text = "".join(part.text for item in items if isinstance(item, MessageItem)
+                   for part in item.content)
+    calls = [ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
+                                                             arguments=item.arguments))
+             for item in items if isinstance(item, FunctionCallItem)]
+    return ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)
+
+
 def _dumped(logprobs: list[ChatTokenLogprob] | None) -> list[dict[str, Any]]:
     """Chat's per-token logprobs as the Responses API writes them (the same fields)."""
     return [entry.model_dump() for entry in logprobs or []]
@@ -127,8 +168,10 @@ class ResponseEvents:
     when its first piece comes, closes the message when a call begins (items are
     sequential), and numbers every event."""
 
-    def __init__(self, response: ResponseObject) -> None:
+    def __init__(self, response: ResponseObject,
+                 on_finished: Callable[[ResponseObject], ResponseObject] | None = None) -> None:
         self.response = response
+        self.on_finished = on_finished  # given the final response (to keep it)
         self.sequence = 0
         self.message: MessageItem | None = None
         self.calls: dict[int, FunctionCallItem] = {}  # by the chat delta's call index
@@ -190,6 +233,8 @@ class ResponseEvents:
             sent.append(self._event("response.output_item.done", output_index=self._index(call),
                                     item=call.model_dump(mode="json")))
         done = self.finished(list(self.response.output), output, num_prompt_tokens)
+        if self.on_finished is not None:
+            done = self.on_finished(done)
         sent.append(self._event(f"response.{done.status}",
                                 response=done.model_dump(mode="json")))
         return sent
