@@ -1,5 +1,5 @@
 """`loom bench run` against a real `loom serve` (bundled model, 6 tiny requests), on the
-completions endpoint and on chat (for servers that offer only chat)."""
+completions endpoint, on chat (for servers that offer only chat) and on the Responses API."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from loom.bench.trace import load_trace
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "responses"])
 def test_bench_run_against_loom_serve(tmp_path, endpoint: str) -> None:
     prompts = ["Hello, how are you?", "Name a colour.", "What is 2 + 2?"] * 2
     trace_path = write_trace_file(tmp_path / "t.jsonl", prompts, 4, ["rag", "chat"])
@@ -28,8 +28,8 @@ def test_bench_run_against_loom_serve(tmp_path, endpoint: str) -> None:
                                     progress=False))
     assert (result["completed"], result["failed"]) == (6, 0), result["errors"]
     assert result["total_output_tokens"] == 24  # ignore_eos: exactly max_tokens each
-    assert result["endpoint"] == {"completions": "/v1/completions",
-                                  "chat": "/v1/chat/completions"}[endpoint]
+    assert result["endpoint"] == {"completions": "/v1/completions", "chat": "/v1/chat/completions",
+                                  "responses": "/v1/responses"}[endpoint]
     assert result["model_id"] and result["server"]["version"]["version"]
     assert result["metrics_source"] == "loom"
     assert result["queue_time"]["count"] == 6 and result["preemptions"] == 0

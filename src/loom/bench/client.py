@@ -1,11 +1,14 @@
 """One streaming request, timed from the client's side: /v1/completions, or
-/v1/chat/completions for servers that offer only chat (each prompt one user message, which
-the server's chat template wraps in its own tokens).
+/v1/chat/completions for servers that offer only chat, or /v1/responses, OpenAI's Responses API
+that agent frameworks speak (each prompt one user message or `input`, which the server's chat
+template wraps in its own tokens).
 
 Only what any OpenAI-compatible server does is assumed: SSE chunks of `choices[0].text` (chat:
-`choices[0].delta.content`), an optional usage chunk, `data: [DONE]`. Output lengths are the
-trace's because the request asks for `ignore_eos` with its token budget. Every request ends in
-exactly one status, so nothing a server refuses or breaks goes uncounted.
+`choices[0].delta.content`), an optional usage chunk, `data: [DONE]`; on /v1/responses, typed
+events (`response.output_text.delta`, then `response.completed` or `response.incomplete` with
+the usage, or `error`) and no `[DONE]`. Output lengths are the trace's because the request
+asks for `ignore_eos` with its token budget. Every request ends in exactly one status, so
+nothing a server refuses or breaks goes uncounted.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from loom.bench.trace import TraceRequest
 
 OK, CANCELLED, REJECTED, ERROR, TIMEOUT = "ok", "cancelled", "rejected", "error", "timeout"
 
-ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
+             "responses": "/v1/responses"}
+RESPONSES_ENDS = ("response.completed", "response.incomplete")  # the stream's last event
 
 
 @dataclass
@@ -75,14 +80,15 @@ def completion_payload(request: TraceRequest, model: str,
                        endpoint: str = "completions") -> dict[str, Any]:
     """The request body for `endpoint` (a key of ENDPOINTS); `extra` adds or overrides fields
     (token-id prompts, temperature)."""
-    asked: dict[str, Any] = (
-        {"messages": [{"role": "user", "content": request.prompt}],
-         "max_completion_tokens": request.max_tokens} if endpoint == "chat"
-        else {"prompt": request.prompt, "max_tokens": request.max_tokens})
-    payload: dict[str, Any] = {
-        "model": model, **asked,
-        "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
-    }
+    asked: dict[str, Any] = {
+        "completions": {"prompt": request.prompt, "max_tokens": request.max_tokens,
+                        "stream_options": {"include_usage": True}},
+        "chat": {"messages": [{"role": "user", "content": request.prompt}],
+                 "max_completion_tokens": request.max_tokens,
+                 "stream_options": {"include_usage": True}},
+        "responses": {"input": request.prompt, "max_output_tokens": request.max_tokens},
+    }[endpoint]  # (a Responses stream always ends with its usage)
+    payload: dict[str, Any] = {"model": model, **asked, "stream": True, "ignore_eos": True}
     if request.priority is not None:  # only when asked: some servers refuse it under fcfs
         payload["priority"] = request.priority
     if request.temperature is not None:  # else the server's default, whatever it is
@@ -137,13 +143,16 @@ async def _stream(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
                 break
             now = time.perf_counter()
             chunk = json.loads(data)
-            if "error" in chunk:
-                result.status, result.error = ERROR, f"stream error: {chunk['error']}"
+            if "error" in chunk or chunk.get("type") in ("error", "response.failed"):
+                result.status, result.error = ERROR, f"stream error: {chunk.get('error', chunk)}"
                 return
-            if usage := chunk.get("usage"):
+            if usage := _usage(chunk, endpoint):
                 usage_tokens = usage.get("completion_tokens", usage_tokens)
                 if result.prompt_len is None:  # a trace of plain text: the server's count
                     result.prompt_len = usage.get("prompt_tokens")
+            if chunk.get("type") in RESPONSES_ENDS:
+                done = True
+                break
             if not _chunk_text(chunk, endpoint):
                 continue
             if last is None:
@@ -163,8 +172,21 @@ async def _stream(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
             result.status = OK
 
 
+def _usage(chunk: dict[str, Any], endpoint: str) -> dict[str, Any] | None:
+    """The usage a stream chunk carries, in the completions API's names."""
+    if endpoint != "responses":
+        return chunk.get("usage")
+    usage = (chunk.get("response") or {}).get("usage")
+    if not usage:
+        return None
+    return {"completion_tokens": usage.get("output_tokens"),
+            "prompt_tokens": usage.get("input_tokens")}
+
+
 def _chunk_text(chunk: dict[str, Any], endpoint: str) -> str | None:
     """The output text a stream chunk carries (a chat's first chunk carries only its role)."""
+    if endpoint == "responses":
+        return chunk.get("delta") if chunk.get("type") == "response.output_text.delta" else None
     choices = chunk.get("choices") or []
     if not choices:
         return None

@@ -107,10 +107,13 @@ class Target:
         "seconds between /metrics samples for the timeline", flag="--scrape-interval"))
     request_timeout_s: float = field(default=600.0, metadata=flag_help(
         "seconds before a request counts as failed", flag="--request-timeout"))
-    endpoint: Literal["completions", "chat"] = field(default="completions", metadata=flag_help(
-        "the API to replay on: completions (/v1/completions) or chat (/v1/chat/completions, "
-        "for servers that offer only chat: each prompt is one user message, so the server's "
-        "chat template adds its tokens to every prompt)"))
+    endpoint: Literal["completions", "chat", "responses"] = field(
+        default="completions", metadata=flag_help(
+            "the API to replay on: completions (/v1/completions), chat (/v1/chat/completions, "
+            "for servers that offer only chat: each prompt is one user message, so the "
+            "server's chat template adds its tokens to every prompt) or responses "
+            "(/v1/responses, OpenAI's Responses API that agent frameworks call: each prompt "
+            "is the input, through the chat template as well)"))
 
     @property
     def root(self) -> str:

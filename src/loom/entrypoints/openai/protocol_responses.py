@@ -8,7 +8,8 @@ them), `instructions`, `max_output_tokens`, `temperature`, `top_p`, function `to
 `include: ["message.output_text.logprobs"]` and `top_logprobs` (either asks for logprobs),
 `stream`, `store` and `previous_response_id` (the conversation of a response this server
 kept, continued by this request's input: response_store.py). `background` is a 400 naming
-the field: loom answers in the foreground only.
+the field: loom answers in the foreground only. As on the other endpoints, vLLM's
+`ignore_eos` extension (which benchmark clients send for fixed output lengths) is taken.
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class ResponsesRequest(OpenAIRequest):
     user: str | None = None
     previous_response_id: str | None = None
     background: bool | None = None
+    ignore_eos: bool = False  # vLLM's extension
 
     def chat_request(self, earlier: list[ChatMessage] | None = None) -> ChatCompletionRequest:
         """The chat completion this request asks for: `instructions` as a system turn, then
@@ -128,7 +130,7 @@ class ResponsesRequest(OpenAIRequest):
             tool_choice=(NamedToolChoice(function=NamedFunction(name=self.tool_choice.name))
                          if isinstance(self.tool_choice, FunctionToolChoice)
                          else self.tool_choice),
-            parallel_tool_calls=self.parallel_tool_calls,
+            parallel_tool_calls=self.parallel_tool_calls, ignore_eos=self.ignore_eos,
             response_format=_response_format(self.text))
 
 
