@@ -51,6 +51,7 @@ constexpr int64_t kScaleBytes = 2 * kPanel * 2;    // d[8] and m[8], fp16
 constexpr int64_t kRecord4 = 128 + kScaleBytes;    // one 4-bit block of a panel
 constexpr int64_t kRecord8 = 256 + kScaleBytes;    // one 8-bit block of a panel
 constexpr int kTileRows = 6;                       // rows per fp32 register tile
+constexpr int kDecodingTileRows = 4;               // rows of the tile that decodes a pair
 constexpr int kIntTileRows = 4;                    // rows per integer register tile
 constexpr int64_t kUnitWeights = 16384;            // weights per work unit of the int8 path
 
@@ -304,31 +305,94 @@ static void int8_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
   });
 }
 
-// One 8-channel panel to fp32, into columns half * 8 .. half * 8 + 7 of w [K, 16]. Word c of a
-// code group holds channel c's 4 inputs, one per byte (a nibble of it for 4-bit codes), so
-// input j's 8 channels are the group's 8 words shifted and masked: no byte shuffles.
+// Input 4g + j of a panel's 8 channels as fp32, from the words of code group g (its 32-byte
+// chunk g / 2 for 4-bit codes, low nibbles for even g): word c of a code group holds channel
+// c's 4 inputs, one per byte (a nibble of it for 4-bit codes), so input j's 8 channels are the
+// group's 8 words shifted and masked, no byte shuffles.
+template <int Bits>
+static LOOM_INLINE __m256 decoded_input(__m256i words, int g, int j, __m256 d, __m256 m) {
+  const __m256i q =
+      Bits == 4 ? _mm256_and_si256(_mm256_srli_epi32(words, 8 * j + 4 * (g % 2)),
+                                   _mm256_set1_epi32(0x0F))
+                : _mm256_srai_epi32(_mm256_slli_epi32(words, 24 - 8 * j), 24);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
+}
+
+// One 8-channel panel to fp32, into columns half * 8 .. half * 8 + 7 of w [K, 16].
 template <int Bits>
 static void decode_panel(const uint8_t* panel, int64_t nb, int half, float* w) {
   constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
-  const __m256i low4 = _mm256_set1_epi32(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec = panel + b * record;
     const __m256 d = load_half8(rec + record - kScaleBytes);
     const __m256 m = load_half8(rec + record - kScaleBytes / 2);
     float* wb = w + b * kQuantBlock * 16 + 8 * half;
     for (int g = 0; g < 8; ++g) {
-      // 4-bit: 32-byte chunk g / 2, low nibbles for even g
       const __m256i words = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(rec + 32 * (Bits == 4 ? g / 2 : g)));
 #pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j)
+        _mm256_store_ps(wb + (4 * g + j) * 16, decoded_input<Bits>(words, g, j, d, m));
+    }
+  }
+}
+
+template <int R>
+static LOOM_INLINE void store_tile(__m256 (&a0)[R], __m256 (&a1)[R], float* y, int64_t N,
+                                   const float* bias) {
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    if (bias != nullptr) {
+      a0[r] = _mm256_add_ps(a0[r], _mm256_loadu_ps(bias));
+      a1[r] = _mm256_add_ps(a1[r], _mm256_loadu_ps(bias + 8));
+    }
+    _mm256_storeu_ps(y + r * N, a0[r]);
+    _mm256_storeu_ps(y + r * N + 8, a1[r]);
+  }
+}
+
+// The first R <= kDecodingTileRows rows of a panel pair (panel 2p at `pair`, 2p + 1 after it):
+// decodes the pair into w [K, 16] for the tiles after it (column half * 8 + c: channel c of
+// panel half) and computes its own rows from each input's weights while they are still in
+// registers. A tile of few rows is bound by the latency of its FMA chains (one per
+// accumulator, one FMA each per input), which leaves the issue slots to decode in; decoded in
+// a pass of its own (decode_panel), the pair costs about one more row tile.
+template <int Bits, int R>
+static inline void decoding_tile(const uint8_t* pair, int64_t nb, float* w, const float* x,
+                                 int64_t K, float* y, int64_t N, const float* bias) {
+  constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
+  __m256 a0[R], a1[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rec0 = pair + b * record;
+    const uint8_t* rec1 = pair + (nb + b) * record;
+    const __m256 d0 = load_half8(rec0 + record - kScaleBytes);
+    const __m256 m0 = load_half8(rec0 + record - kScaleBytes / 2);
+    const __m256 d1 = load_half8(rec1 + record - kScaleBytes);
+    const __m256 m1 = load_half8(rec1 + record - kScaleBytes / 2);
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const int chunk = 32 * (Bits == 4 ? g / 2 : g);
+      const __m256i words0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec0 + chunk));
+      const __m256i words1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec1 + chunk));
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        const __m256i q =
-            Bits == 4 ? _mm256_and_si256(_mm256_srli_epi32(words, 8 * j + 4 * (g % 2)), low4)
-                      : _mm256_srai_epi32(_mm256_slli_epi32(words, 24 - 8 * j), 24);
-        _mm256_store_ps(wb + (4 * g + j) * 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
+        const int64_t k = b * kQuantBlock + 4 * g + j;
+        const __m256 w0 = decoded_input<Bits>(words0, g, j, d0, m0);
+        const __m256 w1 = decoded_input<Bits>(words1, g, j, d1, m1);
+        _mm256_store_ps(w + k * 16, w0);
+        _mm256_store_ps(w + k * 16 + 8, w1);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
+          a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);
+          a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);
+        }
       }
     }
   }
+  store_tile<R>(a0, a1, y, N, bias);
 }
 
 // y[r, 0..15] = x[r] . w (+ bias) for R <= 6 rows, from the decoded fp32 panel pair w.
@@ -347,15 +411,7 @@ static inline void panel_tile(const float* x, int64_t K, const float* w, float* 
       a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);
     }
   }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    if (bias != nullptr) {
-      a0[r] = _mm256_add_ps(a0[r], _mm256_loadu_ps(bias));
-      a1[r] = _mm256_add_ps(a1[r], _mm256_loadu_ps(bias + 8));
-    }
-    _mm256_storeu_ps(y + r * N, a0[r]);
-    _mm256_storeu_ps(y + r * N + 8, a1[r]);
-  }
+  store_tile<R>(a0, a1, y, N, bias);
 }
 
 // Rows r .. r + R - 1 of one decoded panel pair, R <= kTileRows.
@@ -371,20 +427,41 @@ static void panel_rows(int64_t R, const float* x, int64_t K, const float* w, flo
   }
 }
 
+// The first R rows of a panel pair, decoding it (decoding_tile), R <= kDecodingTileRows.
+template <int Bits>
+static void decoding_rows(int64_t R, const uint8_t* pair, int64_t nb, float* w, const float* x,
+                          int64_t K, float* y, int64_t N, const float* bias) {
+  switch (R) {
+    case 4: return decoding_tile<Bits, 4>(pair, nb, w, x, K, y, N, bias);
+    case 3: return decoding_tile<Bits, 3>(pair, nb, w, x, K, y, N, bias);
+    case 2: return decoding_tile<Bits, 2>(pair, nb, w, x, K, y, N, bias);
+    default: return decoding_tile<Bits, 1>(pair, nb, w, x, K, y, N, bias);
+  }
+}
+
 // Each thread holds the index of the pair it does next, taken from the counter before it
 // starts the current one, and prefetches that pair's records a share before each row tile: a
 // pair is a few KB in two short runs, which the hardware prefetcher does not pick up in time,
 // so without this the decode waited on memory. (A thread descheduled by a busy machine then
-// holds two pairs up instead of one: a few microseconds more work after its time slice.) The
-// rows are split into tiles of near-equal size (32 = 6 + 6 + 5 + 5 + 5 + 5, not 6 x 5 + 2): a
-// tile of one or two rows has too few accumulators to keep the FMA units busy.
+// holds two pairs up instead of one: a few microseconds more work after its time slice.)
+// Rows are split into tiles of near-equal size (32 = 6 + 6 + 5 + 5 + 5 + 5, not 6 x 5 + 2): a
+// tile of one or two rows has too few accumulators to keep the FMA units busy. A pair is
+// decoded either by a pass of its own or by a first tile of kDecodingTileRows rows or fewer
+// (decoding_tile), whichever makes fewer passes over it: the first where M is a multiple of
+// 6 or one short of it (12 = 6 + 6 after the decode, not 4 + 4 + 4), the tile elsewhere
+// (16 = 4 + 6 + 6, not 6 + 5 + 5 after the decode).
 template <int Bits>
 static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P,
                       const float* bp, float* yp) {
   constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
   const int64_t nb = K / kQuantBlock, N = P * kPanel, pairs = P / 2;
   const int64_t pair_bytes = 2 * nb * record, pair_lines = (pair_bytes + 63) / 64;
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t plain_tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t after_decoding = (std::max<int64_t>(0, M - kDecodingTileRows) + kTileRows - 1) /
+                                 kTileRows;
+  const bool decoding = after_decoding < plain_tiles;  // else decode_panel, then plain tiles
+  const int64_t first = decoding ? std::min<int64_t>(M, kDecodingTileRows) : 0;
+  const int64_t tiles = decoding ? 1 + after_decoding : plain_tiles;
   const int64_t lines_per_tile = (pair_lines + tiles - 1) / tiles;
   parallel_dynamic(pairs, [&](std::atomic<int64_t>& next) {
     float* w = static_cast<float*>(std::aligned_alloc(64, K * 16 * 4));
@@ -392,14 +469,21 @@ static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
       following = next++;
       const char* ahead =
           following < pairs ? reinterpret_cast<const char*>(wp + following * pair_bytes) : nullptr;
-      decode_panel<Bits>(wp + 2 * p * nb * record, nb, 0, w);
-      decode_panel<Bits>(wp + (2 * p + 1) * nb * record, nb, 1, w);
       const float* pb = bp == nullptr ? nullptr : bp + p * 16;
+      if (!decoding) {
+        decode_panel<Bits>(wp + p * pair_bytes, nb, 0, w);
+        decode_panel<Bits>(wp + p * pair_bytes + nb * record, nb, 1, w);
+      }
       for (int64_t r = 0, t = 0; t < tiles; ++t) {
         if (ahead != nullptr)
           for (int64_t l = t * lines_per_tile; l < std::min(pair_lines, (t + 1) * lines_per_tile);
                ++l)
             _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+        if (decoding && t == 0) {
+          decoding_rows<Bits>(first, wp + p * pair_bytes, nb, w, xp, K, yp + p * 16, N, pb);
+          r = first;
+          continue;
+        }
         const int64_t rows = (M - r) / (tiles - t);
         panel_rows(rows, xp + r * K, K, w, yp + r * N + p * 16, N, pb);
         r += rows;
