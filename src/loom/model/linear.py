@@ -54,7 +54,7 @@ PANEL_CHANNELS = 8
 # Q8_0 lm_head; benchmarks/linear_layout.py times both paths). Both paths read the same panels,
 # so the choice is per call. Not batch-invariant: a decode row in a step of more rows takes
 # the fp32 path and can round differently.
-INT8_MAX_ROWS = {4: 14, 8: 20}
+INT8_MAX_ROWS = {4: 12, 8: 20}
 
 # Rows above which a layer with bf16 copies sends a call to them (`Linear`'s bf16_above_rows,
 # chosen by loom.model.backends): where the bf16 matmul overtook the int8 path over the chain

@@ -24,7 +24,8 @@
 //   256 q1 + q2 (_mm256_madd_epi16 on the codes widened): the same integer sums in half the
 //   instructions of two signed byte products.
 // - more rows (batched decode, prefill): two panels are decoded once to fp32 (K x 16 floats, at
-//   most ~100 KB, so it stays in L2) and 6 x 16 register tiles run over it, per k two panel
+//   most ~100 KB, so it stays in L2; by a pass of their own or by the first row tile, see
+//   fp32_path) and 6 x 16 register tiles run over it, per k two panel
 //   loads, six broadcasts and twelve FMAs, the classic AVX2 sgemm micro-kernel: the fp32
 //   product with the file's weights (only the summation order differs from F.linear), the
 //   decode amortised over every row.
