@@ -338,6 +338,18 @@ static void decode_panel(const uint8_t* panel, int64_t nb, int half, float* w) {
   }
 }
 
+// a0/a1[r] += x[r, k] * the 16 weights of input k (w0: channels 0-7, w1: 8-15), rows r < R.
+template <int R>
+static LOOM_INLINE void accumulate_input(const float* x, int64_t K, int64_t k, __m256 w0,
+                                         __m256 w1, __m256 (&a0)[R], __m256 (&a1)[R]) {
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
+    a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);
+    a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);
+  }
+}
+
 template <int R>
 static LOOM_INLINE void store_tile(__m256 (&a0)[R], __m256 (&a1)[R], float* y, int64_t N,
                                    const float* bias) {
@@ -384,12 +396,7 @@ static inline void decoding_tile(const uint8_t* pair, int64_t nb, float* w, cons
         const __m256 w1 = decoded_input<Bits>(words1, g, j, d1, m1);
         _mm256_store_ps(w + k * 16, w0);
         _mm256_store_ps(w + k * 16 + 8, w1);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
-          a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);
-          a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);
-        }
+        accumulate_input<R>(x, K, k, w0, w1, a0, a1);
       }
     }
   }
@@ -403,15 +410,9 @@ static inline void panel_tile(const float* x, int64_t K, const float* w, float* 
   __m256 a0[R], a1[R];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_load_ps(w + k * 16), w1 = _mm256_load_ps(w + k * 16 + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
-      a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);
-      a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);
-    }
-  }
+  for (int64_t k = 0; k < K; ++k)
+    accumulate_input<R>(x, K, k, _mm256_load_ps(w + k * 16), _mm256_load_ps(w + k * 16 + 8),
+                        a0, a1);
   store_tile<R>(a0, a1, y, N, bias);
 }
 
