@@ -52,7 +52,6 @@ constexpr int64_t kScaleBytes = 2 * kPanel * 2;    // d[8] and m[8], fp16
 constexpr int64_t kRecord4 = 128 + kScaleBytes;    // one 4-bit block of a panel
 constexpr int64_t kRecord8 = 256 + kScaleBytes;    // one 8-bit block of a panel
 constexpr int kTileRows = 6;                       // rows per fp32 register tile
-constexpr int kDecodingTileRows = 4;               // rows of the tile that decodes a pair
 constexpr int kIntTileRows = 4;                    // rows per integer register tile
 constexpr int64_t kUnitWeights = 16384;            // weights per work unit of the int8 path
 
@@ -364,18 +363,19 @@ static LOOM_INLINE void store_tile(__m256 (&a0)[R], __m256 (&a1)[R], float* y, i
   }
 }
 
-// The first R <= kDecodingTileRows rows of a panel pair (panel 2p at `pair`, 2p + 1 after it):
-// decodes the pair into w [K, 16] for the tiles after it (column half * 8 + c: channel c of
-// panel half) and computes its own rows from each input's weights while they are still in
-// registers. A tile of few rows is bound by the latency of its FMA chains (one per
-// accumulator, one FMA each per input), which leaves the issue slots to decode in; decoded in
-// a pass of its own (decode_panel), the pair costs about one more row tile.
+// The first R < kTileRows rows of a panel pair (panel 2p at `pair`, 2p + 1 after it): decodes
+// the pair into w [K, 16] for the tiles after it (column half * 8 + c: channel c of panel half)
+// and computes its own rows from each input's weights while they are still in registers. A
+// tile of fewer rows than kTileRows leaves FMA issue slots free (up to 4 rows it is bound by
+// the latency of its FMA chains, one per accumulator), and the decode fills them; decoded in a
+// pass of its own (decode_panel), the pair costs about one more row tile. At kTileRows rows
+// this tile measured slower than that pass and a plain tile.
 template <int Bits, int R>
 static inline void decoding_tile(const uint8_t* pair, int64_t nb, float* w, const float* x,
                                  int64_t K, float* y, int64_t N, const float* bias) {
   constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
   __m256 a0[R], a1[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 6
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec0 = pair + b * record;
@@ -416,24 +416,12 @@ static inline void panel_tile(const float* x, int64_t K, const float* w, float* 
   store_tile<R>(a0, a1, y, N, bias);
 }
 
-// Rows r .. r + R - 1 of one decoded panel pair, R <= kTileRows.
-static void panel_rows(int64_t R, const float* x, int64_t K, const float* w, float* y,
-                       int64_t N, const float* bias) {
-  switch (R) {
-    case 6: return panel_tile<6>(x, K, w, y, N, bias);
-    case 5: return panel_tile<5>(x, K, w, y, N, bias);
-    case 4: return panel_tile<4>(x, K, w, y, N, bias);
-    case 3: return panel_tile<3>(x, K, w, y, N, bias);
-    case 2: return panel_tile<2>(x, K, w, y, N, bias);
-    default: return panel_tile<1>(x, K, w, y, N, bias);
-  }
-}
-
-// The first R rows of a panel pair, decoding it (decoding_tile), R <= kDecodingTileRows.
+// The first R rows of a panel pair, decoding it (decoding_tile), R < kTileRows.
 template <int Bits>
 static void decoding_rows(int64_t R, const uint8_t* pair, int64_t nb, float* w, const float* x,
                           int64_t K, float* y, int64_t N, const float* bias) {
   switch (R) {
+    case 5: return decoding_tile<Bits, 5>(pair, nb, w, x, K, y, N, bias);
     case 4: return decoding_tile<Bits, 4>(pair, nb, w, x, K, y, N, bias);
     case 3: return decoding_tile<Bits, 3>(pair, nb, w, x, K, y, N, bias);
     case 2: return decoding_tile<Bits, 2>(pair, nb, w, x, K, y, N, bias);
@@ -446,24 +434,19 @@ static void decoding_rows(int64_t R, const uint8_t* pair, int64_t nb, float* w, 
 // pair is a few KB in two short runs, which the hardware prefetcher does not pick up in time,
 // so without this the decode waited on memory. (A thread descheduled by a busy machine then
 // holds two pairs up instead of one: a few microseconds more work after its time slice.)
-// Rows are split into tiles of near-equal size (32 = 6 + 6 + 5 + 5 + 5 + 5, not 6 x 5 + 2): a
-// tile of one or two rows has too few accumulators to keep the FMA units busy. A pair is
-// decoded either by a pass of its own or by a first tile of kDecodingTileRows rows or fewer
-// (decoding_tile), whichever makes fewer passes over it: the first where M is a multiple of
-// 6 or one short of it (12 = 6 + 6 after the decode, not 4 + 4 + 4), the tile elsewhere
-// (16 = 4 + 6 + 6, not 6 + 5 + 5 after the decode).
+// Rows are split into tiles of kTileRows, but for the first, which takes the remainder of M
+// over kTileRows (1-5 rows) and decodes the pair as it goes (decoding_tile): 32 = 2 + 6 + 6 + 6
+// + 6 + 6. Where M is a multiple of kTileRows the pair is decoded by a pass of its own
+// (decode_panel) before the tiles.
 template <int Bits>
 static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P,
                       const float* bp, float* yp) {
   constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
   const int64_t nb = K / kQuantBlock, N = P * kPanel, pairs = P / 2;
   const int64_t pair_bytes = 2 * nb * record, pair_lines = (pair_bytes + 63) / 64;
-  const int64_t plain_tiles = (M + kTileRows - 1) / kTileRows;
-  const int64_t after_decoding = (std::max<int64_t>(0, M - kDecodingTileRows) + kTileRows - 1) /
-                                 kTileRows;
-  const bool decoding = after_decoding < plain_tiles;  // else decode_panel, then plain tiles
-  const int64_t first = decoding ? std::min<int64_t>(M, kDecodingTileRows) : 0;
-  const int64_t tiles = decoding ? 1 + after_decoding : plain_tiles;
+  const int64_t first = M % kTileRows;  // the decoding tile's rows; none: decode_panel
+  const bool decoding = first > 0;
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t lines_per_tile = (pair_lines + tiles - 1) / tiles;
   parallel_dynamic(pairs, [&](std::atomic<int64_t>& next) {
     float* w = static_cast<float*>(std::aligned_alloc(64, K * 16 * 4));
@@ -486,9 +469,8 @@ static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
           r = first;
           continue;
         }
-        const int64_t rows = (M - r) / (tiles - t);
-        panel_rows(rows, xp + r * K, K, w, yp + r * N + p * 16, N, pb);
-        r += rows;
+        panel_tile<kTileRows>(xp + r * K, K, w, yp + r * N + p * 16, N, pb);
+        r += kTileRows;
       }
     }
     std::free(w);
