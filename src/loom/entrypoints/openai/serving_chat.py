@@ -194,10 +194,7 @@ class ChatServing(OpenAIServing):
 
         def delta(output: RequestOutput, choice: ChatChoiceState) -> str | None:
             completion = output.outputs[0]
-            _, start = choice.progress.advance(completion)
-            end = len(completion.token_ids)
-            logprobs = self.logprobs(request, completion.token_ids[start:end],
-                                     (completion.logprobs or [])[start:end])
+            logprobs = self.advance(request, choice, completion)
             message = self.delta_message(tool_use, choice, completion.text, output.finished)
             if not output.finished and message is None and logprobs is None:
                 return None  # tokens that are no text yet (half a UTF-8 char, a stop prefix)
@@ -259,6 +256,14 @@ class ChatServing(OpenAIServing):
         else:
             return None
         return DeltaMessage(tool_calls=[piece])
+
+    def advance(self, request: ChatCompletionRequest, choice: ChatChoiceState,
+                completion: CompletionOutput) -> ChatLogprobs | None:
+        """Move the choice past what it has sent (stream_interval counts from there); the
+        logprobs of the tokens since, where the request asks for them."""
+        _, start = choice.progress.advance(completion)
+        return self.logprobs(request, completion.token_ids[start:],
+                             (completion.logprobs or [])[start:])
 
     def logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
                  entries: list[TokenLogprob] | None) -> ChatLogprobs | None:

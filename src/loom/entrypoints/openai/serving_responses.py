@@ -107,9 +107,7 @@ class ResponsesServing:
                       ) -> AsyncIterator[str]:
         def piece(output: RequestOutput, choice: ChatChoiceState) -> str | None:
             completion = output.outputs[0]
-            _, start = choice.progress.advance(completion)  # (stream_interval counts from it)
-            logprobs = self.chat.logprobs(request, completion.token_ids[start:],
-                                          (completion.logprobs or [])[start:])
+            logprobs = self.chat.advance(request, choice, completion)
             if logprobs is not None:  # tokens that are no text yet wait for theirs
                 events.hold(logprobs.content or [])
             message = self.chat.delta_message(plan.tool_use, choice, completion.text,
