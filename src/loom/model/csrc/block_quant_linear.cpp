@@ -25,10 +25,10 @@
 //   instructions of two signed byte products.
 // - more rows (batched decode, prefill): two panels are decoded once to fp32 (K x 16 floats, at
 //   most ~100 KB, so it stays in L2; by a pass of their own or by the first row tile, see
-//   fp32_path) and 6 x 16 register tiles run over it, per k two panel
-//   loads, six broadcasts and twelve FMAs, the classic AVX2 sgemm micro-kernel: the fp32
-//   product with the file's weights (only the summation order differs from F.linear), the
-//   decode amortised over every row.
+//   fp32_path) and 6 x 16 register tiles run over it, per k two panel loads, six broadcasts
+//   and twelve FMAs, the classic AVX2 sgemm micro-kernel: the fp32 product with the file's
+//   weights (only the summation order differs from F.linear), the decode amortised over
+//   every row.
 // Threads take work units of a few panels from a shared counter (parallel_dynamic.h), and
 // prefetch the unit they take next while they compute the current one. Needs AVX2, FMA and
 // F16C.
@@ -115,7 +115,7 @@ static void quantize_row(const float* x, int64_t K, int8_t* qx, float* scale, fl
     sum[b] = s;
     centre[b] = 8.0f * (s - scale[b] * hsum(total));
     // the packs interleave 128-bit lanes; the permutes put the values back in order
-    if (Bits == 8) {
+    if constexpr (Bits == 8) {
       for (int half = 0; half < 2; ++half)
         _mm256_storeu_si256(
             reinterpret_cast<__m256i*>(qx + 2 * b * kQuantBlock + 32 * half),
@@ -435,9 +435,9 @@ static void decoding_rows(int64_t R, const uint8_t* pair, int64_t nb, float* w, 
 // so without this the decode waited on memory. (A thread descheduled by a busy machine then
 // holds two pairs up instead of one: a few microseconds more work after its time slice.)
 // Rows are split into tiles of kTileRows, but for the first, which takes the remainder of M
-// over kTileRows (1-5 rows) and decodes the pair as it goes (decoding_tile): 32 = 2 + 6 + 6 + 6
-// + 6 + 6. Where M is a multiple of kTileRows the pair is decoded by a pass of its own
-// (decode_panel) before the tiles.
+// over kTileRows (1-5 rows) and decodes the pair as it goes (decoding_tile):
+// 32 = 2 + 6 + 6 + 6 + 6 + 6. Where M is a multiple of kTileRows the pair is decoded by a pass
+// of its own (decode_panel) before the tiles.
 template <int Bits>
 static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P,
                       const float* bp, float* yp) {
