@@ -9,11 +9,12 @@ Free-running: greedy completions of its ten prompts, up to 64 tokens, one prompt
 (then 1-row decode steps), token for token, and the logprobs of the tokens both chose up to
 the first difference. Run from the repository root:
 
-    python benchmarks/native_accuracy.py
+    python benchmarks/native_accuracy.py [--model X.gguf]
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 
@@ -84,9 +85,16 @@ def print_row(name: str, ref: LLM, test: LLM) -> None:
 
 
 def main() -> None:
-    ref, native = (LLM(dtype="float32", linear_backend=b, kv_cache_memory="128MiB",
-                       kv_cache_dtype="float32")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None,
+                        help="a GGUF file (default: the bundled model); types the kernel does "
+                             "not read are converted at load (loom/model/requant.py), and the "
+                             "oneDNN reference computes with the file's own values")
+    args = parser.parse_args()
+    ref, native = (LLM(model=args.model, dtype="float32", linear_backend=b,
+                       kv_cache_memory="128MiB", kv_cache_dtype="float32")
                    for b in ("onednn", "native"))
+    print(f"model: {ref.engine.model_name}")
     print_header("native path", "onednn", "native")
     engine_rows = linear.INT8_MAX_ROWS
     try:

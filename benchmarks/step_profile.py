@@ -72,8 +72,9 @@ def timed(phases: dict[str, list[float]], name: str, fn: Callable) -> Callable:
     return wrapper
 
 
-def busy_engine(dtype: str, num_decodes: int, prefill_len: int) -> EngineCore:
-    engine = LLM(dtype=dtype, kv_cache_memory="1GiB", max_num_batched_tokens=512,
+def busy_engine(dtype: str, num_decodes: int, prefill_len: int,
+                model: str | None = None) -> EngineCore:
+    engine = LLM(model=model, dtype=dtype, kv_cache_memory="1GiB", max_num_batched_tokens=512,
                  max_num_seqs=num_decodes + 4).engine
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     for i in range(num_decodes):
@@ -91,8 +92,9 @@ def add_prefill(engine: EngineCore, tag: str, prefill_len: int) -> None:
                        SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
 
 
-def profile_busy_step(dtype: str, num_decodes: int, prefill_len: int, steps: int) -> None:
-    engine = busy_engine(dtype, num_decodes, prefill_len)
+def profile_busy_step(dtype: str, num_decodes: int, prefill_len: int, steps: int,
+                      model_path: str | None = None) -> None:
+    engine = busy_engine(dtype, num_decodes, prefill_len, model_path)
     runner, model = engine.runner, engine.runner.model
     phases: dict[str, list[float]] = collections.defaultdict(list)
     engine.scheduler.schedule = timed(phases, "schedule", engine.scheduler.schedule)
@@ -207,6 +209,8 @@ def idle_gap(dtype: str, rounds: int, max_num_seqs: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="a GGUF file or HF folder (default: the "
+                        "bundled model); the busy-step profile only")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--decodes", type=int, default=32)
     parser.add_argument("--prefill", type=int, default=256)
@@ -215,7 +219,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--skip-idle", action="store_true", help="only the busy-step profile")
     args = parser.parse_args()
-    profile_busy_step(args.dtype, args.decodes, args.prefill, args.steps)
+    profile_busy_step(args.dtype, args.decodes, args.prefill, args.steps, args.model)
     if not args.skip_idle:
         idle_gap(args.dtype, args.rounds, args.max_num_seqs)
 

@@ -169,7 +169,7 @@ def _batched_bf16(config: ModelConfig, device: torch.device, native_with_casts: 
     if not native_with_casts:
         if config.batched_matmul == "bfloat16":
             raise ValueError("batched_matmul 'bfloat16' applies to the native kernel's matmuls "
-                             "(a GGUF model with Q4_0, Q4_1 or Q8_0 weights in float32, and a "
+                             "(a GGUF model with block-quantized weights in float32, and a "
                              "C++ compiler); use 'native' or 'auto'")
         return False
     if config.batched_matmul == "bfloat16":
@@ -207,7 +207,8 @@ def _linear_backend(backend: str, has_block_quant: bool, device: torch.device,
             return "native"
         if backend == "native":
             raise ValueError(
-                "linear_backend 'native' needs a GGUF model with Q4_0, Q4_1 or Q8_0 weights, "
+                "linear_backend 'native' needs a GGUF model with block-quantized weights "
+                "(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or K-quants), "
                 "a C++ compiler (see any warning above) and a CPU with AVX2 and FMA; use "
                 "'onednn' or 'auto'")
     if onednn:

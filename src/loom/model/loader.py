@@ -26,6 +26,7 @@ from loom.model.arch import (
     tokenizer_from_hf_folder,
 )
 from loom.model.gguf_file import GGUFTensor, dequantize, read_gguf
+from loom.model.requant import CONVERTED_KINDS, native_blocks
 from loom.model.weights import BlockQuantWeight, LazyWeights, LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -83,13 +84,15 @@ def _load_gguf(path: Path) -> LoadedModel:
             continue  # folded into arch.rope_scaling above
         name, heads = _hf_name(tensor.name), _permuted_heads(tensor.name, arch)
         bq = _block_quant(tensor)
-        if bq is None:
+        if bq is not None:
+            if heads is not None:
+                bq = BlockQuantWeight(_unpermute_rope(bq.blocks, heads).contiguous(), bq.kind)
+            block_quant[name] = bq
+        # fp32 weights are the file's values: a converted type's blocks round some of them
+        if bq is not None and bq.kind == tensor.kind:
+            makers[name] = bq.dequantize
+        else:
             makers[name] = lambda t=tensor, heads=heads: _dequantized(t, heads)
-            continue
-        if heads is not None:
-            bq = BlockQuantWeight(_unpermute_rope(bq.blocks, heads).contiguous(), bq.kind)
-        block_quant[name] = bq
-        makers[name] = bq.dequantize
 
     tokenizer = tokenizer_from_gguf(meta)
     # The file name, not general.name ("Smollm2 135M 8k ..."): it is what users pass and see.
@@ -116,11 +119,16 @@ def _permuted_heads(name: str, arch: ModelArch) -> int | None:
 
 
 def _block_quant(tensor: GGUFTensor) -> BlockQuantWeight | None:
-    """A 2-D Q4_0, Q4_1 or Q8_0 tensor as its blocks (a view of the file map); else None."""
+    """A 2-D Q4_0, Q4_1 or Q8_0 tensor as its blocks (a view of the file map), one of the
+    types requant.py converts as the blocks it makes; else None."""
     kind = tensor.kind
-    if kind not in ("Q4_0", "Q4_1", "Q8_0") or len(tensor.shape) != 2:
+    if len(tensor.shape) != 2:
         return None
     rows, cols = tensor.shape
+    if kind in CONVERTED_KINDS:
+        return native_blocks(kind, tensor.data, (rows, cols))
+    if kind not in ("Q4_0", "Q4_1", "Q8_0"):
+        return None
     return BlockQuantWeight(torch.from_numpy(tensor.data.reshape(rows, cols // 32, -1)), kind)
 
 

@@ -53,20 +53,15 @@ class BlockQuantWeight:
         return torch.zeros(self.blocks.shape[:2])
 
     @staticmethod
-    def from_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
-                   ) -> BlockQuantWeight:
+    def from_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                   kind: str | None = None) -> BlockQuantWeight:
         """The blocks of w = codes * scale + offset (int8 codes [out, in], float32 scales and
-        offsets [out, in // 32] that fp16 holds exactly, as a GGUF's are) in the smallest kind
-        that holds them."""
+        offsets [out, in // 32] that fp16 holds exactly, as a GGUF's are) in `kind`, by default
+        the smallest kind that holds them."""
         if not all(torch.equal(t.half().float(), t) for t in (scale, offset)):
             raise ValueError("block scales and offsets must be fp16 values")
-        lo, hi, no_offset = int(codes.min()), int(codes.max()), not bool(offset.any())
-        if no_offset and -8 <= lo and hi <= 7:
-            kind, stored = "Q4_0", codes + 8
-        elif 0 <= lo and hi <= 15:
-            kind, stored = "Q4_1", codes
-        else:
-            kind, stored = ("Q8_0" if no_offset else "I8"), codes
+        kind = kind or _smallest_kind(codes, offset)
+        stored = codes + 8 if kind == "Q4_0" else codes
         rows, cols = codes.shape
         stored = stored.to(torch.int8).view(torch.uint8).view(rows, cols // 32, 32)
         if kind in FOUR_BIT_KINDS:
@@ -92,6 +87,15 @@ class BlockQuantWeight:
         """The fp32 weight: bit for bit what gguf's dequantize gives for these blocks, at a
         fraction of its time and memory."""
         return _dequantize(self.blocks, self.kind)
+
+
+def _smallest_kind(codes: torch.Tensor, offset: torch.Tensor) -> str:
+    lo, hi, no_offset = int(codes.min()), int(codes.max()), not bool(offset.any())
+    if no_offset and -8 <= lo and hi <= 7:
+        return "Q4_0"
+    if 0 <= lo and hi <= 15:
+        return "Q4_1"
+    return "Q8_0" if no_offset else "I8"
 
 
 def _dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
@@ -147,5 +151,7 @@ class LoadedModel:
     weights: Mapping[str, torch.Tensor]
     tokenizer: Tokenizer
     name: str
-    # The GGUF's Q4_0/Q4_1/Q8_0 weights in their own format, by the same names as `weights`.
+    # The GGUF's block-quantized weights as the native matmul reads them (Q4_0/Q4_1/Q8_0 in
+    # the file's own format, other types converted: requant.py), by the same names as
+    # `weights`.
     block_quant: dict[str, BlockQuantWeight] = field(default_factory=dict)

@@ -1,0 +1,111 @@
+"""GGUF types the native matmul does not read, converted at load (loom/model/requant.py),
+against gguf's own dequantize of the same bytes: K-quants and Q5_0 / Q5_1 keep every code, so
+the only change is the fp16 rounding of a scale or offset (none where those are fp16 values
+already); Q6_K, Q3_K and Q2_K, quantized again to 8 bits, move no weight by more than half a
+step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from loom.model import requant
+from loom.model.requant import CONVERTED_KINDS, QUANTIZED_AGAIN, SAME_CODES, native_blocks
+
+pytestmark = pytest.mark.unit
+
+# Byte offsets of each type's fp16 fields in a block (the rest, codes and packed sub-scales,
+# may hold any bytes).
+FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q6_K": (208,),
+               "Q3_K": (108,), "Q2_K": (80, 82)}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int,
+                  fp16: tuple[float, float] | None = None) -> np.ndarray:
+    """uint8 [rows, bytes per row] of valid random blocks: random codes and sub-scales; the
+    fp16 fields drawn from `fp16` (low, high), or each a power of two when None, so that any
+    6-bit multiple of them is an fp16 value too."""
+    rng = np.random.default_rng(seed)
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
+    for start in FP16_FIELDS[kind]:
+        if fp16 is None:
+            values = 2.0 ** rng.integers(-14, -8, len(blocks))
+        else:
+            values = rng.uniform(*fp16, len(blocks))
+        if kind == "Q5_1" and start == 2:
+            values = values * rng.choice([-1, 1], len(blocks))  # Q5_1's offset has a sign
+        blocks[:, start:start + 2] = values.astype(np.float16)[:, None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def exact(kind: str, data: np.ndarray, cols: int) -> np.ndarray:
+    return dequantize(data, GGMLQuantizationType[kind]).reshape(len(data), cols)
+
+
+@pytest.mark.parametrize("kind", sorted(SAME_CODES))
+def test_codes_kept_as_they_are_give_the_files_weights_bit_for_bit(kind: str) -> None:
+    """Where the scales and offsets are fp16 values, the converted blocks dequantize to what
+    gguf gives, bit for bit: every code in its place."""
+    data = random_blocks(kind, 16, 512, seed=1)
+    bq = native_blocks(kind, data, (16, 512))
+    assert bq.kind == SAME_CODES[kind]
+    np.testing.assert_array_equal(bq.dequantize().numpy(), exact(kind, data, 512))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_k_quant_scales_are_only_rounded_to_fp16(kind: str) -> None:
+    """A 256-block's fp16 scale times a 6-bit one is rounded to fp16: no weight moves by more
+    than that rounding (2^-11 of the scale, times the largest code, plus that of the
+    offset)."""
+    data = random_blocks(kind, 16, 512, seed=2, fp16=(1e-4, 2e-3))
+    bq = native_blocks(kind, data, (16, 512))
+    want = exact(kind, data, 512)
+    got = bq.dequantize().numpy()
+    largest_code = 15 if kind == "Q4_K" else 31
+    bound = np.repeat(largest_code * np.abs(bq.scale.numpy()) + np.abs(bq.offset.numpy()),
+                      32, axis=1) * 2.0 ** -11
+    assert (np.abs(got - want) <= bound * (1 + 1e-6) + 1e-9).all()
+    assert not np.array_equal(got, want)  # the test's scales are not all fp16 values
+
+
+@pytest.mark.parametrize("kind", QUANTIZED_AGAIN)
+def test_types_scaled_every_16_weights_move_by_at_most_half_a_step(kind: str) -> None:
+    data = random_blocks(kind, 16, 512, seed=3, fp16=(1e-3, 1e-2))
+    bq = native_blocks(kind, data, (16, 512))
+    assert bq.kind == "Q8_0"
+    want = exact(kind, data, 512)
+    step = np.repeat(bq.scale.numpy(), 32, axis=1)
+    assert (np.abs(bq.dequantize().numpy() - want) <= step / 2 * (1 + 1e-6)).all()
+    codes = bq.codes
+    assert int(codes.abs().max()) <= 127
+    # the scale is the smallest fp16 value at or above max |w| / 127: no code is clipped
+    amax = np.abs(want.reshape(16, -1, 32)).max(axis=-1)
+    assert (bq.scale.numpy() * 127 >= amax).all()
+    assert (bq.scale.numpy() == (amax / 127).astype(np.float16).astype(np.float32)).mean() > 0.3
+
+
+@pytest.mark.parametrize("kind", CONVERTED_KINDS)
+def test_groups_of_zero_scale_hold_their_offset_and_nothing_else(kind: str) -> None:
+    data = random_blocks(kind, 8, 256, seed=4)
+    blocks = data.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1])
+    for start in FP16_FIELDS[kind]:
+        if kind != "Q5_1" or start == 0:  # Q5_1: d = 0 leaves w = m
+            blocks[:, start:start + 2] = 0
+    bq = native_blocks(kind, data, (8, 256))
+    got = bq.dequantize().numpy()
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, exact(kind, data, 256))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_rows_converted_in_chunks_give_the_blocks_of_one_pass(kind: str, monkeypatch) -> None:
+    data = random_blocks(kind, 10, 256, seed=5, fp16=(1e-4, 1e-3))
+    whole = native_blocks(kind, data, (10, 256))
+    monkeypatch.setattr(requant, "_ROWS_PER_CHUNK", 3)
+    chunked = native_blocks(kind, data, (10, 256))
+    assert chunked.kind == whole.kind
+    assert torch.equal(chunked.blocks, whole.blocks)
