@@ -42,6 +42,18 @@ def test_rows_are_sampled_with_their_own_parameters() -> None:
     assert Sampler()(logits, params, gens)[:2].tolist() == [1, 2]
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-40),
+                                    SamplingParams(temperature=1e-6, seed=1),
+                                    SamplingParams(top_p=1e-320),
+                                    SamplingParams(top_p=1e-45, top_k=3)])
+def test_vanishing_temperature_or_top_p_picks_the_likeliest_token(params) -> None:
+    """Values that pass the range checks but round to 0 in float32 (or overflow the logits
+    divided by them) are the limit they tend to: the likeliest token, never a NaN's pick."""
+    logits = torch.tensor([[0.1, 3.0, 2.9, -1.0]] * 50)
+    gens = [torch.Generator().manual_seed(i) for i in range(50)]
+    assert Sampler()(logits, [params] * 50, gens).tolist() == [1] * 50
+
+
 def test_seeded_draws_follow_the_distribution_and_repeat() -> None:
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     params = [SamplingParams(temperature=1.0, seed=1)]

@@ -67,6 +67,9 @@ class StructuredOutputsParams:
         return self.kind, value
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request; validated on construction so bad values fail early.
@@ -141,7 +144,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Temperatures below GREEDY_BELOW_TEMPERATURE are greedy: dividing logits by one
+        overflows float32 (1e-40 is 0 there), which left nothing to sample."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
 def _is_int(value: object) -> bool:

@@ -74,6 +74,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop |= mass_before >= ps
+    drop[:, 0] = False  # the likeliest token stays, whatever top_p rounds to in float32
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
