@@ -374,6 +374,25 @@ def test_bad_requests_are_400s_naming_the_field(client: openai.OpenAI, options: 
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize(("options", "param"), [
+    ({"metadata": {"k": "\ud800"}}, "metadata"),
+    ({"user": "\udfff"}, "user"),
+    ({"tools": [{"type": "function", "name": "f\ud800"}]}, "tools"),
+])
+def test_lone_surrogates_in_echoed_fields_are_400s(server: str, options: dict,
+                                                   param: str) -> None:
+    """Fields a response echoes back once took a lone surrogate ("\\ud800", as a client's
+    JSON writes it) and failed at the echo: a 500, and for a stream a stored response that
+    every GET answered with a 500."""
+    for stream in (False, True):
+        body = json.dumps({"model": "any", "input": "x", "max_output_tokens": 2,
+                           "stream": stream, **options})
+        answer = httpx.post(f"{server}/v1/responses", content=body,
+                            headers={"content-type": "application/json"}, timeout=60)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param
+
+
+@pytest.mark.integration
 def test_an_openai_agents_sdk_agent_calls_a_tool_through_loom(server: str) -> None:
     """The OpenAI Agents SDK, an agent framework written against OpenAI's own server, runs an
     agent on loom over /v1/responses: it calls the tool, gets the result back into the

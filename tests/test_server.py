@@ -327,6 +327,15 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a\udc00"}]}]}, "messages"),
+    # lone surrogates anywhere: fields that reach the template, ignored ones, object keys
+    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "description": "\ud800"}}]}, "tools"),
+    ("chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{
+        "id": "c", "type": "function", "function": {"name": "f\ud800", "arguments": "{}"}}]},
+        *CHAT]}, "messages"),
+    ("completions", {"prompt": "hi", "user": "\udbff"}, "user"),
+    ("completions", {"prompt": "hi", "stop": ["x", "\ud800"]}, "stop"),
+    ("completions", {"prompt": "hi", "metadata": {"\ud800": 1}}, "metadata"),
     # once accepted
     ("completions", {"prompt": "hi", "temperature": float("inf")}, "temperature"),
     ("completions", {"prompt": [True, False]}, "prompt"),

@@ -21,3 +21,15 @@ def test_sse_event_is_one_line_whatever_the_text() -> None:
     assert event.endswith("\n\n")
     (line,) = event[:-2].splitlines()
     assert json.loads(line.removeprefix("data: "))["choices"][0]["text"] == text
+
+
+def test_a_lone_surrogate_is_found_at_any_depth_and_named_by_its_path() -> None:
+    from loom.entrypoints.openai.protocol import lone_surrogate_path
+
+    assert lone_surrogate_path({"a": ["ok", {"b": "fine \U0001f600"}], "n": [1, 2.0]}) is None
+    assert lone_surrogate_path({"a": ["ok", {"b": "x\ud800"}]}) == ["a", 1, "b"]
+    assert lone_surrogate_path({"a": {"\udc00": 1}}) == ["a"]  # a key: its object
+    deep: list = ["\udfff"]
+    for _ in range(5000):  # deeper than Python recurses
+        deep = [deep]
+    assert lone_surrogate_path({"x": deep}) == ["x"] + [0] * 5001

@@ -43,8 +43,14 @@ def test_hermes_finds_calls_and_the_content_before_them() -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("text", ["no call here", "<tool_call>{not json}</tool_call>",
-                                  '<tool_call>{"arguments": {}}</tool_call>'])
+@pytest.mark.parametrize("text", [
+    "no call here", "<tool_call>{not json}</tool_call>",
+    '<tool_call>{"arguments": {}}</tool_call>',
+    # JSON.parse refuses these, so a client could not read the arguments
+    '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {"a": 1e999}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": "{\\"a\\": -Infinity}"}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": ' + "[" * 5000 + "]" * 5000 + "}</tool_call>"])
 def test_hermes_leaves_non_calls_as_content(text: str) -> None:
     found = TOOL_PARSERS["hermes"]().extract(text)
     assert found.calls == [] and found.content == text
@@ -91,6 +97,8 @@ def test_required_and_named_choices_are_schemas() -> None:
                             schema)
     named = ToolUse.of(TOOLS, {"type": "function", "function": {"name": "get_weather"}})
     assert named.schema() == WEATHER
+    assert named.enforced_calls('{"city": "Oslo"}')[0].arguments == '{"city": "Oslo"}'
+    assert named.enforced_calls('{"city": NaN}') == []  # not JSON a client can read
     with pytest.raises(ValueError, match="not among the tools"):
         ToolUse.of(TOOLS, {"type": "function", "function": {"name": "nope"}})
     with pytest.raises(ValueError, match="needs tools"):
@@ -230,3 +238,7 @@ def test_tool_choice_errors_name_the_field(client: openai.OpenAI) -> None:
         ask(client, messages=[*QUESTION, {"role": "assistant", "tool_calls": [call]}])
     assert caught.value.body["param"] == "messages"
     assert "tool call arguments are not JSON" in caught.value.body["message"]
+    deep = {**call, "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}
+    with pytest.raises(openai.BadRequestError) as caught:  # once a RecursionError: a 500
+        ask(client, messages=[*QUESTION, {"role": "assistant", "tool_calls": [deep]}])
+    assert caught.value.body["param"] == "messages"

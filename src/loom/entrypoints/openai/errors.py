@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from loom.engine.async_engine import EngineDeadError, RequestRejectedError
-from loom.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from loom.entrypoints.openai.protocol import LONE_SURROGATE, ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ def error_response(status: int, message: str, param: str | None = None,
 def _validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
     """(message, param) for the first problem pydantic found."""
     first = exc.errors()[0]
+    if first["type"] == LONE_SURROGATE:  # a whole-body check: its message names the field
+        return first["msg"], str(first["ctx"]["field"]).split(".")[0]
     if first["type"] == "json_invalid":
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}", None
     # loc is ("body", field, index or nested field ..., possibly a union member's type name)

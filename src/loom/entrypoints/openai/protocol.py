@@ -10,16 +10,17 @@ shaped the way the official clients parse them.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     field_validator,
     model_serializer,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from loom.sampling import valid_unicode
 
@@ -32,13 +33,45 @@ class OpenAIRequest(OpenAIModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-def _unicode(text: str) -> str:
-    if not valid_unicode(text):
-        raise ValueError("must be valid Unicode (it holds a lone surrogate such as \\ud800)")
-    return text
+LONE_SURROGATE = "lone_surrogate"  # the pydantic error type of RequestBody's check
 
 
-Text = Annotated[str, AfterValidator(_unicode)]
+class RequestBody(OpenAIRequest):
+    """A whole request body. JSON may carry lone surrogates ("\\ud800") in any string,
+    which no tokenizer and no UTF-8 response can: the body is checked once, every string and
+    key, whichever field it is in (ignored ones too, as a tool's description or a metadata
+    value end up in a chat template or an echoed response)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body: Any) -> Any:
+        where = lone_surrogate_path(body)
+        if where is not None:
+            raise PydanticCustomError(
+                LONE_SURROGATE, "{field}: must be valid Unicode (it holds a lone surrogate "
+                "such as \\ud800)", {"field": ".".join(map(str, where)) or "request body"})
+        return body
+
+
+def lone_surrogate_path(value: Any) -> list[str | int] | None:
+    """The path to the first string (or object key) in a JSON value that holds a lone
+    surrogate; None if there is none. Iterative: a body may nest deeper than Python recurses."""
+    stack: list[tuple[list[str | int], Any]] = [([], value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and not valid_unicode(item):
+                return path
+        elif isinstance(item, dict):
+            for key in reversed(list(item)):
+                if isinstance(key, str) and not key.isascii() and not valid_unicode(key):
+                    return path
+                if isinstance(item[key], (str, dict, list)):
+                    stack.append(([*path, key], item[key]))
+        elif isinstance(item, list):
+            stack.extend(([*path, i], v) for i, v in reversed(list(enumerate(item)))
+                         if isinstance(v, (str, dict, list)))
+    return None
 
 
 # -- requests ------------------------------------------------------------------------------------
@@ -72,7 +105,7 @@ class StructuredOutputsRequest(OpenAIRequest):
     json_object: bool | None = None
 
 
-class SamplingRequest(OpenAIRequest):
+class SamplingRequest(RequestBody):
     """Fields completions and chat share."""
 
     model: str | None = None
@@ -80,7 +113,7 @@ class SamplingRequest(OpenAIRequest):
     top_p: float | None = None
     top_k: int | None = None  # -1 or 0: off (vLLM's extension)
     seed: int | None = None
-    stop: Text | list[Text] | None = None
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
@@ -108,7 +141,7 @@ class SamplingRequest(OpenAIRequest):
 
 class CompletionRequest(SamplingRequest):
     # A string, token ids, or a batch of either (each prompt gets its own n choices).
-    prompt: Text | list[int] | list[Text] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # 0: score the prompt only (with echo)
     logprobs: int | None = None
     echo: bool = False
@@ -132,7 +165,7 @@ def _as_batch(prompt: Any) -> list[Any]:
 
 class ContentPart(OpenAIRequest):
     type: Literal["text"]
-    text: Text
+    text: str
 
 
 class FunctionCall(OpenAIRequest):
@@ -148,7 +181,7 @@ class ToolCall(OpenAIRequest):
 
 class ChatMessage(OpenAIRequest):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: which call it answers
@@ -351,11 +384,11 @@ class ModelList(OpenAIModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIRequest):
+class TokenizeRequest(RequestBody):
     """vLLM's /tokenize: a `prompt`, or `messages` through the chat template."""
 
     model: str | None = None
-    prompt: Text | None = None
+    prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[ChatTool] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
@@ -370,7 +403,7 @@ class TokenizeResponse(OpenAIModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIRequest):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

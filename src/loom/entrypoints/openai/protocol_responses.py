@@ -31,8 +31,8 @@ from loom.entrypoints.openai.protocol import (
     NamedToolChoice,
     OpenAIModel,
     OpenAIRequest,
+    RequestBody,
     ResponseFormat,
-    Text,
     ToolCall,
 )
 
@@ -43,7 +43,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"  # what `include` names to get
 
 class InputContentPart(OpenAIRequest):
     type: str
-    text: Text | None = None
+    text: str | None = None
 
 
 class InputItem(OpenAIRequest):
@@ -53,11 +53,11 @@ class InputItem(OpenAIRequest):
 
     type: Literal["message", "function_call", "function_call_output"] = "message"
     role: Literal["user", "system", "developer", "assistant"] | None = None
-    content: Text | list[InputContentPart] | None = None
+    content: str | list[InputContentPart] | None = None
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: Text | list[InputContentPart] | None = None
+    output: str | list[InputContentPart] | None = None
 
 
 class FunctionTool(OpenAIRequest):
@@ -85,10 +85,10 @@ class TextConfig(OpenAIRequest):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(OpenAIRequest):
+class ResponsesRequest(RequestBody):
     model: str | None = None
-    input: Text | list[InputItem]
-    instructions: Text | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None

@@ -12,7 +12,6 @@ function's arguments stream as they come).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -54,7 +53,7 @@ from loom.entrypoints.openai.tool_parsers import (
     ToolParser,
     parser_name_for_template,
 )
-from loom.entrypoints.openai.tool_parsers.base import ExtractedToolCalls
+from loom.entrypoints.openai.tool_parsers.base import ExtractedToolCalls, strict_json
 from loom.entrypoints.openai.tool_parsers.tool_choice import ToolUse
 from loom.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from loom.sampling import StructuredOutputsParams
@@ -323,7 +322,7 @@ def _arguments(text: str) -> Any:
     """A tool call's JSON arguments; a ValueError (naming what is wrong) where they are not
     JSON, which the caller turns into a 400 naming its own field."""
     try:
-        return json.loads(text)
+        return strict_json(text)
     except ValueError as e:
         raise ValueError(f"tool call arguments are not JSON: {e}") from e
 

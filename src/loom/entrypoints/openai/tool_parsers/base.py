@@ -4,6 +4,7 @@ say how much of a partial answer is surely content (so a stream can send it at o
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,25 @@ class ToolParser:
         return cut
 
 
+def strict_json(text: str) -> Any:
+    """JSON as OpenAI's clients parse it: ValueError for NaN, Infinity or a number that
+    overflows to one (Python's json takes them; JSON.parse does not), and for nesting deeper
+    than Python recurses."""
+    def finite(number: str) -> float:
+        value = float(number)
+        if not math.isfinite(value):
+            raise ValueError(f"{number} is not a finite number")
+        return value
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+
+    try:
+        return json.loads(text, parse_float=finite, parse_constant=refuse)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def call_from_json(obj: Any, arguments_keys: tuple[str, ...] = ("arguments", "parameters")
                    ) -> ParsedToolCall | None:
     """{"name": ..., "arguments": {...}} (or "parameters", or arguments as JSON text) as a
@@ -55,7 +75,7 @@ def call_from_json(obj: Any, arguments_keys: tuple[str, ...] = ("arguments", "pa
     arguments = next((obj[k] for k in arguments_keys if k in obj), {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = strict_json(arguments)
         except ValueError:
             return None
     return ParsedToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))

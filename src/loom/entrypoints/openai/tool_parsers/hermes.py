@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 from loom.entrypoints.openai.tool_parsers.base import (
@@ -11,6 +10,7 @@ from loom.entrypoints.openai.tool_parsers.base import (
     ToolParser,
     call_from_json,
     content_or_none,
+    strict_json,
 )
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -26,7 +26,7 @@ class HermesToolParser(ToolParser):
         calls = []
         for block in _BLOCK.findall(text, start):
             try:
-                call = call_from_json(json.loads(block))
+                call = call_from_json(strict_json(block))
             except ValueError:
                 call = None
             if call is None:  # not a call after all: the whole answer is content

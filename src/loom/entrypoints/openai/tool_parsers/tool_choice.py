@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from loom.entrypoints.openai.tool_parsers.base import ParsedToolCall
+from loom.entrypoints.openai.tool_parsers.base import ParsedToolCall, strict_json
 
 Mode = Literal["none", "auto", "required", "named"]
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -63,7 +63,7 @@ class ToolUse:
     def enforced_calls(self, text: str) -> list[ParsedToolCall]:
         """The calls of an answer that `schema()` constrained (empty if it was cut short)."""
         try:
-            value = json.loads(text)
+            value = strict_json(text)
         except ValueError:
             return []
         if self.mode == "named":
