@@ -317,13 +317,16 @@ def test_previous_response_id_continues_the_kept_conversation(client: openai.Ope
 
 @pytest.mark.integration
 def test_kept_responses_are_read_and_deleted_and_store_false_keeps_none(
-        client: openai.OpenAI) -> None:
+        client: openai.OpenAI, server: str) -> None:
     options = {"model": "any", "input": "Say hi.", "max_output_tokens": 8, "temperature": 0}
     kept = client.responses.create(**options)
     read = client.responses.retrieve(kept.id)
     assert (read.id, read.output_text, read.usage.total_tokens) == (
         kept.id, kept.output_text, kept.usage.total_tokens)
+    head = httpx.head(f"{server}/v1/responses/{kept.id}")  # as every GET route
+    assert head.status_code == 200 and head.content == b""
     client.responses.delete(kept.id)
+    assert httpx.head(f"{server}/v1/responses/{kept.id}").status_code == 404
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(kept.id)
     unkept = client.responses.create(store=False, **options)
@@ -365,6 +368,10 @@ def test_text_format_json_schema_constrains_the_answer(client: openai.OpenAI) ->
     ({"input": "x", "tool_choice": "required",
       "tools": [{"type": "function", "name": "f", "parameters": {"type": "nonsense"}}]},
      "tools"),
+    # what a response keeps stays within OpenAI's limits
+    ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),
+    ({"input": "x", "user": "u" * 513}, "user"),
 ])
 def test_bad_requests_are_400s_naming_the_field(client: openai.OpenAI, options: dict,
                                                 param: str) -> None:

@@ -131,8 +131,8 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids)
 
 
-def feed(text: str, stop: list[str]) -> IncrementalDetokenizer:
-    detok = IncrementalDetokenizer(CharTokenizer(), [ord(">")], stop)
+def feed(text: str, stop: list[str], min_tokens: int = 0) -> IncrementalDetokenizer:
+    detok = IncrementalDetokenizer(CharTokenizer(), [ord(">")], stop, min_tokens)
     for ch in text:
         detok.push(ord(ch))
         if detok.stopped_on:
@@ -147,6 +147,14 @@ def test_stop_string_is_cut_and_partial_matches_are_held_back() -> None:
     assert partial.stopped_on is None
     assert partial.visible_text(finished=False) == "hello "  # "EN" might become "END"
     assert partial.visible_text(finished=True) == "hello EN"
+
+
+def test_stop_strings_end_the_answer_only_from_min_tokens_on() -> None:
+    """As stop tokens and EOS: the first min_tokens - 1 tokens never stop (vLLM's rule)."""
+    assert feed("a. b. c.", ["."], min_tokens=3).text == "a. b"
+    assert feed("a. b. c.", ["."], min_tokens=2).text == "a"  # the 2nd token may stop
+    assert feed("a. b. c.", ["."]).text == "a"
+    assert feed("a. b", ["."], min_tokens=10).stopped_on is None
 
 
 def test_earliest_stop_string_wins() -> None:

@@ -336,6 +336,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "user": "\udbff"}, "user"),
     ("completions", {"prompt": "hi", "stop": ["x", "\ud800"]}, "stop"),
     ("completions", {"prompt": "hi", "metadata": {"\ud800": 1}}, "metadata"),
+    ("chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}},
+     "stream_options"),  # without stream, as OpenAI and vLLM refuse it
     # once accepted
     ("completions", {"prompt": "hi", "temperature": float("inf")}, "temperature"),
     ("completions", {"prompt": [True, False]}, "prompt"),

@@ -72,6 +72,8 @@ def test_bad_requests_name_the_field(url: str) -> None:
     assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
     outside = post(url, "/detokenize", {"tokens": [10**9]})
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
+    no_turns = post(url, "/tokenize", {"messages": []})  # as chat refuses them
+    assert no_turns.status_code == 400 and no_turns.json()["error"]["param"] == "messages"
 
 
 def test_cached_tokens_and_continuous_usage(url: str) -> None:

@@ -161,7 +161,8 @@ class EngineCore:
             self._compiling[request_id] = request
         self.states[request_id] = _RequestState(
             request=request, prompt=text,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
+                                               params.min_tokens),
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             metrics=RequestMetrics(time.monotonic() if arrival_time is None else arrival_time))

@@ -3,6 +3,8 @@
 Text is produced token by token without re-decoding the whole output: each new token is
 decoded together with a few tokens before it, and the difference is the new text. Text that
 could still turn into a stop string is held back, so a streamed answer never shows part of one.
+Stop strings end the answer only from its `min_tokens`-th token on, as stop tokens and EOS do
+(the scheduler's rule) and as vLLM checks them.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ _CONTEXT_TOKENS = 6  # earlier tokens decoded alongside a new one, so merges dec
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
-                 stop: list[str]) -> None:
+                 stop: list[str], min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.min_tokens = min_tokens
+        self.num_output = 0
         self.hold_back = max((len(s) for s in stop), default=1) - 1
         self.token_ids = prompt_token_ids[-_CONTEXT_TOKENS:]
         self.prefix_offset = 0
@@ -27,6 +31,7 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> None:
         """Append a token; afterwards `stopped_on` names the stop string it completed, if any."""
         self.token_ids.append(token_id)
+        self.num_output += 1
         prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
         full = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
@@ -35,6 +40,8 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         checked_from = max(0, len(self.text) - self.hold_back)
         self.text += new_text
+        if self.num_output < self.min_tokens:
+            return
         hits = [(at, stop) for stop in self.stop
                 if (at := self.text.find(stop, checked_from)) != -1]
         if hits:

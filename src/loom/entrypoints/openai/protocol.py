@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -129,6 +130,14 @@ class SamplingRequest(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo
+                             ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("is only allowed when stream is true (as OpenAI's)")
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -389,7 +398,7 @@ class TokenizeRequest(RequestBody):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[ChatTool] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True

@@ -15,7 +15,7 @@ the field: loom answers in the foreground only. As on the other endpoints, vLLM'
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -100,8 +100,10 @@ class ResponsesRequest(RequestBody):
     include: list[str] | None = None
     stream: bool = False
     store: bool | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
+    # OpenAI's limits: what a response keeps and echoes stays small
+    metadata: dict[Annotated[str, Field(max_length=64)],
+                   Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+    user: str | None = Field(None, max_length=512)
     previous_response_id: str | None = None
     background: bool | None = None
     ignore_eos: bool = False  # vLLM's extension

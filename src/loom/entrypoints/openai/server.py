@@ -112,15 +112,15 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
         return await responses.create(request, raw_request)
 
-    @app.get("/v1/responses/{response_id}")
+    get = partial(app.api_route, methods=["GET", "HEAD"])  # HEAD: the same answer, no body
+
+    @get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> ResponseObject:
         return responses.retrieve(response_id)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> DeletedResponse:
         return responses.delete(response_id)
-
-    get = partial(app.api_route, methods=["GET", "HEAD"])  # HEAD: the same answer, no body
 
     @get("/v1/models")
     async def list_models() -> ModelList:
