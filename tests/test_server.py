@@ -171,6 +171,33 @@ def test_logprobs_and_echo_score_the_prompt(client: openai.OpenAI, reference: LL
                for t in content)
 
 
+def test_logprobs_rebuild_characters_split_across_tokens(client: openai.OpenAI) -> None:
+    """Emoji and CJK characters take several byte-level tokens, each of which reads as U+FFFD
+    on its own: chat's `bytes` are each token's own bytes, which join into the answer, and
+    completions' text_offset counts characters of the returned text (once past its end)."""
+    text = "🌟日本"
+    chat = client.chat.completions.create(
+        model="any", messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+        top_logprobs=1, extra_body={"guided_regex": text})
+    content = chat.choices[0].logprobs.content
+    assert chat.choices[0].message.content == text
+    assert any(t.token == "\ufffd" for t in content)  # split characters, as tokens show them
+    assert b"".join(bytes(t.bytes) for t in content) == text.encode()
+
+    prompt = "héllo 🌟 日本語"
+    for stream in (False, True):
+        answer = client.completions.create(model="any", prompt=prompt, max_tokens=6,
+                                           echo=True, logprobs=0, temperature=0,
+                                           stream=stream, extra_body={"guided_regex": "🌟+"})
+        parts = list(answer) if stream else [answer]
+        whole = "".join(p.choices[0].text for p in parts)
+        offsets = [o for p in parts if p.choices[0].logprobs
+                   for o in p.choices[0].logprobs.text_offset]
+        assert whole.startswith(prompt) and "🌟" in whole[len(prompt):]
+        assert offsets == sorted(offsets) and offsets[-1] < len(whole)
+        assert offsets[:2] == [0, 1] and len(prompt) in offsets  # the answer's first token
+
+
 def test_echo_logprobs_survive_prefix_cache_hits(client: openai.OpenAI) -> None:
     prompt = "The quick brown fox jumps over the lazy dog. " * 4  # several full KV blocks
     first, second = (client.completions.create(model="any", prompt=prompt, max_tokens=1,

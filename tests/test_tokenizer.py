@@ -297,3 +297,21 @@ def test_encoding_a_long_prompt_lets_other_threads_run() -> None:
     longest_gap = max(b - a for a, b in zip(during, during[1:]))
     assert longest_gap < 0.5 * (end - start), (
         f"another thread stalled {longest_gap:.2f}s of a {end - start:.2f}s encode")
+
+
+@pytest.mark.integration
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.text(st.sampled_from(_PIECE_ALPHABET), max_size=30))
+def test_token_bytes_join_into_the_text_and_pieces_into_its_characters(text):
+    """Each token's own bytes (logprobs' `bytes`) join into the text's UTF-8, and the text
+    each token adds (completions' text_offset) joins into the text, however it streams."""
+    from loom.entrypoints.openai.serving_completion import TokenPieces, token_pieces
+
+    tok = smollm_loaded().tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert "".join(token_pieces(tok, ids)) == text
+    streamed = TokenPieces(tok)
+    assert [streamed.push(i) for i in ids] == token_pieces(tok, ids)
+    special = tok.encode("<|im_start|>", add_special_tokens=False)
+    assert [tok.token_bytes(i) for i in special] == [b"<|im_start|>"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -64,6 +66,19 @@ def bpe_from_gguf(tokens: list[str], merges: list[str], token_types: list[int],
     return tokenizer
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte (GPT-2's bytes_to_unicode), inverted:
+    printable bytes stand for themselves, the others for 256 + their rank."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 @dataclass
 class Tokenizer:
     backend: HFTokenizer
@@ -98,6 +113,25 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         """A token's text as it reads on its own (byte-level pieces decoded)."""
         return self.backend.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes, which may begin or end inside a UTF-8 character (id_to_token
+        shows such a token as U+FFFD): OpenAI's logprobs `bytes`, which clients join to
+        rebuild characters split across tokens."""
+        raw = self.backend.id_to_token(token_id)
+        if raw is not None and token_id not in self._added_token_ids:
+            if type(self.backend.decoder).__name__ == "ByteLevel":
+                if all(c in _BYTE_OF_CHAR for c in raw):
+                    return bytes(_BYTE_OF_CHAR[c] for c in raw)
+            elif (byte := _BYTE_FALLBACK.fullmatch(raw)) is not None:  # SentencePiece's
+                return bytes([int(byte[1], 16)])
+            else:
+                return raw.replace("\u2581", " ").encode()
+        return self.id_to_token(token_id).encode()
+
+    @functools.cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
 
     @property
     def template_has_tools(self) -> bool:

@@ -270,8 +270,8 @@ class ChatServing(OpenAIServing):
             return None
 
         def top(token_id: int, logprob: float) -> TopLogprob:
-            token = self.tokenizer.id_to_token(token_id)
-            return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+            return TopLogprob(token=self.tokenizer.id_to_token(token_id), logprob=logprob,
+                              bytes=list(self.tokenizer.token_bytes(token_id)))
 
         return ChatLogprobs(content=[
             ChatTokenLogprob(**top(token_id, entry.logprob).model_dump(),

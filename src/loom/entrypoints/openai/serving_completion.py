@@ -44,13 +44,14 @@ class _Choice(Choice):
     """A completion choice also echoes its prompt and tracks legacy logprobs' text offsets."""
 
     prompt_text: str = ""
-    # a token-id prompt: the text each prompt token adds to prompt_text, so the echoed text
-    # and logprobs.text_offset agree (None: a text prompt, echoed as sent)
+    # echoed: the text each prompt token adds to prompt_text, so that the echoed text and
+    # logprobs.text_offset agree (None: no echo)
     prompt_pieces: list[str] | None = None
     prompt_tokens: int = 0
     first_of_prompt: bool = True  # the prompt's usage (cached tokens) is counted once
     echoed: bool = False
     text_offset: int = 0  # where the next token's text starts, for logprobs.text_offset
+    answer_pieces: TokenPieces | None = None  # the generated tokens' texts, for text_offset
 
 
 class CompletionServing(OpenAIServing):
@@ -68,9 +69,13 @@ class CompletionServing(OpenAIServing):
             num_prompt_tokens += len(token_ids)
             max_tokens = self.max_tokens(1 if score_only else request.max_tokens,
                                          len(token_ids), "prompt")
-            pieces = (await asyncio.to_thread(token_pieces, self.tokenizer, prompt)
-                      if request.echo and not isinstance(prompt, str) else None)
-            text = "".join(pieces) if pieces is not None else prompt if request.echo else ""
+            # echoed: the text each prompt token adds, so that logprobs.text_offset counts
+            # characters of the echoed text (a text prompt is echoed as sent)
+            pieces = (await asyncio.to_thread(token_pieces, self.tokenizer, token_ids)
+                      if request.echo else None)
+            if pieces and isinstance(prompt, str) and "".join(pieces[1:]) == prompt:
+                pieces[0] = ""  # a BOS the tokenizer added is no text of the prompt's
+            text = prompt if isinstance(prompt, str) else "".join(pieces or [])
             for i in range(request.n):
                 index = p * request.n + i
                 params = self.sampling_params(
@@ -155,11 +160,14 @@ class CompletionServing(OpenAIServing):
                       pieces: list[str] | None = None) -> None:
         """Legacy logprobs: per token its text, offset, logprob, and {token: logprob} of the
         sampled token plus the top-N (the sampled one included, as vLLM does)."""
+        if pieces is None:
+            choice.answer_pieces = choice.answer_pieces or TokenPieces(self.tokenizer)
         for i, (token_id, entry) in enumerate(zip(token_ids, entries)):
             token = self.tokenizer.id_to_token(token_id)
             into.tokens.append(token)
             into.text_offset.append(choice.text_offset)
-            choice.text_offset += len(token if pieces is None else pieces[i])
+            choice.text_offset += len(choice.answer_pieces.push(token_id) if pieces is None
+                                      else pieces[i])
             if entry is None:  # the first prompt token: nothing came before it
                 into.token_logprobs.append(None)
                 into.top_logprobs.append(None)
@@ -170,19 +178,31 @@ class CompletionServing(OpenAIServing):
             into.top_logprobs.append(top)
 
 
-def token_pieces(tokenizer: Any, token_ids: list[int]) -> list[str]:
-    """The text each token adds to the decoded whole (special tokens kept), so that their
-    concatenation is the text: a token that ends inside a UTF-8 character adds nothing, and
-    the one completing it adds the character."""
-    pieces, start, text = [], 0, ""
-    for i in range(len(token_ids)):
-        decoded = tokenizer.decode(token_ids[start:i + 1], skip_special_tokens=False)
+class TokenPieces:
+    """The text each token adds to the decoded whole (special tokens kept), token by token, so
+    that their concatenation is the text: a token that ends inside a UTF-8 character adds
+    nothing, and the one completing it adds the character. It keeps its place between calls,
+    so a streamed answer's tokens split as the whole answer's would."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.window: list[int] = []  # tokens since the window last restarted, at a character
+        self.text = ""  # their text, up to the last whole character
+
+    def push(self, token_id: int) -> str:
+        self.window.append(token_id)
+        decoded = self.tokenizer.decode(self.window, skip_special_tokens=False)
         if decoded.endswith("\ufffd"):  # an incomplete character: wait for its last byte
-            pieces.append("")
-            continue
-        pieces.append(decoded[len(text):])
-        if i + 1 - start >= _PIECE_WINDOW:  # restart the window at a whole character
-            start, text = i + 1, ""
+            return ""
+        piece = decoded[len(self.text):]
+        if len(self.window) >= _PIECE_WINDOW:  # restart the window at a whole character
+            self.window, self.text = [], ""
         else:
-            text = decoded
-    return pieces
+            self.text = decoded
+        return piece
+
+
+def token_pieces(tokenizer: Any, token_ids: list[int]) -> list[str]:
+    """TokenPieces of a whole token list."""
+    pieces = TokenPieces(tokenizer)
+    return [pieces.push(t) for t in token_ids]
