@@ -9,7 +9,11 @@ Free-running: greedy completions of its ten prompts, up to 64 tokens, one prompt
 (then 1-row decode steps), token for token, and the logprobs of the tokens both chose up to
 the first difference. Run from the repository root:
 
-    python benchmarks/native_accuracy.py [--model X.gguf]
+    python benchmarks/native_accuracy.py [--model X.gguf ...]
+    python benchmarks/native_accuracy.py --reference F16.gguf --model Q4_K_M.gguf ...
+
+The second form measures what converting a file's types at load (loom/model/requant.py) adds
+to the file's own quantization error.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 import loom  # noqa: F401 - before torch: it sets the OpenMP wait policy (loom/threads.py)
 
@@ -28,7 +33,7 @@ from dtype_accuracy import PASSAGES, PROMPTS, compare_logits, encode, passage_lo
 
 from loom import LLM, SamplingParams  # noqa: E402
 from loom.bench.sysinfo import hardware  # noqa: E402
-from loom.model import linear  # noqa: E402
+from loom.model import linear, loader  # noqa: E402
 
 PATHS = {"fp32": 0, "int8": 1 << 30}  # the linear.INT8_MAX_ROWS that forces each path
 
@@ -84,25 +89,53 @@ def print_row(name: str, ref: LLM, test: LLM) -> None:
           flush=True)
 
 
+def fp32_llm(model: str | None, backend: str) -> LLM:
+    return LLM(model=model, dtype="float32", linear_backend=backend, kv_cache_memory="128MiB",
+               kv_cache_dtype="float32")
+
+
+def against_reference(reference: str, models: list[str]) -> None:
+    """Each GGUF as the engine runs it (types the kernel does not read converted at load)
+    and with its file's own values (oneDNN, nothing converted), against `reference` (say the
+    F16 file the others were quantized from): what the conversion adds to the file's own
+    quantization error."""
+    ref = fp32_llm(reference, "onednn")
+    print_header("model, weights", "reference", "model")
+    converted = loader.CONVERTED_KINDS
+    for model in models:
+        name = Path(model).name
+        try:
+            loader.CONVERTED_KINDS = ()
+            print_row(f"{name}, the file's values", ref, fp32_llm(model, "onednn"))
+        finally:
+            loader.CONVERTED_KINDS = converted
+        print_row(f"{name}, as the engine runs it", ref, fp32_llm(model, "auto"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None,
-                        help="a GGUF file (default: the bundled model); types the kernel does "
+    parser.add_argument("--model", nargs="+", default=[None],
+                        help="GGUF files (default: the bundled model); types the kernel does "
                              "not read are converted at load (loom/model/requant.py), and the "
-                             "oneDNN reference computes with the file's own values")
+                             "oneDNN reference computes with each file's own values")
+    parser.add_argument("--reference", default=None,
+                        help="compare each --model with this one instead (e.g. the F16 GGUF "
+                             "they were quantized from): its file's values and as the engine "
+                             "runs it")
     args = parser.parse_args()
-    ref, native = (LLM(model=args.model, dtype="float32", linear_backend=b,
-                       kv_cache_memory="128MiB", kv_cache_dtype="float32")
-                   for b in ("onednn", "native"))
-    print(f"model: {ref.engine.model_name}")
-    print_header("native path", "onednn", "native")
+    if args.reference:
+        return against_reference(args.reference, args.model)
     engine_rows = linear.INT8_MAX_ROWS
-    try:
-        for name, rows in PATHS.items():
-            linear.INT8_MAX_ROWS = dict.fromkeys(engine_rows, rows)
-            print_row(name, ref, native)
-    finally:
-        linear.INT8_MAX_ROWS = engine_rows
+    for model in args.model:
+        ref, native = fp32_llm(model, "onednn"), fp32_llm(model, "native")
+        print(f"\nmodel: {ref.engine.model_name}")
+        print_header("native path", "onednn", "native")
+        try:
+            for name, rows in PATHS.items():
+                linear.INT8_MAX_ROWS = dict.fromkeys(engine_rows, rows)
+                print_row(name, ref, native)
+        finally:
+            linear.INT8_MAX_ROWS = engine_rows
 
 
 if __name__ == "__main__":
