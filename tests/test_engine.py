@@ -3,6 +3,8 @@ greedy outputs, and every request-level option must do what it says."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from loom import LLM, SamplingParams
@@ -159,6 +161,25 @@ def test_stop_token_ids_min_tokens_and_max_tokens(any_llm: LLM) -> None:
     assert len(forced.token_ids) >= len(short.token_ids) + 5
     capped = any_llm.generate("Hello", greedy(5))[0].outputs[0]
     assert len(capped.token_ids) == 5 and capped.finish_reason == "length"
+
+
+def test_logit_bias_and_penalties_steer_the_tokens(any_llm: LLM) -> None:
+    """logit_bias forces a token (greedy and sampled); penalties counting the tokens
+    generated so far break a loop that plain greedy decoding stays in, and a request without
+    them, in the same batch, keeps its own answer."""
+    comma = any_llm.tokenizer.encode(",", add_special_tokens=False)[0]
+    for temperature in (0.0, 1.0):
+        forced = any_llm.generate("Once upon a time", SamplingParams(
+            max_tokens=6, temperature=temperature, logit_bias={comma: 100.0}))[0].outputs[0]
+        assert forced.token_ids == [comma] * 6
+    loop = "1 1 1 1 1 1 1 1 1 1"
+    plain, penalized, repeated = any_llm.generate([loop] * 3, [
+        greedy(10), SamplingParams(max_tokens=10, temperature=0.0, frequency_penalty=2.0),
+        SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.5)])
+    assert collections.Counter(plain.outputs[0].token_ids).most_common(1)[0][1] >= 5
+    for out in (penalized, repeated):
+        assert collections.Counter(out.outputs[0].token_ids).most_common(1)[0][1] <= 3
+    assert plain.outputs[0].token_ids == any_llm.generate(loop, greedy(10))[0].outputs[0].token_ids
 
 
 def test_logprobs_match_the_greedy_choice(any_llm: LLM) -> None:

@@ -54,6 +54,19 @@ def test_vanishing_temperature_or_top_p_picks_the_likeliest_token(params) -> Non
     assert Sampler()(logits, [params] * 50, gens).tolist() == [1] * 50
 
 
+def test_penalties_and_bias_adjust_only_the_rows_that_ask() -> None:
+    from loom.model.sampler import adjust_logits
+
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5]] * 3)
+    params = [SamplingParams(frequency_penalty=1.0, presence_penalty=0.5, logit_bias={0: -3.0}),
+              SamplingParams(repetition_penalty=2.0), SamplingParams()]
+    got = adjust_logits(logits, params, [[1, 1, 3], [2], [1]], [[], [1], [0]])
+    assert got.tolist() == [[-2.0, -0.5, -1.0, -1.0],  # 2 - (2 x 1 + 0.5); 0.5 - 1.5
+                            [1.0, 1.0, -2.0, 0.5],  # seen in prompt or output: / or x 2
+                            [1.0, 2.0, -1.0, 0.5]]
+    assert logits[0].tolist() == [1.0, 2.0, -1.0, 0.5]  # a copy: logprobs read the model's
+
+
 def test_seeded_draws_follow_the_distribution_and_repeat() -> None:
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     params = [SamplingParams(temperature=1.0, seed=1)]
@@ -80,7 +93,10 @@ def test_unseeded_rows_of_one_batch_follow_their_distributions() -> None:
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=0), "top_k"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=50), "logprobs"),
-    (dict(stop=[""]), "stop"),
+    (dict(stop=[""]), "stop"), (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(logit_bias={1: 101.0}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
 ])
 def test_invalid_parameters_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(SamplingParamsError, match=field) as error:

@@ -198,6 +198,13 @@ def test_logprobs_rebuild_characters_split_across_tokens(client: openai.OpenAI) 
         assert offsets[:2] == [0, 1] and len(prompt) in offsets  # the answer's first token
 
 
+def test_logit_bias_is_honoured_as_openai_sends_it(client: openai.OpenAI, server: str) -> None:
+    comma = httpx.post(f"{server}/tokenize", json={"prompt": ","}).json()["tokens"][-1]
+    chat = client.chat.completions.create(model="any", messages=CHAT, max_tokens=4,
+                                          temperature=0, logit_bias={str(comma): 100})
+    assert chat.choices[0].message.content == ",,,,"
+
+
 def test_echo_logprobs_survive_prefix_cache_hits(client: openai.OpenAI) -> None:
     prompt = "The quick brown fox jumps over the lazy dog. " * 4  # several full KV blocks
     first, second = (client.completions.create(model="any", prompt=prompt, max_tokens=1,
@@ -365,6 +372,13 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "metadata": {"\ud800": 1}}, "metadata"),
     ("chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}},
      "stream_options"),  # without stream, as OpenAI and vLLM refuse it
+    # once ignored whatever they held
+    ("completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"10000000": 1}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"5": 200}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": 5}, "logit_bias"),
+    ("chat/completions", {"messages": CHAT, "presence_penalty": "x"}, "presence_penalty"),
+    ("chat/completions", {"messages": CHAT, "frequency_penalty": -3}, "frequency_penalty"),
     # once accepted
     ("completions", {"prompt": "hi", "temperature": float("inf")}, "temperature"),
     ("completions", {"prompt": [True, False]}, "prompt"),

@@ -87,6 +87,12 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's and vLLM's logit adjustments (loom/model/sampler.py `adjust_logits`): the
+    # penalties count the tokens generated so far (repetition_penalty the prompt's too)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,6 +136,18 @@ class SamplingParams:
              "must be non-empty strings of valid Unicode"),
             ("stop_token_ids", all(whole(t, 0, _MAX_INT32) for t in self.stop_token_ids),
              "must be token ids (integers >= 0)"),
+            ("presence_penalty", finite(self.presence_penalty)
+             and -2 <= self.presence_penalty <= 2,
+             f"must be in [-2, 2], got {self.presence_penalty!r}"),
+            ("frequency_penalty", finite(self.frequency_penalty)
+             and -2 <= self.frequency_penalty <= 2,
+             f"must be in [-2, 2], got {self.frequency_penalty!r}"),
+            ("repetition_penalty", finite(self.repetition_penalty)
+             and self.repetition_penalty > 0,
+             f"must be a finite number > 0, got {self.repetition_penalty!r}"),
+            ("logit_bias", all(whole(t, 0, _MAX_INT32) and finite(b) and -100 <= b <= 100
+                               for t, b in self.logit_bias.items()),
+             "must map token ids (integers >= 0) to biases in [-100, 100]"),
         ]
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -141,6 +159,19 @@ class SamplingParams:
         if any(t >= vocab_size for t in self.stop_token_ids):
             raise SamplingParamsError(
                 "stop_token_ids", f"must be in [0, {vocab_size}) for this model")
+        if any(t >= vocab_size for t in self.logit_bias):
+            raise SamplingParamsError(
+                "logit_bias", f"token ids must be in [0, {vocab_size}) for this model")
+
+    @property
+    def penalized(self) -> bool:
+        """Penalties that depend on the tokens generated so far."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.penalized or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:

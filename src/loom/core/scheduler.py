@@ -227,8 +227,8 @@ class Scheduler:
         remaining budget and the request's own limits; none where they could not be used."""
         params = request.sampling_params
         if (self.proposer is None or request.num_output_placeholders
-                or params.logprobs is not None):
-            return []
+                or params.logprobs is not None or params.penalized):
+            return []  # penalties change with every token: verify_drafts has no such rows
         room = min(room, params.max_tokens - len(request.output_token_ids) - 1,
                    self.max_model_len - request.num_tokens - 1)
         drafts = self.proposer.propose(request, room) if room > 0 else []

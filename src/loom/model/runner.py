@@ -32,7 +32,7 @@ from loom.model.backends import Backends, resolve_backends
 from loom.model.llama import LlamaModel
 from loom.model.loader import load_model
 from loom.model.memory import KVCacheSpec
-from loom.model.sampler import Sampler, apply_token_bitmask
+from loom.model.sampler import Sampler, adjust_logits, apply_token_bitmask
 from loom.model.spec_verify import verify_drafts
 from loom.outputs import TokenLogprob
 
@@ -56,6 +56,8 @@ class ModelRunner:
         self.scratch_block = 0
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        # the tokens this runner sampled for each request with penalties (adjust_logits)
+        self.outputs_so_far: dict[str, list[int]] = {}
 
     @property
     def native_decode(self) -> bool:
@@ -131,6 +133,7 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in batch.finished_request_ids:  # here, not by the caller: in order with
             self.generators.pop(request_id, None)  # steps still running (async scheduling)
+            self.outputs_so_far.pop(request_id, None)
         items, input_ids, positions, meta = self._prepare(batch.scheduled)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         rows, sample_rows, prompt_rows = _logit_rows(items)
@@ -151,11 +154,16 @@ class ModelRunner:
         plain = [s for s in items if s.sample and not s.num_draft_tokens]
         if plain:
             rows = _take_rows(logits, [sample_rows[s.request_id] for s in plain])
+            params = [s.sampling_params for s in plain]
+            rows = adjust_logits(rows, params,
+                                 [self.outputs_so_far.get(s.request_id, []) for s in plain],
+                                 [s.prompt_token_ids for s in plain])
             token_ids = self.sampler(self._constrain(rows, plain, bitmask, mask_rows),
-                                     [s.sampling_params for s in plain],
-                                     [self._generator(s) for s in plain]).tolist()
+                                     params, [self._generator(s) for s in plain]).tolist()
             for s, token_id in zip(plain, token_ids):
                 output.sampled_token_ids[s.request_id] = token_id
+                if s.sampling_params.penalized:
+                    self.outputs_so_far.setdefault(s.request_id, []).append(token_id)
                 if s.sampling_params.logprobs is not None:
                     row = sample_rows[s.request_id]
                     output.logprobs[s.request_id] = _logprobs(
@@ -164,6 +172,9 @@ class ModelRunner:
             if s.sample and s.num_draft_tokens:
                 first = sample_rows[s.request_id]
                 positions = logits[first:first + s.num_draft_tokens + 1]
+                rows = s.num_draft_tokens + 1  # drafts skip penalized requests: a bias at most
+                positions = adjust_logits(positions, [s.sampling_params] * rows, [[]] * rows,
+                                          [[]] * rows)
                 if s.request_id in mask_rows:
                     mask_first = mask_rows[s.request_id]
                     positions = apply_token_bitmask(positions, bitmask.bitmask[

@@ -79,6 +79,35 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
+                  outputs: list[list[int]], prompts: list[list[int]]) -> torch.Tensor:
+    """Row i adjusted as params[i] asks, in a copy (`logits` may be the model's, which
+    logprobs read; rows that ask nothing pass as they are): vLLM's repetition penalty (the
+    logits of tokens in prompts[i] or outputs[i] divided by it where positive, multiplied
+    where negative), OpenAI's frequency and presence penalties (minus frequency x count and
+    presence once, for each token in outputs[i], the tokens generated so far) and logit_bias
+    (added)."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    for i in rows:
+        p, row = params[i], logits[i]
+        if p.repetition_penalty != 1.0 and (prompts[i] or outputs[i]):
+            seen = torch.tensor(sorted({*prompts[i], *outputs[i]}), device=device)
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty,
+                                    values * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and outputs[i]:
+            ids, counts = torch.tensor(outputs[i], device=device).unique(return_counts=True)
+            row[ids] -= p.frequency_penalty * counts + p.presence_penalty
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=device)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), device=device)
+    return logits
+
+
 _MASK_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # disallowed, allowed
 
 

@@ -119,7 +119,11 @@ class SamplingRequest(RequestBody):
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's) -> bias
     # vLLM extensions that benchmark tools send
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     priority: int = 0

@@ -214,7 +214,12 @@ class OpenAIServing:
                 top_k=request.top_k if request.top_k not in (None, 0) else -1,
                 seed=seed, min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
                 stop=[] if request.stop is None else request.stop,
-                stop_token_ids=request.stop_token_ids or [], **kwargs)
+                stop_token_ids=request.stop_token_ids or [],
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=(1.0 if request.repetition_penalty is None
+                                    else request.repetition_penalty),
+                logit_bias=_token_biases(request.logit_bias), **kwargs)
             params.check_vocab(self.vocab_size)
         except SamplingParamsError as e:
             name = api_names.get(e.field, e.field)
@@ -377,3 +382,12 @@ def _structured_spec(request: SamplingRequest, format_param: str
         raise APIError(400, f"{format_param}: type json_schema needs json_schema.schema",
                        format_param)
     return format_param, {"json": fmt.json_schema.json_schema}
+
+
+def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias, whose keys are token ids written as strings."""
+    try:
+        return {int(token): bias for token, bias in (logit_bias or {}).items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers)",
+                       "logit_bias") from None
