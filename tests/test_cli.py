@@ -63,6 +63,14 @@ def test_log_level_after_the_sub_command_too() -> None:
     assert parse_args(["diagnose", "r.json", "--log-level", "DEBUG"]).log_level == "DEBUG"
     args = parse_args(["bench", "trace", "-o", "t.jsonl", "--log-level", "WARNING"])
     assert args.log_level == "WARNING"
+    assert parse_args(["--log-level", "debug", "diagnose", "r.json"]).log_level == "DEBUG"
+
+
+def test_an_unknown_log_level_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--log-level", "LOUD", "plan"])
+    assert exit_info.value.code == 2
+    assert "argument --log-level: invalid choice: 'LOUD'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, usage", [
@@ -155,6 +163,21 @@ def test_generate_rejects_max_tokens_0_before_loading_the_model(monkeypatch, cap
     assert re.search(r"loom: error: max_tokens must be .*>= 1, got 0", capsys.readouterr().err)
     assert main(["generate", "hi", "--max-num-seqs", "0"]) == 2
     assert "max_num_seqs must be >= 1" in capsys.readouterr().err
+
+
+def test_generate_on_cuda_without_it_says_so_before_loading(monkeypatch, capsys) -> None:
+    import torch
+
+    from loom.entrypoints.llm import LLM
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the device was checked")
+
+    monkeypatch.setattr(LLM, "from_config", no_load)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    assert main(["generate", "hi", "--device", "cuda"]) == 2
+    assert "--device cuda: CUDA is not available in this torch build" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra", [[], ["--model", "x"]], ids=["no-model", "model"])

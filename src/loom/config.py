@@ -99,6 +99,23 @@ class ModelConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
 
+def check_device(device: str) -> None:
+    """Refuse `--device cuda` where torch cannot use CUDA, in a sentence naming the flag,
+    before the model loads; torch itself fails deep in its lazy init with an AssertionError.
+    torch is imported only when cuda is asked for by name (this module stays light)."""
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        raise ValueError(f"--device cuda: CUDA is not available in this torch build "
+                         f"({torch.__version__}, CPU only); use --device cpu or install a "
+                         "CUDA build of torch")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here (driver missing or "
+                         "CUDA_VISIBLE_DEVICES empty); use --device cpu")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     CLI_GROUP = "KV cache"

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 
 import loom
-from loom.config import EngineConfig, add_cli_args, flag_help, from_cli_args
+from loom.config import EngineConfig, add_cli_args, check_device, flag_help, from_cli_args
 from loom.torch_import import defer_unused_modules
 
 DESCRIPTION = """\
@@ -66,8 +66,9 @@ COMMANDS = (
 )
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the engine process's too
-_LOG_LEVEL = {"help": "logging level: DEBUG, INFO, WARNING, ERROR (default: INFO)",
-              "metavar": "LEVEL"}
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_LOG_LEVEL = {"help": f"logging level: {', '.join(LOG_LEVELS)} (default: INFO)",
+              "metavar": "LEVEL", "type": str.upper, "choices": LOG_LEVELS}
 
 
 # -- loom generate ---------------------------------------------------------------------------
@@ -109,6 +110,7 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = {k: v for k, v in dataclasses.asdict(options).items() if k != "chat"}
     params = SamplingParams(**sampling)  # bad values fail here, before the model loads
     config = EngineConfig.from_cli_args(args)
+    check_device(config.model.device)
 
     from loom.entrypoints.llm import LLM
 
@@ -215,7 +217,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     defer_unused_modules()  # this process is loom's own: it never runs torch's compilers
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     try:
         return args.func(args) or 0
     except (ValueError, OSError) as e:
