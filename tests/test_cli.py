@@ -214,3 +214,17 @@ def test_diagnose_other_json_says_it_is_no_result(tmp_path, capsys) -> None:
 def test_diagnose_a_missing_file(tmp_path, capsys) -> None:
     assert main(["diagnose", str(tmp_path / "none.json")]) == 2
     assert "No such file" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_port_out_of_range_before_binding(capsys) -> None:
+    assert main(["serve", "--port", "99999"]) == 2
+    assert "loom: error: port must be in 1-65535, got 99999" in capsys.readouterr().err
+
+
+def test_serve_api_key_help_names_every_open_route(capsys) -> None:
+    """Only /v1 routes need the key (guards.ApiKeyGuard): the help lists the others."""
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for route in ("/health", "/metrics", "/version", "/tokenize", "/detokenize", "OpenAPI"):
+        assert route in out

@@ -34,7 +34,7 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=flag_help(
         "address to listen on; 0.0.0.0 serves every network the machine is on (set "
         "--api-key then)"))
-    port: int = field(default=8000, metadata=flag_help("port to listen on"))
+    port: int = field(default=8000, metadata=flag_help("TCP port to listen on, 1-65535"))
     served_model_name: str | None = field(default=None, metadata=flag_help(
         "model name in /v1/models and responses; none = the model's own name"))
     stream_interval: int = field(default=1, metadata=flag_help(
@@ -45,7 +45,8 @@ class ServerConfig:
             "from the model's chat template"))
     api_key: str | None = field(default=None, metadata=flag_help(
         f"require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise); default: "
-        f"${API_KEY_ENV} if set, else no key. /health and /metrics stay open"))
+        f"${API_KEY_ENV} if set, else no key. Routes outside /v1 stay open: /health, "
+        "/metrics, /version, /tokenize, /detokenize and the OpenAPI schema and docs"))
     allowed_origins: str | None = field(default=None, metadata=flag_help(
         "comma-separated origins whose web pages may call the API (CORS), or '*'; "
         "none = no cross-origin access"))
@@ -73,6 +74,8 @@ class ServerConfig:
         "own (slower to start and to serve; one process to debug)"))
 
     def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:  # else bind() raises OverflowError, not an OSError
+            raise ValueError(f"port must be in 1-65535, got {self.port}")
         positive = {"stream_interval": self.stream_interval,
                     "max_num_queued_reqs": self.max_num_queued_reqs,
                     "max_request_body_bytes": self.max_request_body_bytes,
