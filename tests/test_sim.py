@@ -167,11 +167,65 @@ def test_shared_prefix_hits_the_prefix_cache():
     result = simulate_run(config, trace, ids, Load(rate="trace"))
     assert result["prefix_cache_hit_rate"] > 0.5
     assert result["completed"] == 10
-    for r, n in zip(trace.requests, map(len, ids)):
-        r.prompt_len = n  # as the trace generator records it: ids from words, same sharing
+    # without a tokenizer, one id per word: the same sharing
     by_words = simulate_run(config, trace, prompt_token_ids(trace, None, 0), Load(rate="trace"))
     assert by_words["prefix_cache_hit_rate"] == pytest.approx(result["prefix_cache_hit_rate"],
                                                               abs=0.1)
+
+
+def test_a_prompt_s_text_counts_not_its_prompt_len():
+    """`loom bench run` sends the text, so the server sees its tokens, whatever prompt_len
+    says."""
+    trace = Trace([TraceRequest(max_tokens=4, prompt="one two three", prompt_len=900,
+                                arrival_s=0.0, id="text")], {"tokenizer": "test"})
+    result = _run(trace, Load(rate="trace"))
+    assert result["requests"][0]["prompt_len"] == 3
+    assert result["total_input_tokens"] == 3
+
+
+def test_what_the_server_refuses_is_a_400_not_a_capped_run():
+    """A prompt that leaves no room in max_model_len (2048 here), or max_tokens beyond the
+    room, is answered 400 by loom serve: failed, never completed; a billion-token prompt
+    is refused without building its ids."""
+    trace = Trace([TraceRequest(max_tokens=4, prompt_len=10**9, id="huge"),
+                   TraceRequest(max_tokens=4, prompt_len=2048, id="full"),
+                   TraceRequest(max_tokens=1949, prompt_len=100, id="too-many"),
+                   TraceRequest(max_tokens=1948, prompt_len=100, id="fits")],
+                  {"tokenizer": "test"})
+    ids = prompt_token_ids(trace, None, 0, max_model_len=2048)
+    assert ids[0] == [] and len(ids[3]) == 100
+    config = SimConfig("test", _profile(), SchedulerConfig(), CacheConfig())
+    result = simulate_run(config, trace, ids, Load(max_concurrency=1))
+    by_id = {r["id"]: r for r in result["requests"]}
+    for name in ("huge", "full", "too-many"):
+        assert by_id[name]["status"] == "error" and by_id[name]["http_status"] == 400
+    assert "at most 1948 can be generated" in by_id["too-many"]["error"]
+    assert by_id["fits"]["status"] == "ok" and by_id["fits"]["output_tokens"] == 1948
+    assert result["failed"] == 3 and result["completed"] == 1
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"header": 5}', '{"prompt_len": 10, "max_tokens": 4}'],
+     "t.jsonl: the trace header must be a JSON object, got 5"),
+    (['{"header": {}}', "", '{"prompt_len": 10, "max_tokens": 4}',
+      '{"prompt": "hi there", "prompt_len": "x", "max_tokens": 4}'],
+     "t.jsonl:4: prompt_len must be a positive integer, got 'x'"),
+    (['{"prompt_len": 10, "max_tokens": 4, "priority": "high"}'],
+     "t.jsonl:1: priority must be an integer, got 'high'"),
+])
+def test_cli_refuses_a_bad_trace_before_simulating(tmp_path, monkeypatch, lines, message):
+    import loom.sim.whatif
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("simulated before the trace was checked")
+
+    monkeypatch.setattr(loom.sim.whatif, "simulate_run", no_run)
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    _profile().save(tmp_path / "p.json")
+    args = _cli(["simulate", "--profile", str(tmp_path / "p.json"), "--trace",
+                 str(tmp_path / "t.jsonl"), "--rate", "1"])
+    with pytest.raises(ValueError, match=message):
+        args.func(args)
 
 
 def test_profile_round_trip(tmp_path):

@@ -134,7 +134,7 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ValueError("loom simulate needs --trace (or the calibrate sub-command)")
     points = _points(args)
     configs, skipped = _configs(args)
-    trace, token_ids = _trace(args)
+    trace, token_ids = _trace(args, max(c.model_len for c in configs))
     slo = Slo.parse(args.slo) if args.slo else None
     limits = Limits(args.max_p95_queue, args.max_error_rate)
     base = _base_load(args)
@@ -171,17 +171,20 @@ def _base_load(args: argparse.Namespace) -> Any:
                 duration_s=args.duration, num_requests=args.num_requests, seed=args.seed)
 
 
-def _trace(args: argparse.Namespace) -> tuple[Any, list[list[int]]]:
+def _trace(args: argparse.Namespace, max_model_len: int) -> tuple[Any, list[list[int]]]:
+    """The trace, checked before anything runs, and its prompts' token ids: text is
+    tokenized with --tokenizer, as the server the trace stands for would count it."""
     from loom.bench.trace import load_trace
-    from loom.sim.replay import prompt_token_ids
+    from loom.sim.replay import check_trace, prompt_token_ids
 
     trace = load_trace(args.trace)
+    check_trace(trace)
     tokenizer = None
-    if any(r.prompt is not None and not r.prompt_len for r in trace.requests):
+    if any(r.prompt is not None for r in trace.requests):
         from loom.bench.tokens import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
-    return trace, prompt_token_ids(trace, tokenizer, args.seed)
+    return trace, prompt_token_ids(trace, tokenizer, args.seed, max_model_len)
 
 
 def _configs(args: argparse.Namespace) -> tuple[list[Any], list[str]]:

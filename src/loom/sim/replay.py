@@ -10,6 +10,7 @@ at the next step boundary. Every request sent ends completed, cancelled, rejecte
 from __future__ import annotations
 
 import heapq
+import json
 import math
 import random
 from collections import deque
@@ -68,32 +69,75 @@ class SimRun:
     router_decisions: dict[str, int] = field(default_factory=dict)
 
 
-def prompt_token_ids(trace: Trace, tokenizer: Any | None, seed: int) -> list[list[int]]:
-    """Token ids per trace request, as many as its prompt has tokens.
+def check_trace(trace: Trace) -> None:
+    """What the simulator reads of a trace beyond what `load_trace` checks, refused up front
+    naming the file and line (not as a TypeError mid-run, or after it when the result is
+    built): the header is an object, and a given prompt_len or priority is an integer."""
+    if not isinstance(trace.header, dict):
+        raise ValueError(f"{trace.path}: the trace header must be a JSON object, got "
+                         f"{trace.header!r}")
+    for index, r in enumerate(trace.requests):
+        for key, value, low in (("prompt_len", r.prompt_len, 1), ("priority", r.priority, None)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or (low is not None and value < low)):
+                kind = "a positive integer" if low else "an integer"
+                raise ValueError(f"{_where(trace, index)}: {key} must be {kind}, got "
+                                 f"{value!r}")
 
-    The scheduler needs only counts and equality (shared prefixes share KV blocks), not the
-    true ids. With `prompt_len` known (counted by the model's tokenizer when the trace was
-    made), ids come from the prompt's words, one id per distinct word, cut or extended to
-    `prompt_len`: a shared text prefix gives shared leading ids, as tokenizing would, at a
-    fraction of the cost. Text without `prompt_len` is tokenized; length-only records get
-    distinct random ids, so they share nothing."""
+
+def _where(trace: Trace, index: int) -> str:
+    """file:line of the trace's `index`-th request, counted as `load_trace` reads the file
+    (blank lines and header lines are not requests)."""
+    if trace.path is None:
+        return f"trace request {index + 1}"
+    with open(trace.path, encoding="utf-8") as f:
+        numbers = [number for number, line in enumerate(f, 1)
+                   if line.strip() and "header" not in json.loads(line)]
+    return f"{trace.path}:{numbers[index]}"
+
+
+def prompt_token_ids(trace: Trace, tokenizer: Any | None, seed: int,
+                     max_model_len: int | None = None) -> list[list[int]]:
+    """Token ids per trace request, as the server would see its prompt.
+
+    A record with text is sent as that text, as `loom bench run` sends it, so its ids are the
+    text tokenized with `tokenizer` (the served model's) and its `prompt_len` is not read.
+    Without a tokenizer, one id per distinct word: a shared text prefix gives shared leading
+    ids as tokenizing would (the scheduler needs only counts and equality), but the count is
+    words, not tokens. A record with only `prompt_len` gets that many distinct random ids, so
+    it shares nothing; none when the prompt is `max_model_len` tokens or longer, since the
+    server refuses it (400) before reading it (a billion ids would take minutes to build)."""
     vocab: dict[str, int] = {}
     rng = random.Random(seed)
-    untold = [r.prompt for r in trace.requests if r.prompt is not None and not r.prompt_len]
-    encoded = iter(e.ids for e in tokenizer.encode_batch(untold)) if untold and tokenizer \
-        else iter(())
+    texts = [r.prompt for r in trace.requests if r.prompt is not None]
+    encoded = iter([e.ids for e in tokenizer.encode_batch(texts)] if texts and tokenizer
+                   else [])
     out = []
     for r in trace.requests:
-        if r.prompt is None:
-            out.append([rng.randrange(1, 2**31) for _ in range(r.prompt_len or 1)])
-        elif not r.prompt_len:
-            out.append(next(encoded, None) or [vocab.setdefault(w, len(vocab))
-                                               for w in r.prompt.split()] or [0])
+        if r.prompt is not None:
+            ids = next(encoded) if tokenizer else [vocab.setdefault(w, len(vocab))
+                                                   for w in r.prompt.split()]
+            out.append(ids or [0])
+        elif max_model_len is not None and r.prompt_len >= max_model_len:
+            out.append([])
         else:
-            ids = [vocab.setdefault(w, len(vocab)) for w in r.prompt.split()][:r.prompt_len]
-            out.append(ids + [rng.randrange(2**31, 2**32)
-                              for _ in range(r.prompt_len - len(ids))])
+            out.append([rng.randrange(1, 2**31) for _ in range(r.prompt_len or 1)])
     return out
+
+
+def refusal(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:
+    """The 400 `loom serve` answers before the engine sees a request (`serving.max_tokens`):
+    a prompt that leaves no room for one output token, or max_tokens beyond the room left.
+    None when the server accepts it."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        return (f"prompt has {num_prompt_tokens} tokens, but max_model_len is {max_model_len} "
+                "(prompt and at least one output token must fit)")
+    if max_tokens > room:
+        return (f"max_tokens={max_tokens} is too large: the prompt has {num_prompt_tokens} "
+                f"tokens and max_model_len is {max_model_len}, so at most {room} can be "
+                "generated")
+    return None
 
 
 class Simulation:
@@ -267,10 +311,17 @@ class Simulation:
 
     def _send(self, tr: TraceRequest, offset: float, start: float) -> None:
         request_id = str(len(self.run.sent))
-        result = RequestResult(id=tr.id, cls=tr.cls, prompt_len=tr.prompt_len,
+        ids = self.token_ids[id(tr)]
+        result = RequestResult(id=tr.id, cls=tr.cls,
+                               prompt_len=tr.prompt_len if tr.prompt is None else len(ids),
                                max_tokens=tr.max_tokens, scheduled_s=offset, start_s=start)
         self.run.sent.append(result)
-        ids = self.token_ids[id(tr)]
+        error = refusal(result.prompt_len, tr.max_tokens,
+                        self.engines[0].scheduler.max_model_len)
+        if error is not None:  # the HTTP server's answer: no engine sees it
+            self.live[request_id] = _Live(result, None)
+            self._end(request_id, start, ERROR, http_status=400, error=f"HTTP 400: {error}")
+            return
         replica = self._route(ids)
         engine = self.engines[replica]
         if replica not in self._in_flight:  # idle (or between steps): it starts at `start`
@@ -291,8 +342,6 @@ class Simulation:
             self._end(request_id, start, ERROR, http_status=400, error=f"HTTP 400: {e}")
             return
         self._wake(replica)
-        if result.prompt_len is None:
-            result.prompt_len = len(ids)
         if tr.cancel_after_s is not None:
             self.live[request_id].cancel_at = start + tr.cancel_after_s
             self._push(start + tr.cancel_after_s, "cancel", request_id)
