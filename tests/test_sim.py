@@ -368,3 +368,61 @@ def test_cli_fleet_sizes_and_routers(tmp_path, capsys):
     assert names == ["p", "p-x3-prefix", "p-x3-round-robin"]
     with pytest.raises(SystemExit):
         _cli(["simulate", "--router", "random"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--queue-timeout", "-1"], "queue_timeout must be > 0, got -1"),
+    (["--max-num-queued-reqs", "-1"], "max_num_queued_reqs must be >= 1, got -1"),
+    (["--duration", "-1"], "--duration must be > 0, got -1"),
+    (["-n", "0"], "-n/--num-requests must be >= 1, got 0"),
+    (["-n", "-1"], "-n/--num-requests must be >= 1, got -1"),
+    (["--rate", "0"], "--rate must be > 0"),
+    (["--async-scheduling"], "does not model --async-scheduling"),
+    (["--speculative-config", '{"method": "ngram"}'], "does not model --speculative-config"),
+    (["--output", "/proc/loom-test/r.json"], "--output /proc/loom-test/r.json: cannot write"),
+    (["--rates", "1,2"], "several loads or configurations: give --output-dir"),
+])
+def test_cli_refuses_bad_flags_before_simulating(tmp_path, monkeypatch, flags, message):
+    """Each of these ran (sending nothing, failing everything or ignoring the flag) and
+    exited 0, or failed only once the simulation was done."""
+    import loom.sim.whatif
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("simulated before the flags were checked")
+
+    monkeypatch.setattr(loom.sim.whatif, "simulate_run", no_run)
+    write_trace(_trace(), tmp_path / "t.jsonl")
+    _profile().save(tmp_path / "p.json")
+    args = _cli(["simulate", "--profile", str(tmp_path / "p.json"), "--trace",
+                 str(tmp_path / "t.jsonl"), "--rate", "1", *flags])
+    with pytest.raises(ValueError, match=message):
+        args.func(args)
+
+
+def test_calibrate_checks_its_output_before_measuring(monkeypatch):
+    import loom.sim.calibrate
+
+    def no_measure(*args, **kwargs):
+        raise AssertionError("measured before the output path was checked")
+
+    monkeypatch.setattr(loom.sim.calibrate, "calibrate", no_measure)
+    args = _cli(["simulate", "calibrate", "--grid", "quick", "--output", "/proc/p.json"])
+    with pytest.raises(ValueError, match="--output /proc/p.json: cannot write there"):
+        args.func(args)
+
+
+def test_the_serve_command_runs_the_engine_a_profile_timed(tmp_path, capsys):
+    """A calibrated profile records its thread count (and the options it ran with), and the
+    `loom serve` command printed to benchmark it passes them."""
+    profile = Profile("calibrated", STEP, "m.gguf", max_model_len=2048, num_kv_blocks=4096,
+                      block_size=16, meta={"num_threads": 1, "engine_config": {
+                          "model": {"model": "m.gguf", "num_threads": None, "dtype": "auto",
+                                    "attention_backend": "torch"}, "cache": {}}})
+    profile.save(tmp_path / "p.json")
+    write_trace(_trace(), tmp_path / "t.jsonl")
+    args = _cli(["simulate", "--profile", str(tmp_path / "p.json"), "--trace",
+                 str(tmp_path / "t.jsonl"), "--rate", "4"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert ("loom serve --model m.gguf --attention-backend torch --num-threads 1 "
+            "--max-model-len 2048") in out

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from loom import host
-from loom.config import EngineConfig
+from loom.config import EngineConfig, check_device
 from loom.plan.roofline import ModelShape, StepModel, StepWork
 from loom.sim.profile import Profile
 
@@ -160,6 +160,7 @@ def calibrate(config: EngineConfig, grid_name: str, repeats: int) -> Profile:
     wall = time.perf_counter()
     samples = measure(bench, GRIDS[grid_name], repeats)
     wall = time.perf_counter() - wall
+    num_threads = bench.engine.runner.backends.num_threads
     held_out = samples[3::4]
     train = [s for i, s in enumerate(samples) if i % 4 != 3]
     model = fit(train, shape)
@@ -170,7 +171,7 @@ def calibrate(config: EngineConfig, grid_name: str, repeats: int) -> Profile:
         block_size=bench.engine.block_size,
         meta={"gpu": {"key": "this", "name": host.describe()}, "host": host.describe(),
               "date": datetime.date.today().isoformat(), "grid": grid_name,
-              "repeats": repeats, "measure_wall_s": wall,
+              "repeats": repeats, "measure_wall_s": wall, "num_threads": num_threads,
               "fit_error_train": errors(model, train), "fit_error_held_out": errors(model,
                                                                                    held_out),
               "samples": [{"work": vars(s.work), "seconds": s.seconds} for s in samples],
@@ -179,7 +180,11 @@ def calibrate(config: EngineConfig, grid_name: str, repeats: int) -> Profile:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    from loom.sim.cli import check_output
+
+    check_output("--output", args.calibrate_output)  # not after minutes of measuring
     config = EngineConfig.from_cli_args(args)
+    check_device(config.model.device)
     logging.getLogger("loom.sim.calibrate").setLevel(logging.INFO)
     profile = calibrate(config, args.grid, args.repeats)
     profile.save(args.calibrate_output)

@@ -132,8 +132,14 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if not args.trace:
         raise ValueError("loom simulate needs --trace (or the calibrate sub-command)")
+    _check_flags(args)
     points = _points(args)
     configs, skipped = _configs(args)
+    single = len(configs) * len(points) == 1 and not args.output_dir
+    if not single and not args.output_dir:
+        raise ValueError("several loads or configurations: give --output-dir")
+    check_output("--output", args.output if single else None)
+    check_output("--output-dir", args.output_dir, folder=True)
     trace, token_ids = _trace(args, max(c.model_len for c in configs))
     slo = Slo.parse(args.slo) if args.slo else None
     limits = Limits(args.max_p95_queue, args.max_error_rate)
@@ -141,7 +147,6 @@ def _simulate(args: argparse.Namespace) -> int:
     sweeps = [sweep_config(c, trace, token_ids, base, points, limits, slo, args.scrape_interval)
               for c in configs]
     runs = [r for s in sweeps for r in s["runs"]]
-    single = len(runs) == 1 and not args.output_dir
     if single and args.output:
         save_json(runs[0], args.output)
     elif not single:
@@ -149,6 +154,47 @@ def _simulate(args: argparse.Namespace) -> int:
     print_scorecard(runs, slo)
     _report(runs, configs, sweeps, skipped, parse_prices(args.price), slo)
     return 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The load and sweep flags' ranges, before any work: out of range, a run sends no
+    request (or fails them all) and would still exit 0."""
+    at_least_one = {"-n/--num-requests": [args.num_requests],
+                    "--max-concurrency": [args.max_concurrency],
+                    "--overlap": args.overlap or [], "--replicas": args.replicas}
+    positive = {"--duration": args.duration, "--burstiness": args.burstiness,
+                "--scrape-interval": args.scrape_interval, "--max-p95-queue": args.max_p95_queue}
+    for flag, values in at_least_one.items():
+        bad = [v for v in values if v is not None and v < 1]
+        if bad:
+            raise ValueError(f"{flag} must be >= 1, got {bad[0]}")
+    for flag, value in positive.items():
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value:g}")
+    if not 0 <= args.max_error_rate <= 1:
+        raise ValueError(f"--max-error-rate must be in [0, 1], got {args.max_error_rate:g}")
+    bad_rates = [r for r in args.rates or [] if r != "trace" and not r > 0]
+    if bad_rates:
+        raise ValueError(f"--rate must be > 0 (or inf, or trace), got {bad_rates[0]:g}")
+
+
+def check_output(flag: str, path: str | None, folder: bool = False) -> None:
+    """Fail before the work, not after it, when the file (or folder) `flag` names cannot be
+    written. Missing folders are made, as the writer would make them; the probe file is
+    removed again unless it was there before."""
+    if path is None:
+        return
+    target = Path(path)
+    probe = target / ".loom-write-probe" if folder else target
+    try:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        existed = probe.exists()
+        with open(probe, "a"):
+            pass
+        if not existed:
+            probe.unlink()
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
 
 
 def _points(args: argparse.Namespace) -> list[Any]:
@@ -195,6 +241,7 @@ def _configs(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
     from loom.sim.result import SimConfig
 
     engine = EngineConfig.from_cli_args(args)
+    _refuse_unmodelled(engine)
     limits = ServerLimits(args.max_num_queued_reqs, args.queue_timeout)
     common = {"scheduler": engine.scheduler, "cache": engine.cache, "limits": limits,
               "max_model_len": engine.model.max_model_len}
@@ -203,8 +250,10 @@ def _configs(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
             raise ValueError("give --profile or --gpus, not both")
         config = SimConfig(args.label or Path(args.profile).stem, Profile.load(args.profile),
                            **common)
-        model = ["--model", engine.model.model] if engine.model.model else []
-        config.serve_commands["loom"] = " ".join(["loom", "serve", *model, *config.flags()])
+        flags = config.profile.engine_flags()
+        if engine.model.model:  # the model asked for here, over the one calibrated
+            flags = [*_without(flags, "--model"), "--model", engine.model.model]
+        config.serve_commands["loom"] = " ".join(["loom", "serve", *flags, *config.flags()])
         return _fleets([config], args.replicas, args.router), []
     if not args.gpus:
         raise ValueError("give --profile PROFILE.json (loom simulate calibrate) or --gpus "
@@ -238,6 +287,23 @@ def _configs(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
     if not configs:
         raise ValueError("no configuration fits: " + "; ".join(skipped))
     return _fleets(configs, args.replicas, args.router), skipped
+
+
+def _without(flags: list[str], name: str) -> list[str]:
+    """`flags` (name, value pairs) without `name` and its value."""
+    pairs = list(zip(flags[::2], flags[1::2]))
+    return [x for pair in pairs if pair[0] != name for x in pair]
+
+
+def _refuse_unmodelled(engine: EngineConfig) -> None:
+    """Engine flags the step model cannot represent are refused, not ignored: the results
+    would be labelled with a configuration that was never simulated."""
+    if engine.scheduler.async_scheduling:
+        raise ValueError("loom simulate does not model --async-scheduling (its steps run "
+                         "back to back); drop the flag")
+    if engine.scheduler.speculative_config is not None:
+        raise ValueError("loom simulate does not model --speculative-config (draft tokens "
+                         "and their acceptance need the model); drop the flag")
 
 
 def _fleets(configs: list[Any], replicas: list[int], routers: list[str]) -> list[Any]:
@@ -275,8 +341,6 @@ def _save_dir(args: argparse.Namespace, trace: Any, configs: list[Any],
     from loom.bench.compare import save_compare
     from loom.bench.results import save_json
 
-    if not args.output_dir:
-        raise ValueError("several loads or configurations: give --output-dir")
     out = Path(args.output_dir)
     entries = []
     for config, sweep in zip(configs, sweeps):

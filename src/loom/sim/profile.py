@@ -7,6 +7,7 @@ calibrate` to loom's own steps on this machine, with the fit's held-out error).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 from dataclasses import dataclass, field
@@ -20,6 +21,10 @@ from loom.plan.roofline import StepModel
 
 PROFILE_KIND = "loom-step-profile"
 PROFILE_VERSION = 1
+# engine options a calibrated profile's step times depend on (the cache's size and the
+# scheduler's flags are the simulation's own, from SimConfig.flags)
+_TIMING_OPTIONS = ("model", "dtype", "device", "num_threads", "attention_backend",
+                   "linear_backend", "batched_matmul", "kv_cache_dtype")
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,24 @@ class Profile:
                        num_gpus=obj.get("num_gpus", 1), meta=obj.get("meta", {}))
         except (KeyError, TypeError) as e:
             raise PlanError(f"{where}: malformed profile ({e})") from None
+
+    def engine_flags(self) -> list[str]:
+        """The `loom serve` flags that reproduce the engine a calibrated profile timed: its
+        model and thread count, and the model / KV options it ran with away from their
+        defaults (step times depend on every one of them). None for a roofline profile."""
+        from loom.config import CacheConfig, ModelConfig, flag_name
+
+        engine = self.meta.get("engine_config", {})
+        out = []
+        for cls, section in ((ModelConfig, "model"), (CacheConfig, "cache")):
+            given = engine.get(section, {})
+            for f in dataclasses.fields(cls):
+                if f.name in _TIMING_OPTIONS and given.get(f.name, f.default) != f.default:
+                    out += [flag_name(f), str(given[f.name])]
+        threads = self.meta.get("num_threads")
+        if threads and "--num-threads" not in out:
+            out += ["--num-threads", str(threads)]
+        return out
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

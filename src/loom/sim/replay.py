@@ -38,6 +38,14 @@ class ServerLimits:
     max_num_queued_reqs: int | None = None
     queue_timeout_s: float | None = None
 
+    def __post_init__(self) -> None:
+        """The ranges `loom serve` accepts (its ServerConfig): below them every request
+        would be refused, and the run would look like a server that fails them all."""
+        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 1:
+            raise ValueError(f"max_num_queued_reqs must be >= 1, got {self.max_num_queued_reqs}")
+        if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
+            raise ValueError(f"queue_timeout must be > 0, got {self.queue_timeout_s}")
+
 
 @dataclass
 class _Live:
