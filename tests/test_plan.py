@@ -271,3 +271,69 @@ def test_plan_does_not_import_torch():
             "assert 'torch' not in sys.modules, 'plan imported torch'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# -- input checks and output details ------------------------------------------------------------
+
+def test_max_model_len_0_is_refused_not_the_default(capsys):
+    args = _cli(["plan", "--model", "llama-3.1-8b", "--gpus", "h100-sxm",
+                 "--max-model-len", "0"])
+    with pytest.raises(PlanError, match="max_model_len must be >= 2, got 0"):
+        args.func(args)
+
+
+def test_a_config_field_of_the_wrong_type_names_field_and_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**SMOLLM2_CONFIG,
+                                                      "num_attention_heads": "9"}))
+    with pytest.raises(PlanError, match=r"config.json: num_attention_heads must be a positive "
+                                        r"integer, got '9'"):
+        resolve_model(str(tmp_path))
+
+
+def test_a_config_json_path_is_named_after_its_folder(tmp_path):
+    folder = tmp_path / "SmolLM2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    model = resolve_model(str(folder / "config.json"))
+    assert model.name == "SmolLM2" and model.serve_name == str(folder)
+
+
+def test_gpus_named_twice_plan_once_and_prices_name_a_planned_gpu(capsys):
+    args = _cli(["plan", "--model", "llama-3.1-8b", "--gpus", "h100-sxm,H100-SXM",
+                 "--concurrency", "4,4", "--max-model-len", "8192", "--json"])
+    assert args.func(args) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 1
+    args = _cli(["plan", "--model", "llama-3.1-8b", "--gpus", "h100-sxm",
+                 "--price", "h100-sxm=2.4,h200=3.1"])
+    with pytest.raises(PlanError, match="--price names h200, not among the GPUs planned"):
+        args.func(args)
+
+
+def test_no_serve_command_where_nothing_fits_and_context_within_max_model_len(capsys):
+    args = _cli(["plan", "--model", "llama-3.1-70b", "--gpus", "h100-sxm,h200",
+                 "--weight-dtype", "fp8", "--max-model-len", "65536"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "h100-sxm x1\n  does not fit at max_model_len 65536" in out
+    assert "vllm serve meta-llama/Llama-3.1-70B-Instruct --tensor-parallel-size 1" in out
+    assert out.count("vllm serve") == 1  # the h200's only
+    (row,) = plan(_known("llama-3.1-8b"), resolve_gpus(["h200"], builtin_catalogue()),
+                  PlanSettings(max_model_len=8192))
+    assert row["max_concurrency"] > 1 and row["max_context_at_concurrency"] == 8192
+
+
+def test_int4_is_weight_only_and_its_commands_say_what_to_serve():
+    """int4 (AWQ/GPTQ) multiplies in 16-bit: prefill at the bf16 rate, not fp8's; fp8
+    is quantized by vLLM at load; neither is a weight dtype loom serves."""
+    h100 = resolve_gpus(["h100-sxm"], builtin_catalogue())
+    rows = {d: plan(_known("llama-3.1-8b"), h100, PlanSettings(max_model_len=8192,
+                                                               weight_dtype=d))[0]
+            for d in ("bf16", "int4", "fp8")}
+    assert rows["int4"]["prefill_tok_s"] == pytest.approx(rows["bf16"]["prefill_tok_s"],
+                                                          rel=0.05)
+    assert rows["fp8"]["prefill_tok_s"] > 1.5 * rows["int4"]["prefill_tok_s"]
+    assert rows["int4"]["decode_tok_s"] > rows["bf16"]["decode_tok_s"]  # fewer bytes read
+    assert rows["fp8"]["flags"]["vllm_serve"].endswith("--quantization fp8")
+    assert "AWQ / GPTQ checkpoint" in rows["int4"]["flags"]["note"]
+    assert rows["int4"]["flags"]["loom_serve"] is None
+    assert rows["bf16"]["flags"]["loom_serve"].endswith("--dtype bfloat16")

@@ -45,8 +45,11 @@ class GpuSpec:
         return int(self.memory_gb * 2**30)
 
     def tflops(self, weight_dtype: str) -> float:
-        """Dense tensor FLOP/s a matmul with these weights can reach at best."""
-        if weight_dtype in ("fp8", "int8", "int4") and self.fp8_tflops:
+        """Dense tensor FLOP/s a matmul with these weights can reach at best. fp8 and int8
+        (W8A8) run on 8-bit tensor cores where the chip has them; int4 is weight-only
+        (AWQ / GPTQ / Marlin kernels): weights are expanded to 16-bit and multiplied at the
+        bf16 rate, so only its memory reads shrink."""
+        if weight_dtype in ("fp8", "int8") and self.fp8_tflops:
             return self.fp8_tflops
         return self.bf16_tflops
 
@@ -163,3 +166,12 @@ def parse_prices(text: str | None) -> dict[str, float]:
             raise PlanError(f"bad --price term {part!r}; use e.g. h100-sxm=2.4 ($ per GPU-hour)")
         prices[key.strip().lower()] = price
     return prices
+
+
+def check_prices(prices: dict[str, float], gpus: list[str]) -> None:
+    """A price for a GPU that is not planned would be dropped without a word: a typo in a
+    name then looks like a GPU without a price."""
+    unused = sorted(set(prices) - set(gpus))
+    if unused:
+        raise PlanError(f"--price names {', '.join(unused)}, not among the GPUs planned "
+                        f"({', '.join(gpus) or 'none'}); add it to --gpus or drop its price")

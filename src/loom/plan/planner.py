@@ -15,6 +15,21 @@ from loom.plan.roofline import Efficiency, ModelShape, StepModel, StepWork, roof
 from loom.plan.sizing import KV_DTYPES, activation_bytes, weight_bytes_per_gpu
 
 GIB = 2**30
+# the weight dtypes loom serves (CUDA's auto dtype is bf16; a CPU's may be float32, which
+# would not fit the budget planned), as its flag
+LOOM_DTYPES = {"bf16": " --dtype bfloat16", "fp16": " --dtype float16",
+               "float32": " --dtype float32", "gguf": ""}
+# vLLM quantizes a 16-bit checkpoint to fp8 as it loads; int8 and int4 need a checkpoint
+# quantized beforehand, whose config names its method
+VLLM_WEIGHT_FLAGS = {"fp16": " --dtype float16", "float32": " --dtype float32",
+                     "fp8": " --quantization fp8"}
+WEIGHT_NOTES = {
+    "int8": "int8 weights: serve an int8 (W8A8) checkpoint of the model in its place; vLLM "
+            "reads the quantization from its config. loom serves 16/32-bit or GGUF weights.",
+    "int4": "int4 weights: serve an AWQ / GPTQ checkpoint of the model in its place; vLLM "
+            "reads the quantization from its config. loom serves 16/32-bit or GGUF weights.",
+    "fp8": "fp8 weights: vLLM quantizes them as it loads; loom serves 16/32-bit or GGUF "
+           "weights."}
 
 
 @dataclass(frozen=True)
@@ -99,8 +114,8 @@ def plan(model: PlanModel, gpus: list[GpuSpec], s: PlanSettings) -> list[dict[st
 def row(cap: Capacity, concurrency: int, model: PlanModel, s: PlanSettings) -> dict[str, Any]:
     blocks_per_seq = -(-s.max_model_len // s.block_size)
     kv_needed = concurrency * blocks_per_seq * cap.kv_spec.bytes_per_block(s.block_size)
-    max_context = min(cap.num_blocks // concurrency * s.block_size,
-                      model.arch.max_position_embeddings)
+    # no sequence outgrows max_model_len, however much cache is left over
+    max_context = min(cap.num_blocks // concurrency * s.block_size, s.max_model_len)
     decode_s = cap.step_model.time(StepWork.of([(1, s.max_model_len - 1, True)] * concurrency))
     prefill_tokens = min(s.max_num_batched_tokens, s.max_model_len)
     prefill_s = cap.step_model.time(StepWork.of([(prefill_tokens, 0, True)]))
@@ -132,17 +147,19 @@ def flags(cap: Capacity, model: PlanModel, s: PlanSettings) -> dict[str, Any]:
     memory vLLM may use for weights, activations and KV together: all but the margin)."""
     budget_mib = max(cap.kv_budget_bytes, 0) // 2**20
     loom = None
-    if cap.tp == 1 and budget_mib > 0:
+    if cap.tp == 1 and budget_mib > 0 and s.weight_dtype in LOOM_DTYPES:
         loom = (f"--max-model-len {s.max_model_len} --kv-cache-memory {budget_mib}MiB "
                 f"--max-num-batched-tokens {s.max_num_batched_tokens} "
-                f"--max-num-seqs {s.max_num_seqs}")
+                f"--max-num-seqs {s.max_num_seqs}" + LOOM_DTYPES[s.weight_dtype])
     vllm = (f"--tensor-parallel-size {cap.tp} --max-model-len {s.max_model_len} "
             f"--gpu-memory-utilization {1 - s.safety_margin:.2f} "
             f"--max-num-batched-tokens {s.max_num_batched_tokens} --max-num-seqs {s.max_num_seqs}"
+            + VLLM_WEIGHT_FLAGS.get(s.weight_dtype, "")
             + (" --kv-cache-dtype fp8" if s.kv_dtype == "fp8" else ""))
     return {"kv_cache_memory_bytes": budget_mib * 2**20 if loom else None,
             "gpu_memory_utilization": round(1 - s.safety_margin, 2),
             "loom": loom, "vllm": vllm,
             "loom_serve": f"loom serve --model {model.loom_model} {loom}" if loom else None,
             "download": model.download if loom else None,
-            "vllm_serve": f"vllm serve {model.serve_name} {vllm}"}
+            "vllm_serve": f"vllm serve {model.serve_name} {vllm}",
+            "note": WEIGHT_NOTES.get(s.weight_dtype)}

@@ -61,6 +61,17 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
+def _serve_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (GPU, TP), the first that fits if any does: its serve flags are the
+    configuration's (they do not depend on the concurrency)."""
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in rows:
+        key = (r["gpu"], r["tensor_parallel_size"])
+        if key not in out or (r["fits"] and not out[key]["fits"]):
+            out[key] = r
+    return list(out.values())
+
+
 def print_plan(rows: list[dict[str, Any]], model: PlanModel, s: PlanSettings,
                console: Console | None = None) -> None:
     if console is None:
@@ -85,16 +96,17 @@ def print_plan(rows: list[dict[str, Any]], model: PlanModel, s: PlanSettings,
         f"{e.interconnect:.0%} of the link, {e.step_overhead_s * 1e3:g} ms per step; decode "
         "at the full max_model_len context (worst case). A model, not a measurement: "
         "benchmark the configuration you pick.", highlight=False)
-    seen = set()
-    for r in rows:
-        key = (r["gpu"], r["tensor_parallel_size"])
-        if key in seen:
-            continue
-        seen.add(key)
+    for r in _serve_rows(rows):
         console.print(f"[bold]{r['gpu']} x{r['tensor_parallel_size']}[/bold]", highlight=False)
+        if not r["fits"]:
+            console.print(f"  does not fit at max_model_len {s.max_model_len} for any "
+                          "concurrency asked: no serve command", highlight=False)
+            continue
         if r["flags"]["loom_serve"]:
             if r["flags"]["download"]:  # loom reads from disk; vllm fetches the name itself
                 console.print(f"  {r['flags']['download']}", highlight=False, soft_wrap=True)
             console.print(f"  {r['flags']['loom_serve']}", highlight=False, soft_wrap=True)
         console.print(f"  {r['flags']['vllm_serve']}", highlight=False, soft_wrap=True)
+        if r["flags"]["note"]:
+            console.print(f"  ({r['flags']['note']})", highlight=False, soft_wrap=True)
 
