@@ -95,7 +95,8 @@ def _parsers(parser: argparse.ArgumentParser, name: str = "loom"):
                 yield from _parsers(child, f"{name} {child_name}")
 
 
-@pytest.mark.parametrize("command", ["generate", "serve", "bench", "diagnose"])
+@pytest.mark.parametrize("command", ["generate", "serve", "bench", "diagnose", "plan",
+                                     "simulate"])
 def test_every_flag_states_its_default(command: str) -> None:
     """Each option's help says its default (or, "none = ...", what happens without it), on/off
     switches included, and never the meaningless "(default: None)"."""

@@ -381,6 +381,7 @@ def test_cli_fleet_sizes_and_routers(tmp_path, capsys):
     (["--speculative-config", '{"method": "ngram"}'], "does not model --speculative-config"),
     (["--output", "/proc/loom-test/r.json"], "--output /proc/loom-test/r.json: cannot write"),
     (["--rates", "1,2"], "several loads or configurations: give --output-dir"),
+    (["--price", "h200=3.1"], "--price names h200, not among the GPUs planned"),
 ])
 def test_cli_refuses_bad_flags_before_simulating(tmp_path, monkeypatch, flags, message):
     """Each of these ran (sending nothing, failing everything or ignoring the flag) and
@@ -426,3 +427,12 @@ def test_the_serve_command_runs_the_engine_a_profile_timed(tmp_path, capsys):
     out = capsys.readouterr().out
     assert ("loom serve --model m.gguf --attention-backend torch --num-threads 1 "
             "--max-model-len 2048") in out
+
+
+def test_cli_help_shows_calibrate_as_optional_and_the_shipped_models(capsys):
+    with pytest.raises(SystemExit):
+        _cli(["simulate", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: loom simulate (--profile PROFILE | --gpus GPUS --model MODEL)")
+    assert "loom simulate calibrate --output PROFILE" in out
+    assert "llama-3.1-70b" in " ".join(out.split())

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.config import EngineConfig
-from loom.plan.cli import add_model_args, csv_ints
+from loom.plan.cli import add_model_args, csv_ints, model_help
 
 
 def _rates(text: str) -> list[float | str]:
@@ -37,57 +37,85 @@ def _routers(text: str) -> list[str]:
     return names
 
 
+USAGE = """%(prog)s (--profile PROFILE | --gpus GPUS --model MODEL) --trace TRACE
+                     (--rate RATE | --max-concurrency N | --overlap LIST) [options]
+       %(prog)s calibrate --output PROFILE [options]"""
+
+
+def _option(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
+    return next(a for a in parser._actions if flag in a.option_strings)
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from loom.bench.cli import _common_parent, _slo_parent
 
     p = sub.add_parser(
-        "simulate", parents=[_common_parent(), _slo_parent()],
+        "simulate", parents=[_common_parent(), _slo_parent()], usage=USAGE,
         help="replay a trace on loom's scheduler with modelled step times",
         description="Drive loom's real scheduler and KV cache with a step-time profile on a "
                     "virtual clock; writes loom bench's result JSON marked simulated. Profiles "
                     "come from `loom simulate calibrate` (this machine) or from the GPU "
                     "catalogue (--gpus, roofline).")
-    p.add_argument("--profile", default=None, help="step profile JSON (loom simulate calibrate)")
-    p.add_argument("--trace", default=None, help="JSONL trace (see loom bench trace)")
+    p.add_argument("--profile", default=None,
+                   help="step profile JSON (loom simulate calibrate); none = a "
+                        "roofline profile per --gpus")
+    p.add_argument("--trace", default=None,
+                   help="JSONL trace (see loom bench trace); required (no default)")
     p.add_argument("--rate", type=_rates, default=None, dest="rates",
                    help="offered req/s ('inf': all at once, 'trace': arrival_s as "
-                        "recorded); a list runs a sweep")
+                        "recorded); a list runs a sweep; give it, --max-concurrency or "
+                        "--overlap (no default)")
     p.add_argument("--rates", type=_rates, default=None, dest="rates",
-                   help="same as --rate with a list, e.g. 0.5,1,2,4")
+                   help="same as --rate with a list, e.g. 0.5,1,2,4 (no default)")
     p.add_argument("--max-concurrency", type=int, default=None,
-                   help="requests in flight at most; alone: closed loop of N users")
+                   help="requests in flight at most; alone: closed loop of N users; "
+                        "default: no cap")
     p.add_argument("--overlap", type=csv_ints, default=None,
-                   help="closed loop at these concurrencies, e.g. 1,2,4,8")
+                   help="closed loop at these concurrencies, e.g. 1,2,4,8; default: none")
     p.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of inter-arrival gaps: 1 = Poisson, < 1 burstier")
+                   help="gamma shape of inter-arrival gaps: 1 = Poisson, < 1 burstier "
+                        "(default: %(default)s)")
     p.add_argument("--duration", type=float, default=None,
-                   help="simulated seconds to keep sending (cycling the trace)")
+                   help="simulated seconds to keep sending (cycling the trace); default: "
+                        "send the trace (or -n requests) once")
     p.add_argument("--scrape-interval", type=float, default=1.0,
-                   help="simulated seconds between timeline samples")
+                   help="simulated seconds between timeline samples (default: %(default)s)")
     p.add_argument("--max-num-queued-reqs", type=int, default=None,
-                   help="server admission limit: 503 when this many wait (as loom serve)")
+                   help="server admission limit: 503 when this many wait (as loom serve); "
+                        "none = no limit")
     p.add_argument("--queue-timeout", type=float, default=None,
-                   help="server: 503 for a request not scheduled within this many seconds")
+                   help="server: 503 for a request not scheduled within this many seconds; "
+                        "none = wait")
     p.add_argument("--max-p95-queue", type=float, default=2.0,
-                   help="sweep limit: p95 queue time in seconds (for the knee)")
-    p.add_argument("--max-error-rate", type=float, default=0.05, help="sweep limit: failed/sent")
+                   help="sweep limit: p95 queue time in seconds (for the knee; default: "
+                        "%(default)s)")
+    p.add_argument("--max-error-rate", type=float, default=0.05,
+                   help="sweep limit: failed/sent (default: %(default)s)")
     p.add_argument("--replicas", type=csv_ints, default=[1],
                    help="fleet: engines behind a router, as loom serve --data-parallel-size "
-                        "runs them; a list (e.g. 10,100) simulates each size")
+                        "runs them; a list (e.g. 10,100) simulates each size (default: 1)")
     p.add_argument("--router", type=_routers, default=["prefix"],
                    help="fleet routing policy: prefix, pow2 or round-robin; a list simulates "
-                        "each")
-    p.add_argument("--label", default=None, help="name of the configuration")
-    p.add_argument("--output", default=None, help="result JSON (one profile, one load)")
+                        "each (default: prefix)")
+    p.add_argument("--label", default=None,
+                   help="name of the configuration; default: the profile's file name")
+    p.add_argument("--output", default=None,
+                   help="result JSON (one profile, one load); default: none written")
     p.add_argument("--output-dir", default=None,
                    help="several loads or configurations: sweep JSONs, compare.json, "
-                        "scorecard.md and plots, as loom bench compare writes them")
+                        "scorecard.md and plots, as loom bench compare writes them; required "
+                        "then (no default)")
     add_model_args(p, "what-if: simulate each of these GPUs (roofline profiles from the "
-                      "catalogue, KV capacity from loom plan) with --model")
+                      "catalogue, KV capacity from loom plan) with --model; none = "
+                      "--profile")
     EngineConfig.add_cli_args(p)
+    _option(p, "--model").help = model_help("the bundled model; with --profile: the model "
+                                            "it was calibrated on")
+    _option(p, "--seed").help += " (default: %(default)s)"
     p.set_defaults(func=run_simulate)
 
-    subs = p.add_subparsers(dest="simulate_command", metavar="calibrate")
+    subs = p.add_subparsers(dest="simulate_command", metavar="calibrate",
+                            title="sub-command (optional)")
     cal = subs.add_parser("calibrate", help="measure loom's engine here and fit a step profile",
                           description="Time loom's engine offline on this machine over a grid "
                                       "of prefill tokens x decode sequences x context, fit the "
@@ -96,8 +124,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--output", required=True, dest="calibrate_output", metavar="PROFILE",
                      help="profile JSON to write")
     cal.add_argument("--grid", choices=["quick", "default"], default="default",
-                     help="quick: a smoke run in seconds; default: a few minutes on 2 cores")
-    cal.add_argument("--repeats", type=int, default=3, help="timed steps per grid point")
+                     help="quick: a smoke run in seconds; default: a few minutes on 2 cores "
+                          "(default: %(default)s)")
+    cal.add_argument("--repeats", type=int, default=3,
+                     help="timed steps per grid point (default: %(default)s)")
     EngineConfig.add_cli_args(cal)
 
 
@@ -127,14 +157,18 @@ def _simulate(args: argparse.Namespace) -> int:
     from loom.bench.results import Slo, save_json
     from loom.bench.scorecard import print_scorecard
     from loom.bench.sweep import Limits
-    from loom.plan.catalogue import parse_prices
+    from loom.plan.catalogue import check_prices, parse_prices
     from loom.sim.whatif import sweep_config
 
     if not args.trace:
         raise ValueError("loom simulate needs --trace (or the calibrate sub-command)")
     _check_flags(args)
+    prices = parse_prices(args.price)
     points = _points(args)
     configs, skipped = _configs(args)
+    gpus = [n.lower() for n in args.gpus] if args.gpus else \
+        [c.profile.meta.get("gpu", {}).get("key") for c in configs]
+    check_prices(prices, [g for g in gpus if g])
     single = len(configs) * len(points) == 1 and not args.output_dir
     if not single and not args.output_dir:
         raise ValueError("several loads or configurations: give --output-dir")
@@ -152,7 +186,7 @@ def _simulate(args: argparse.Namespace) -> int:
     elif not single:
         _save_dir(args, trace, configs, sweeps, slo)
     print_scorecard(runs, slo)
-    _report(runs, configs, sweeps, skipped, parse_prices(args.price), slo)
+    _report(runs, configs, sweeps, skipped, prices, slo)
     return 0
 
 
