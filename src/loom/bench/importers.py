@@ -106,8 +106,10 @@ def import_log(path: str | Path, fmt: str, synth: PromptSynth, classify: Classif
     """The log as a trace (see the module doc)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown log format {fmt!r}; known: {', '.join(FORMATS)}")
-    if time_scale <= 0:
+    if not 0 < time_scale < float("inf"):
         raise ValueError("--time-scale must be > 0")
+    if hash_block_size < 1:
+        raise ValueError(f"--hash-block-size must be >= 1, got {hash_block_size}")
     readers = {"openai": lambda: _openai(path, synth),
                "azure": lambda: _azure(path),
                "mooncake": lambda: _mooncake(path, hash_block_size)}
@@ -151,9 +153,13 @@ def _jsonl(path: str | Path) -> Iterable[tuple[int, dict[str, Any]]]:
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():
             try:
-                yield number, json.loads(line)
+                obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{number}: not JSON ({e})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object (a logged "
+                                 f"request), got {type(obj).__name__}")
+            yield number, obj
 
 
 def _seconds(value: Any, where: str) -> float:
@@ -182,6 +188,8 @@ def _openai(path: str | Path, synth: PromptSynth) -> list[Record]:
         if stamp is None:
             raise ValueError(f"{where}: needs a timestamp (timestamp, created or time)")
         body = obj.get("request") or obj.get("body") or obj
+        if not isinstance(body, dict):
+            raise ValueError(f"{where}: request must be a JSON object (the request body)")
         prompt = _prompt_text(body, where)
         output = _output_len(obj.get("response") or {}, body, synth, where)
         ids = synth.tokenizer.encode(prompt, add_special_tokens=False).ids
@@ -218,18 +226,24 @@ def _content(content: Any) -> str:
     return "" if content is None else str(content)
 
 
-def _output_len(response: dict[str, Any], body: dict[str, Any], synth: PromptSynth,
+def _output_len(response: Any, body: dict[str, Any], synth: PromptSynth,
                 where: str) -> int:
-    """Tokens of the logged answer in the target's tokenizer; else the logged usage; else
-    the request's own limit."""
+    """Tokens of the logged answer (the response's text, or the response given as its
+    text) in the target's tokenizer; else the logged usage; else the request's own limit."""
+    if isinstance(response, str):
+        return max(1, synth.count(response))
+    if not isinstance(response, dict):
+        raise ValueError(f"{where}: response must be its text or a JSON object, got "
+                         f"{type(response).__name__}")
     choices = response.get("choices") or []
-    if choices:
+    if choices and isinstance(choices[0], dict):
         text = choices[0].get("text")
         if text is None:
             text = _content((choices[0].get("message") or {}).get("content"))
         if text:
             return max(1, synth.count(text))
-    for value in ((response.get("usage") or {}).get("completion_tokens"),
+    usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
+    for value in (usage.get("completion_tokens"),
                   body.get("max_completion_tokens"), body.get("max_tokens")):
         if isinstance(value, int) and value > 0:
             return value

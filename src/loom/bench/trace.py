@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import random
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -53,25 +54,37 @@ class TraceRequest:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any], where: str) -> TraceRequest:
+        """A request from one trace line; a bad field is named with `where` (file:line), so
+        a hand-edited trace fails at load, not as a 400 in the middle of a replay."""
         max_tokens = obj.get("max_tokens", obj.get("output_len"))
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"{where}: needs max_tokens (or output_len), a positive integer")
+        if not _positive_int(max_tokens):
+            raise ValueError(f"{where}: max_tokens (or output_len) must be a positive integer, "
+                             f"got {max_tokens!r}")
         prompt, prompt_len = obj.get("prompt"), obj.get("prompt_len")
-        if not isinstance(prompt, str) and not (isinstance(prompt_len, int) and prompt_len > 0):
+        if prompt is not None and (not isinstance(prompt, str) or not prompt):
+            raise ValueError(f"{where}: prompt must be non-empty text, got {prompt!r}")
+        if prompt_len is not None and not _positive_int(prompt_len):
+            raise ValueError(f"{where}: prompt_len must be a positive integer, got "
+                             f"{prompt_len!r}")
+        if prompt is None and prompt_len is None:
             raise ValueError(f"{where}: needs prompt (text) or prompt_len (positive integer)")
         for key in ("arrival_s", "cancel_after_s", "think_s"):
             value = obj.get(key)
-            if value is not None and (not isinstance(value, (int, float)) or value < 0):
-                raise ValueError(f"{where}: {key} must be a number >= 0")
+            if value is not None and not (_number(value) and 0 <= value < math.inf):
+                raise ValueError(f"{where}: {key} must be a finite number >= 0, got {value!r}")
         temperature = obj.get("temperature")
-        if temperature is not None and (not isinstance(temperature, (int, float))
-                                        or isinstance(temperature, bool)
-                                        or not 0 <= temperature <= 2):
+        if temperature is not None and not (_number(temperature) and 0 <= temperature <= 2):
             raise ValueError(f"{where}: temperature must be a number from 0 to 2")
-        return cls(max_tokens=max_tokens, prompt=prompt if isinstance(prompt, str) else None,
-                   prompt_len=prompt_len, cls=str(obj.get("class", "default")),
+        priority = obj.get("priority")
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+            raise ValueError(f"{where}: priority must be an integer, got {priority!r}")
+        for key in ("id", "tenant", "session", "after"):
+            if obj.get(key) is not None and not isinstance(obj[key], str):
+                raise ValueError(f"{where}: {key} must be a string, got {obj[key]!r}")
+        return cls(max_tokens=max_tokens, prompt=prompt, prompt_len=prompt_len,
+                   cls=str(obj.get("class", "default")),
                    arrival_s=obj.get("arrival_s"), cancel_after_s=obj.get("cancel_after_s"),
-                   priority=obj.get("priority"), id=obj.get("id"), tenant=obj.get("tenant"),
+                   priority=priority, id=obj.get("id"), tenant=obj.get("tenant"),
                    session=obj.get("session"), after=obj.get("after"),
                    think_s=obj.get("think_s"), temperature=temperature)
 
@@ -99,23 +112,52 @@ class Trace:
 
 
 def load_trace(path: str | Path) -> Trace:
+    """Read and check a trace; every error names the file, the line and the field."""
     data = Path(path).read_bytes()
     header: dict[str, Any] = {}
     requests = []
-    for number, line in enumerate(data.decode().splitlines(), 1):
+    seen: dict[str, int] = {}
+    for number, line in enumerate(_decode(data, path).splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{number}: not JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object (a request), got "
+                             f"{type(obj).__name__}")
         if "header" in obj:
-            header = obj["header"]
+            header = obj["header"] if isinstance(obj["header"], dict) else {}
             continue
-        requests.append(TraceRequest.from_json(obj, f"{path}:{number}"))
+        request = TraceRequest.from_json(obj, f"{path}:{number}")
+        if request.id is not None:
+            if request.id in seen:  # sessions and results refer to requests by id
+                raise ValueError(f"{path}:{number}: id {request.id!r} repeats line "
+                                 f"{seen[request.id]}")
+            seen[request.id] = number
+        requests.append(request)
     if not requests:
         raise ValueError(f"{path}: no requests")
     return Trace(requests, header, hashlib.sha256(data).hexdigest(), str(path))
+
+
+def _decode(data: bytes, path: str | Path) -> str:
+    """The file as UTF-8 text, or an error naming the line that is not."""
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x})") from None
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _number(value: Any) -> bool:
+    """A JSON number: not a bool (True is an int to Python), not NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
 def write_trace(trace: Trace, path: str | Path) -> str:
@@ -207,6 +249,17 @@ class ArrivalSpec:
     burst_window_s: float = field(default=0.5, metadata=flag_help(
         "seconds a burst is spread over", flag="--burst-window"))
 
+    def __post_init__(self) -> None:
+        """Refuse what would divide by zero, loop for ever or write negative times."""
+        if not 0 < self.rate < math.inf:
+            raise ValueError(f"--arrival-rate must be > 0, got {self.rate:g}")
+        if not 0 <= self.burst_prob <= 1:
+            raise ValueError(f"--burst-prob must be from 0 to 1, got {self.burst_prob:g}")
+        if self.burst_size[0] < 1:
+            raise ValueError(f"--burst-size must be >= 1, got {self.burst_size[0]}")
+        if not 0 <= self.burst_window_s < math.inf:
+            raise ValueError(f"--burst-window must be >= 0 s, got {self.burst_window_s:g}")
+
     def times(self, n: int, rng: random.Random) -> list[float]:
         mean_event = 1 + self.burst_prob * ((self.burst_size[0] + self.burst_size[1]) / 2 - 1)
         event_rate = self.rate / mean_event
@@ -234,6 +287,13 @@ class CancelSpec:
         "seconds before walking away, LOW-HIGH", flag="--cancel-after",
         parse=lambda text: _range(text, float)))
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.fraction <= 1:
+            raise ValueError(f"--cancel-fraction must be from 0 to 1, got {self.fraction:g}")
+        if not 0 <= self.after_s[0] < math.inf or not self.after_s[1] < math.inf:
+            raise ValueError(f"--cancel-after must be finite seconds >= 0, got "
+                             f"{self.after_s[0]:g}-{self.after_s[1]:g}")
+
     def draw(self, rng: random.Random) -> float | None:
         if rng.random() >= self.fraction:
             return None
@@ -245,12 +305,16 @@ class CancelSpec:
 
 
 def _range(text: str, kind: type) -> tuple[Any, Any]:
-    """'4-12' -> (4, 12); '3' -> (3, 3)."""
+    """'4-12' -> (4, 12); '3' -> (3, 3). LOW above HIGH is refused here, where the flag is
+    known, rather than as an empty range at the first draw."""
     low, _, high = text.partition("-")
     try:
-        return kind(low), kind(high or low)
+        pair = kind(low), kind(high or low)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"expected LOW-HIGH, got {text!r}") from e
+    if pair[0] > pair[1]:
+        raise argparse.ArgumentTypeError(f"LOW must not exceed HIGH, got {text!r}")
+    return pair
 
 
 @dataclass(frozen=True)
@@ -402,8 +466,14 @@ def _read_conversations(path: str | Path) -> Iterable[Any]:
 
 
 def _first_exchange(conversation: Any) -> tuple[str, str] | None:
-    """(first user turn, the assistant reply after it) of a ShareGPT or messages record."""
+    """(first user turn, the assistant reply after it) of a ShareGPT or messages record;
+    None for anything else (a record of another shape is skipped, not a crash)."""
+    if not isinstance(conversation, dict):
+        return None
     turns = conversation.get("conversations") or conversation.get("messages") or []
+    if not isinstance(turns, list):
+        return None
+    turns = [t for t in turns if isinstance(t, dict)]
     for turn, reply in zip(turns, turns[1:]):
         role = turn.get("from", turn.get("role"))
         reply_role = reply.get("from", reply.get("role"))
