@@ -202,8 +202,10 @@ def test_cli_prints_findings_as_json(tmp_path, capsys) -> None:
     path = tmp_path / "run.json"
     save_json(make_run(preemptions=6), path)
     assert main(["diagnose", str(path), "--json"]) == 0
-    (finding,) = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
+    (finding,) = out["findings"]
     assert finding["rule"] == "preemptions_kv_pressure" and finding["evidence"]["preemptions"] == 6
+    assert out["what_bounds"][0].startswith("run: ")
 
 
 def test_a_quiet_diagnosis_still_says_what_bounds_each_run(tmp_path, capsys) -> None:

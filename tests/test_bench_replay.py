@@ -147,9 +147,11 @@ def test_cli_run_writes_vllm_compatible_json(fake_url: str, tmp_path) -> None:
 
 
 def test_sweep_stops_at_the_limit(busy_url: str) -> None:
+    """Rates run in ascending order whatever order they were given in, so the knee is the
+    highest rate within the limits; nothing runs after the first rate beyond them."""
     result = asyncio.run(sweep(_trace(4, max_tokens=4), Load(), Target(busy_url), Limits(),
-                               rates=[2.0, math.inf, 100.0], progress=False))
-    assert [r["request_rate"] for r in result["runs"]] == [2.0, "inf"]  # 100/s never ran
+                               rates=[math.inf, 2.0, 100.0], progress=False))
+    assert [r["request_rate"] for r in result["runs"]] == [2.0, 100.0]  # inf never ran
     assert result["knee_rate"] == 2.0
     assert "error rate" in result["runs"][1]["limits_crossed"][0]
 

@@ -102,7 +102,7 @@ def test_slo_parse() -> None:
     slo = Slo.parse("ttft_p95=1.0,e2e_p99=10,tpot=0.2")
     assert slo.limits == (("ttft", 95, 1.0), ("e2e", 99, 10.0), ("tpot", 95, 0.2))
     assert str(slo) == "ttft_p95=1,e2e_p99=10,tpot_p95=0.2"
-    with pytest.raises(ValueError, match="bad SLO"):
+    with pytest.raises(ValueError, match="bad term"):
         Slo.parse("latency=3")
 
 

@@ -12,13 +12,14 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loom.bench.replay import Load, Target
+from loom.bench.replay import Load, Target, parse_rate
 from loom.bench.results import run_label
 from loom.config import add_cli_args, from_cli_args
 
@@ -31,12 +32,45 @@ _MIX = "chat=0.6,long=0.15,rag=0.25"
 _DEFAULT_TRACE_SIZE = 500
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+def _rates(text: str) -> list[float]:
+    """--rates: a list of req/s, each > 0 and finite, checked before any point runs."""
+    rates = [parse_rate(x.strip()) for x in text.split(",") if x.strip()]
+    if not rates or any(isinstance(r, str) or math.isinf(r) for r in rates):
+        raise argparse.ArgumentTypeError(f"expected req/s > 0 separated by commas, e.g. "
+                                         f"0.5,1,2; got {text!r}")
+    return rates
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+def _concurrencies(text: str) -> list[int]:
+    """--overlap: a list of users, each >= 1."""
+    try:
+        users = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        users = []
+    if not users or min(users) < 1:
+        raise argparse.ArgumentTypeError(f"expected concurrencies >= 1 separated by commas, "
+                                         f"e.g. 1,2,4; got {text!r}")
+    return users
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _price(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a price >= 0, got {text!r}")
+    return value
 
 
 class _ShowDefaults(argparse.HelpFormatter):
@@ -55,11 +89,14 @@ class _ShowDefaults(argparse.HelpFormatter):
 
 # -- shared option groups (argparse parents) -------------------------------------------------
 
-def _common_parent() -> argparse.ArgumentParser:
+_SEND_HELP = ("requests to send, cycling the trace if needed; default: the whole trace once "
+              "(or, with --duration, as many as fit)")
+
+
+def _common_parent(n_help: str = _SEND_HELP) -> argparse.ArgumentParser:
+    """-n (what it counts is the command's: `n_help`), --seed, --tokenizer."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("-n", "--num-requests", type=int, default=None,
-                   help=f"requests: to generate (trace; default {_DEFAULT_TRACE_SIZE}) or to "
-                        "send (cycling the trace if needed; default: the whole trace once)")
+    p.add_argument("-n", "--num-requests", type=_positive_int, default=None, help=n_help)
     p.add_argument("--seed", type=int, default=0,
                    help="seed of everything random: lengths, arrivals, synthetic prompts")
     p.add_argument("--tokenizer", default=None,
@@ -104,7 +141,7 @@ def _slo_parent() -> argparse.ArgumentParser:
 
 def _report_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, parents=[_slo_parent()])
-    p.add_argument("--gpu-cost-per-hour", type=float, default=None,
+    p.add_argument("--gpu-cost-per-hour", type=_price, default=None,
                    help="price of the machine per hour: adds cost per accepted answer; "
                         "default: no cost column")
     p.add_argument("--wide", action="store_true",
@@ -118,12 +155,12 @@ def _sweep_parent() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(add_help=False)
     points = p.add_mutually_exclusive_group(required=True)
-    points.add_argument("--rates", type=_floats,
+    points.add_argument("--rates", type=_rates,
                         help="offered req/s to try, e.g. 0.5,1,2,4,8 (stops after the first "
                              "beyond the limits); this, --auto or --overlap is required")
     points.add_argument("--auto", action="store_true",
                         help="find the knee: double the rate until a limit is crossed, bisect")
-    points.add_argument("--overlap", type=_ints,
+    points.add_argument("--overlap", type=_concurrencies,
                         help="closed loop at these concurrencies, e.g. 1,2,4,8")
     add_cli_args(p, AutoSearch)
     add_cli_args(p, Limits)
@@ -143,7 +180,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
     shown = {"formatter_class": _ShowDefaults}
 
-    p = bench_sub.add_parser("trace", **shown, parents=[common], help="generate or import a trace")
+    generate = _common_parent(f"requests to generate (default {_DEFAULT_TRACE_SIZE}), or the "
+                              "first N to import")
+    p = bench_sub.add_parser("trace", **shown, parents=[generate],
+                             help="generate or import a trace")
     _trace_args(p)
     p.set_defaults(func=_trace)
 
@@ -152,7 +192,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                              description="Replay a trace once. Give --rate (open loop), "
                                          "--max-concurrency (closed loop of N users), or both "
                                          "(open loop, at most N in flight): one is required.")
-    add_cli_args(p, Load, only=("rate",))
+    rate = next(f for f in fields(Load) if f.name == "rate")
+    p.add_argument("--rate", type=parse_rate, default=argparse.SUPPRESS,
+                   help=rate.metadata["help"])  # no "(default: inf)": a load must be given
     p.add_argument("--label", default=None, help="name of the run in tables and plots; "
                                                  "default: its offered load")
     p.add_argument("--out", default=None, help="write the result JSON here; default: only "
@@ -251,6 +293,7 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
 
 
 def _trace(args: argparse.Namespace) -> int:
+    from loom.bench.results import check_writable
     from loom.bench.tokens import PromptSynth, load_tokenizer, tokenizer_path
     from loom.bench.trace import (
         ArrivalSpec,
@@ -261,9 +304,10 @@ def _trace(args: argparse.Namespace) -> int:
         write_trace,
     )
 
+    arrivals, cancels = from_cli_args(ArrivalSpec, args), from_cli_args(CancelSpec, args)
+    check_writable(args.output, "-o")
     path = tokenizer_path(args.tokenizer)
     synth, tokenizer_name = PromptSynth(load_tokenizer(path)), path.name
-    arrivals, cancels = from_cli_args(ArrivalSpec, args), from_cli_args(CancelSpec, args)
     if args.from_log:
         from loom.bench.importers import Classifier, import_log
 
@@ -326,15 +370,28 @@ def _run(args: argparse.Namespace) -> int:
     load = _load(args)
     if not hasattr(args, "rate") and load.max_concurrency is None:
         raise ValueError("give --rate (open loop) or --max-concurrency (closed loop)")
+    slo, trace = _checked_inputs(args)
+    load.check_runnable(trace)
     target = _target(args)
-    slo = _slo(args)
-    trace = _load_trace(args)
     repeats = _repeated(args, target, lambda: replay(trace, load, target, slo, args.label))
     result = aggregate(repeats, slo)
     if args.out:
         save_json(result, args.out)
     print_scorecard([result], slo, args.gpu_cost_per_hour, wide=args.wide)
     return _status(repeats)
+
+
+def _checked_inputs(args: argparse.Namespace) -> tuple[Slo | None, Trace]:
+    """The SLO and the trace of a run or sweep, with --repeats and --out checked: all that
+    can be wrong with the input is reported before the server is even asked."""
+    from loom.bench.results import check_writable
+
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    slo = _slo(args)
+    if args.out:
+        check_writable(args.out, "--out")
+    return slo, _load_trace(args)
 
 
 def _repeated(args: argparse.Namespace, target: Target,
@@ -344,8 +401,6 @@ def _repeated(args: argparse.Namespace, target: Target,
     before each repeat after the first when asked."""
     from loom.bench.replay import reset_prefix_cache
 
-    if args.repeats < 1:
-        raise ValueError("--repeats must be >= 1")
     results = []
     for k in range(args.repeats):
         if k and args.reset_prefix_cache:
@@ -378,6 +433,8 @@ def _sweep_points(args: argparse.Namespace) -> dict[str, Any]:
     from loom.bench.sweep import AutoSearch
 
     auto = from_cli_args(AutoSearch, args) if args.auto else None
+    if args.overlap and getattr(args, "max_concurrency", None) is not None:
+        raise ValueError("--overlap sets each point's concurrency; drop --max-concurrency")
     return {"rates": args.rates, "concurrencies": args.overlap, "auto": auto}
 
 
@@ -394,11 +451,11 @@ def _sweep(args: argparse.Namespace) -> int:
     from loom.bench.scorecard import print_scorecard
     from loom.bench.sweep import sweep
 
+    load, limits, points = _load(args), _limits(args), _sweep_points(args)
+    slo, trace = _checked_inputs(args)
     target = _target(args)
-    slo = _slo(args)
-    trace, load, limits = _load_trace(args), _load(args), _limits(args)
     result = merge_sweeps(_repeated(args, target, lambda: sweep(
-        trace, load, target, limits, slo=slo, label=args.label, **_sweep_points(args))), slo)
+        trace, load, target, limits, slo=slo, label=args.label, **points)), slo)
     if args.out:
         save_json(result, args.out)
     print_scorecard(result["runs"], slo, args.gpu_cost_per_hour, wide=args.wide)
@@ -415,20 +472,31 @@ def _compare(args: argparse.Namespace) -> int:
     configs = [parse_config(c) for c in args.config] if args.config else DEFAULT_CONFIGS
     if len({name for name, _ in configs}) != len(configs):
         raise ValueError("configuration names must differ")
-    slo = _slo(args)
+    slo, load, limits, points = _slo(args), _load(args), _limits(args), _sweep_points(args)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     out_dir = Path(args.output_dir)
-    result = compare(_load_trace(args), configs, out_dir, _load(args), _limits(args),
+    _check_dir(out_dir, "--output-dir")
+    result = compare(_load_trace(args), configs, out_dir, load, limits,
                      args.server_cmd or LOOM_SERVE, args.server_flags, slo=slo,
                      gpu_cost_per_hour=args.gpu_cost_per_hour,
                      target_options={name: _target_option(args, name) for name in
                                      ("scrape_interval_s", "request_timeout_s", "endpoint")},
-                     health_timeout_s=args.health_timeout, repeats=args.repeats,
-                     **_sweep_points(args))
+                     health_timeout_s=args.health_timeout, repeats=args.repeats, **points)
     print_scorecard([r for s in result["sweeps"] for r in s["runs"]], slo,
                     args.gpu_cost_per_hour, wide=args.wide,
                     groups=[(s["label"], s["runs"]) for s in result["sweeps"]])
     print(f"results, scorecard.md and plots in {out_dir}")
     return 0
+
+
+def _check_dir(path: Path, flag: str) -> None:
+    """The folder results will be written into, made now: a bad path fails before work."""
+    from loom.bench.results import check_writable
+
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path}: exists and is not a directory")
+    check_writable(path / "compare.json", flag)
 
 
 def _target_option(args: argparse.Namespace, name: str) -> Any:
@@ -439,10 +507,14 @@ def _target_option(args: argparse.Namespace, name: str) -> Any:
 
 def _scorecard(args: argparse.Namespace) -> int:
     from loom.bench.compare import write_report
-    from loom.bench.results import groups
+    from loom.bench.results import check_writable, groups
     from loom.bench.scorecard import markdown, print_scorecard
 
     slo = _slo(args)
+    if args.markdown:
+        check_writable(args.markdown, "--markdown")
+    if args.plots:
+        _check_dir(Path(args.plots), "--plots")
     grouped: list[tuple[str, list]] = []
     for path in args.results:
         for name, runs, _ in groups(_load_result(path)):
@@ -457,7 +529,6 @@ def _scorecard(args: argparse.Namespace) -> int:
     if args.plots:
         sweeps = [{"label": name, "runs": runs_} for name, runs_ in grouped]
         out = Path(args.plots)
-        out.mkdir(parents=True, exist_ok=True)
         write_report(sweeps, out, slo, args.gpu_cost_per_hour)
     return 0
 
@@ -502,8 +573,9 @@ def _diagnose(args: argparse.Namespace) -> int:
 
     result = _load_result(args.result)
     findings = diagnose(result, _slo(args))
-    if args.json:
-        print(json.dumps([asdict(f) for f in findings], indent=1))
+    if args.json:  # what bounds each run is part of the answer, findings or not
+        print(json.dumps({"findings": [asdict(f) for f in findings],
+                          "what_bounds": what_bounds(result)}, indent=1))
         return 0
     console = Console()
     for f in findings:

@@ -36,9 +36,13 @@ def parse_rate(text: str) -> float | str:
     """A --rate: requests/s > 0, 'inf' (all at once) or 'trace' (as recorded)."""
     if text in (TRACE_RATE, "inf"):
         return text if text == TRACE_RATE else math.inf
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("rate must be > 0, 'inf' or 'trace'")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"a rate is requests/s > 0, 'inf' or 'trace'; got "
+                                         f"{text!r}")
     return value
 
 
@@ -78,8 +82,29 @@ class Load:
     seed: int = 0  # likewise
 
     def __post_init__(self) -> None:
+        """Refuse a load that would send nothing or divide by zero, naming the flag, before
+        any connection is opened."""
         if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError("max_concurrency must be >= 1")
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if not 0 < self.burstiness < math.inf:
+            raise ValueError(f"--burstiness must be > 0, got {self.burstiness:g}")
+        for flag, value in (("--duration", self.duration_s),
+                            ("--over-saturation-stop", self.over_saturation_s)):
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"{flag} must be > 0 s, got {value:g}")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError(f"-n must be >= 1, got {self.num_requests}")
+
+    def check_runnable(self, trace: Trace) -> None:
+        """Refuse what only the schedule would find, mid-run: a burst or ramp-up without a
+        finite rate, an unlimited rate that never stops, --rate trace without arrivals."""
+        if self.rate == math.inf and (self.burst or self.ramp_up):
+            raise ValueError("--burst and --ramp-up need a finite --rate (or --rate trace)")
+        if self.rate == math.inf and self.max_concurrency is None and self.duration_s:
+            raise ValueError("an unlimited rate with --duration never stops sending; "
+                             "give --rate or --max-concurrency")
+        if self.rate == TRACE_RATE and any(r.arrival_s is None for r in trace.requests):
+            raise ValueError("--rate trace needs arrival_s on every request of the trace")
 
     def describe(self) -> dict[str, Any]:
         rate = self.rate if self.rate == TRACE_RATE or math.isfinite(self.rate) else "inf"
@@ -115,6 +140,19 @@ class Target:
             "(/v1/responses, OpenAI's Responses API that agent frameworks call: each prompt "
             "is the input, through the chat template as well)"))
 
+    def __post_init__(self) -> None:
+        """Refuse timeouts that could never be met."""
+        for flag, value in (("--request-timeout", self.request_timeout_s),
+                            ("--scrape-interval", self.scrape_interval_s)):
+            if not 0 < value < math.inf:
+                raise ValueError(f"{flag} must be > 0 s, got {value:g}")
+
+    @property
+    def probe_timeout_s(self) -> float:
+        """Seconds to wait for /v1/models, /version or /metrics: never longer than a request
+        may take, so a server that never answers is reported in that time."""
+        return min(10.0, self.request_timeout_s)
+
     @property
     def root(self) -> str:
         """The URL without a trailing /v1, which OpenAI clients include but /metrics lacks."""
@@ -128,7 +166,7 @@ async def probe_server(client: httpx.AsyncClient, target: Target) -> dict[str, A
     info: dict[str, Any] = {"base_url": target.base_url}
     for key, path in (("version", "/version"), ("models", "/v1/models")):
         try:
-            response = await client.get(target.root + path, timeout=10)
+            response = await client.get(target.root + path, timeout=target.probe_timeout_s)
             if response.status_code == 200:
                 info[key] = response.json()
         except (httpx.HTTPError, ValueError):
@@ -144,13 +182,20 @@ async def probe_server(client: httpx.AsyncClient, target: Target) -> dict[str, A
 
 def check_reachable(target: Target) -> None:
     """Fail at once, naming the URL, when nothing listens there: otherwise each request
-    would fail on its own and the run would end in a scorecard of errors."""
+    would fail on its own and the run would end in a scorecard of errors. A URL without
+    http(s):// is refused first: every probe would fail and read as "lists no models"."""
+    if not target.base_url.startswith(("http://", "https://")):
+        raise ValueError(f"--base-url needs http:// or https://, got {target.base_url!r} "
+                         "(e.g. http://127.0.0.1:8000)")
     try:
-        httpx.get(target.root + "/v1/models", timeout=10)
+        httpx.get(target.root + "/v1/models", timeout=target.probe_timeout_s)
     except httpx.ConnectError as e:
         what = "connection refused" if "refused" in str(e).lower() else f"cannot connect ({e})"
         raise ConnectionError(f"{what} at {target.base_url}: is the server running "
                               "there?") from None
+    except httpx.TimeoutException:
+        raise ConnectionError(f"no answer from {target.base_url} within "
+                              f"{target.probe_timeout_s:g} s") from None
     except httpx.HTTPError:
         pass  # something answers; the run reports what it does
 
@@ -180,7 +225,7 @@ def model_name(target: Target, server: dict[str, Any]) -> str:
 async def scrape(client: httpx.AsyncClient, target: Target) -> Snapshot | None:
     """The server's /metrics now; None when it has none in a dialect scrape.py knows."""
     try:
-        response = await client.get(target.root + "/metrics", timeout=10)
+        response = await client.get(target.root + "/metrics", timeout=target.probe_timeout_s)
     except httpx.HTTPError:
         return None
     if response.status_code != 200:
@@ -270,9 +315,7 @@ def _progress(enabled: bool) -> Progress:
 async def replay(trace: Trace, load: Load, target: Target, slo: R.Slo | None = None,
                  label: str | None = None, progress: bool = True) -> dict[str, Any]:
     """Run `trace` at `load` against `target`; returns the run result (see results.py)."""
-    if load.rate == math.inf and load.max_concurrency is None and load.duration_s:
-        raise ValueError("an unlimited rate with --duration never stops sending; "
-                         "give --rate or --max-concurrency")
+    load.check_runnable(trace)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(target.request_timeout_s, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -314,54 +357,63 @@ async def _send_all(client: httpx.AsyncClient, trace: Trace, load: Load, target:
     start = monitor.start = time.perf_counter()
     cpu_start = time.process_time()
     monitor_task = asyncio.create_task(monitor.loop())
-    with _progress(progress) as bar:
-        task_id = bar.add_task(label, total=total, counts="")
+    try:
+        with _progress(progress) as bar:
+            task_id = bar.add_task(label, total=total, counts="")
 
-        async def one(request: TraceRequest, result: RequestResult, done: asyncio.Event,
-                      previous: asyncio.Event | None) -> None:
-            try:
-                if previous is not None:
-                    await previous.wait()
-                    due = time.perf_counter() - start + (request.think_s or 0.0)
-                    result.scheduled_s = max(result.scheduled_s, due)
-                    await asyncio.sleep(max(0.0, start + result.scheduled_s - time.perf_counter()))
-                await send(client, url, request, model, result, start,
-                           endpoint=target.endpoint)
-            finally:
-                done.set()
-                monitor.in_flight -= 1
-                if sem:
-                    sem.release()
-            counts[result.status] += 1
-            bar.update(task_id, advance=1,
-                       counts=" ".join(f"{k} {v}" for k, v in counts.items() if v))
+            async def one(request: TraceRequest, result: RequestResult, done: asyncio.Event,
+                          previous: asyncio.Event | None) -> None:
+                try:
+                    if previous is not None:
+                        await previous.wait()
+                        due = time.perf_counter() - start + (request.think_s or 0.0)
+                        result.scheduled_s = max(result.scheduled_s, due)
+                        wait = start + result.scheduled_s - time.perf_counter()
+                        await asyncio.sleep(max(0.0, wait))
+                    await send(client, url, request, model, result, start,
+                               endpoint=target.endpoint)
+                finally:
+                    done.set()
+                    monitor.in_flight -= 1
+                    if sem:
+                        sem.release()
+                counts[result.status] += 1
+                bar.update(task_id, advance=1,
+                           counts=" ".join(f"{k} {v}" for k, v in counts.items() if v))
 
-        for offset, request in schedule(trace.requests, load.rate, load.burstiness, load.seed,
-                                        cycle, load.burst, load.ramp_up):
-            if load.num_requests is not None and len(sent) >= load.num_requests:
-                break
-            if load.duration_s is not None and offset >= load.duration_s:
-                break
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if load.over_saturation_s and monitor.growing(load.over_saturation_s):
-                monitor.over_saturated_at = time.perf_counter() - start
-                break
-            if sem:
-                await sem.acquire()
-                if load.duration_s and time.perf_counter() - start >= load.duration_s:
-                    sem.release()
+            for offset, request in schedule(trace.requests, load.rate, load.burstiness, load.seed,
+                                            cycle, load.burst, load.ramp_up):
+                if load.num_requests is not None and len(sent) >= load.num_requests:
                     break
-            result = RequestResult(id=request.id, cls=request.cls, prompt_len=request.prompt_len,
-                                   max_tokens=request.max_tokens, scheduled_s=offset,
-                                   tenant=request.tenant)
-            sent.append(result)
-            monitor.in_flight += 1
-            previous = answered.get(request.after) if request.after else None
-            done = answered[request.id] = asyncio.Event()
-            tasks.append(asyncio.create_task(one(request, result, done, previous)))
-        await asyncio.gather(*tasks)
+                if load.duration_s is not None and offset >= load.duration_s:
+                    break
+                delay = start + offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if load.over_saturation_s and monitor.growing(load.over_saturation_s):
+                    monitor.over_saturated_at = time.perf_counter() - start
+                    break
+                if sem:
+                    await sem.acquire()
+                    if load.duration_s and time.perf_counter() - start >= load.duration_s:
+                        sem.release()
+                        break
+                result = RequestResult(id=request.id, cls=request.cls,
+                                       prompt_len=request.prompt_len,
+                                       max_tokens=request.max_tokens, scheduled_s=offset,
+                                       tenant=request.tenant)
+                sent.append(result)
+                monitor.in_flight += 1
+                previous = answered.get(request.after) if request.after else None
+                done = answered[request.id] = asyncio.Event()
+                tasks.append(asyncio.create_task(one(request, result, done, previous)))
+            await asyncio.gather(*tasks)
+    except BaseException:  # no task may outlive the client it uses, nor its error go unseen
+        monitor.stop()
+        for task in (*tasks, monitor_task):
+            task.cancel()
+        await asyncio.gather(*tasks, monitor_task, return_exceptions=True)
+        raise
     duration = time.perf_counter() - start
     monitor.client_stats = {"cpu_s": time.process_time() - cpu_start, "wall_s": duration}
     monitor.stop()

@@ -10,6 +10,7 @@ failed / num_prompts. Latency figures are over completed requests, in ms, like v
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,13 +39,21 @@ class Slo:
 
     @classmethod
     def parse(cls, text: str) -> Slo:
+        """'ttft_p95=1.0,e2e_p95=10'; a limit is seconds > 0 and a percentile 1-100, else
+        every request would miss it (or the term means nothing)."""
         limits = []
         for part in text.split(","):
             key, sep, value = part.partition("=")
             metric, _, pct = key.strip().partition("_p")
-            if not sep or metric not in cls.METRICS:
-                raise ValueError(f"bad SLO term {part!r}; use e.g. ttft_p95=1.0,e2e_p95=10")
-            limits.append((metric, int(pct) if pct else 95, float(value)))
+            try:
+                percentile, seconds = int(pct) if pct else 95, float(value)
+            except ValueError:
+                percentile = seconds = -1
+            if not sep or metric not in cls.METRICS or not 0 < percentile <= 100 \
+                    or not 0 < seconds < float("inf"):
+                raise ValueError(f"--slo: bad term {part!r}; use e.g. ttft_p95=1.0,e2e_p95=10 "
+                                 "(seconds > 0, percentile 1-100)")
+            limits.append((metric, percentile, seconds))
         return cls(tuple(limits))
 
     def __str__(self) -> str:
@@ -213,11 +222,15 @@ def client_limits(client: dict[str, Any], closed_loop: bool) -> list[str]:
 
 
 def offered_rate(results: list[RequestResult], duration_s: float) -> float:
-    """Requests/s the client actually offered: sends over the span of sending."""
+    """Requests/s the client actually offered: sends over the span of sending, but never
+    below sends over the run's duration, the span completed req/s is measured over; else a
+    short run (n - 1 gaps in the span, n answers in the duration) would complete more
+    requests per second than it was offered."""
     span = max((r.scheduled_s for r in results), default=0.0)
+    overall = len(results) / max(duration_s, 1e-9)
     if len(results) > 1 and span > 0:
-        return (len(results) - 1) / span
-    return len(results) / max(duration_s, 1e-9)
+        return max((len(results) - 1) / span, overall)
+    return overall
 
 
 def save_json(obj: dict[str, Any], path: str | Path) -> None:
@@ -225,21 +238,62 @@ def save_json(obj: dict[str, Any], path: str | Path) -> None:
     Path(path).write_text(json.dumps(obj, indent=1, allow_nan=False) + "\n")
 
 
+def check_writable(path: str | Path, flag: str) -> None:
+    """Fail now, naming the flag, if `path` cannot be written later (a directory, a read-only
+    or pseudo file system): a result computed for minutes must not be lost at the end. Its
+    missing parent folders are created, as writing would; the file itself is not."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            with path.open("a"):
+                pass
+        else:
+            with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".loom-check-"):
+                pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
 def load_json(path: str | Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
 def load_result(path: str | Path) -> dict[str, Any]:
-    """A run JSON, a sweep JSON, a compare directory or its compare.json."""
+    """A run JSON, a sweep JSON, a compare directory or its compare.json, checked to hold
+    what the scorecard and diagnose read, so a wrong file is one error naming it."""
     path = Path(path)
     if path.is_dir():
         path = path / "compare.json"
     obj = load_json(path)
-    if obj.get("kind") == "compare" and "sweeps" not in obj:
-        obj["sweeps"] = [load_json(path.parent / e["file"]) for e in obj["configs"]]
-    if obj.get("kind") not in ("run", "sweep", "compare"):
+    if not isinstance(obj, dict) or obj.get("kind") not in ("run", "sweep", "compare"):
         raise ValueError(f"{path}: not a loom bench result (run, sweep or compare)")
+    if obj["kind"] == "compare" and "sweeps" not in obj:
+        configs = obj.get("configs")
+        if not isinstance(configs, list) or not all(
+                isinstance(e, dict) and isinstance(e.get("file"), str) for e in configs):
+            raise ValueError(f"{path}: a compare index needs configs, each with a file")
+        obj["sweeps"] = [load_json(path.parent / e["file"]) for e in configs]
+    sweeps = obj["sweeps"] if obj["kind"] == "compare" else [obj] if obj["kind"] == "sweep" \
+        else []
+    for sweep in sweeps:
+        if not isinstance(sweep, dict) or not isinstance(sweep.get("runs"), list):
+            raise ValueError(f"{path}: a sweep without a list of runs")
+    runs = [obj] if obj["kind"] == "run" else [r for s in sweeps for r in s["runs"]]
+    for i, run in enumerate(runs):
+        missing = [k for k in RUN_KEYS if not isinstance(run, dict) or k not in run]
+        if missing:
+            where = "the run" if obj["kind"] == "run" else f"run {i + 1}"
+            raise ValueError(f"{path}: {where} lacks {', '.join(missing)}: not a complete "
+                             "loom bench result")
     return obj
+
+
+# What every run must hold for the scorecard and diagnose to read it.
+RUN_KEYS = ("request_rate", "num_prompts", "completed", "error_rate", "request_throughput",
+            "offered_rate", "requests")
 
 
 def groups(obj: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]], str]]:

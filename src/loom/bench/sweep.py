@@ -29,6 +29,13 @@ class Limits:
         "p95 queue time in seconds (server metric; else p95 TTFT)", flag="--max-p95-queue"))
     max_error_rate: float = field(default=0.05, metadata=flag_help("failed / sent"))
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_p95_queue_s < math.inf:
+            raise ValueError(f"--max-p95-queue must be >= 0 s, got {self.max_p95_queue_s:g}")
+        if not 0 <= self.max_error_rate <= 1:
+            raise ValueError(f"--max-error-rate must be from 0 to 1, got "
+                             f"{self.max_error_rate:g}")
+
     def crossed(self, run: dict[str, Any]) -> list[str]:
         """Why `run` is beyond the limits (empty: within them). Queue time is the server's
         (from /metrics); a server without it is judged by p95 TTFT, which includes it."""
@@ -57,6 +64,16 @@ class AutoSearch:
     bisect_steps: int = field(default=2, metadata=flag_help(
         "bisections after a limit is crossed"))
 
+    def __post_init__(self) -> None:
+        """A search that would run nothing (or never end) is refused before it starts."""
+        if not 0 < self.start_rate < math.inf:
+            raise ValueError(f"--start-rate must be > 0, got {self.start_rate:g}")
+        if not self.start_rate <= self.max_rate < math.inf:
+            raise ValueError(f"--max-rate ({self.max_rate:g}) must be at least --start-rate "
+                             f"({self.start_rate:g})")
+        if self.bisect_steps < 0:
+            raise ValueError(f"--bisect-steps must be >= 0, got {self.bisect_steps}")
+
 
 async def sweep(trace: Trace, base: Load, target: Target, limits: Limits,
                 rates: list[float] | None = None, concurrencies: list[int] | None = None,
@@ -64,9 +81,15 @@ async def sweep(trace: Trace, base: Load, target: Target, limits: Limits,
                 label: str | None = None, progress: bool = True) -> dict[str, Any]:
     """Run `trace` at each point; returns the sweep result with every run and the knee (the
     highest offered rate found within the limits). Exactly one of rates / concurrencies /
-    auto. A rate list stops after the first rate beyond the limits; concurrencies run all."""
+    auto. Rates run in ascending order (the knee is the last one within the limits) and stop
+    after the first beyond them; concurrencies run all. Every point's load is checked before
+    the first is sent, so a bad one cannot throw away the runs before it."""
     if sum(x is not None for x in (rates, concurrencies, auto)) != 1:
         raise ValueError("give exactly one of --rates, --overlap or --auto")
+    if rates is not None:
+        rates = sorted(set(rates))
+    for load in _loads(base, rates, concurrencies, auto):
+        load.check_runnable(trace)
     runs: list[dict[str, Any]] = []
     name = label or "sweep"
 
@@ -91,6 +114,14 @@ async def sweep(trace: Trace, base: Load, target: Target, limits: Limits,
     return {"kind": "sweep", "label": name, "limits": vars(limits),
             "points": "concurrency" if concurrencies is not None else "rate",
             "knee_rate": knee, "trace": trace.describe(), "runs": runs}
+
+
+def _loads(base: Load, rates: list[float] | None, concurrencies: list[int] | None,
+           auto: AutoSearch | None) -> list[Load]:
+    """The loads a sweep may run (for --auto, its first), to check before running any."""
+    if concurrencies is not None:
+        return [replace(base, rate=math.inf, max_concurrency=c) for c in concurrencies]
+    return [replace(base, rate=r) for r in rates or [auto.start_rate]]
 
 
 async def _auto(auto: AutoSearch, run: Any) -> float | None:
