@@ -217,3 +217,19 @@ def test_scorecard_markdown_goes_into_a_new_folder(tmp_path: Path, capsys) -> No
     assert "Offered req/s" in md.read_text()
     assert "--markdown /proc/x.md" in _error(
         ["bench", "scorecard", str(tmp_path / "run.json"), "--markdown", "/proc/x.md"], capsys)
+
+
+def test_compare_simulates_a_gpu_named_by_model_and_gpus(tmp_path: Path) -> None:
+    """`simulate:--model M --gpus G` writes its sweep under the GPU's name (h100-sxm-tp1);
+    compare finds it and files it under the configuration's own name."""
+    from loom.bench.results import load_result
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "prompt_len": 100 + i, "max_tokens": 16,
+                                        "arrival_s": 0.5 * i}) + "\n" for i in range(8)))
+    out = tmp_path / "cmp"
+    assert main(["bench", "compare", "--trace", str(path), "--rates", "1", "--output-dir",
+                 str(out), "--config", "a=simulate:--model llama-3.1-8b --gpus h100-sxm"]) == 0
+    (sweep,) = load_result(out)["sweeps"]
+    assert sweep["label"] == "a" and sweep["simulated"]
+    assert sweep["config"]["flags"] == "simulate:--model llama-3.1-8b --gpus h100-sxm"

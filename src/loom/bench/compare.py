@@ -118,9 +118,22 @@ def simulate_config(name: str, flags: str, trace: Trace, out_dir: Path, base: Lo
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv + shlex.split(flags))
     args.func(args)
-    result = load_json(sim_dir / f"{name}.json")
+    result = load_json(sim_dir / _simulated_file(name, sim_dir))
+    result["label"] = name  # --gpus names its sweep after the GPU, not --label
     result["config"]["flags"] = f"{SIMULATE}{flags}"
     return result
+
+
+def _simulated_file(name: str, sim_dir: Path) -> str:
+    """The sweep file `loom simulate` wrote: it names it after --label with --profile, but
+    after the GPU and TP (h100-sxm-tp1.json) with --gpus, so its compare.json is read."""
+    configs = load_json(sim_dir / "compare.json")["configs"]
+    if len(configs) != 1:
+        names = ", ".join(c["name"] for c in configs)
+        raise ValueError(f"--config {name}=simulate:...: simulated {len(configs)} "
+                         f"configurations ({names}); give one per --config (one GPU, one "
+                         "tensor-parallel size)")
+    return configs[0]["file"]
 
 
 def save_compare(trace: Trace, entries: list[dict[str, Any]], sweeps: list[dict[str, Any]],
