@@ -225,3 +225,41 @@ def test_a_quiet_diagnosis_still_says_what_bounds_each_run(tmp_path, capsys) -> 
 def test_a_simulated_run_says_so_in_findings() -> None:
     (finding,) = diagnose(make_run(preemptions=6, simulated=True, label="sim"))
     assert finding.run == "sim (simulated)"
+
+
+def test_waiting_with_a_full_kv_cache_at_the_sequence_cap() -> None:
+    """A what-if of a GPU too small for the load: the cache full, the batch at max_num_seqs,
+    a long queue and no preemption. That is memory bounding the batch, not a quiet run."""
+    run = make_run(timeline=_timeline([128, 128, 128], waiting=98, kv=0.996),
+                   server={"cmdline": ["loom", "serve", "--max-num-seqs", "128"]})
+    (finding,) = diagnose(run)
+    assert finding.rule == "kv_cache_full"
+    assert "99.6%" in finding.message and "= max_num_seqs 128" in finding.message
+    assert finding.setting.startswith("--kv-cache-memory")
+
+
+def test_waiting_at_the_sequence_cap_with_memory_in_use() -> None:
+    """KV cache 85% full (not free, not full) and running at the cap: the cap bounds it."""
+    run = make_run(timeline=_timeline([8, 8, 8], waiting=3, kv=0.85))
+    (finding,) = diagnose(sweep_of(run, flags="--max-num-seqs 8"))
+    assert finding.rule == "batch_at_cap" and "= max_num_seqs 8" in finding.message
+    assert finding.setting.startswith("--max-num-seqs")
+
+
+def test_failed_requests_say_what_the_errors_were(tmp_path, capsys) -> None:
+    requests = _requests()
+    for r in requests[:5]:
+        r.status, r.http_status, r.ttft_s, r.e2e_s = "error", 400, None, None
+        r.error = "HTTP 400: prompt longer than max_model_len"
+    (finding,) = diagnose(make_run(requests))
+    assert finding.rule == "failed_requests"
+    assert "5 of 20 requests failed (25%): 5 x HTTP 400: prompt longer" in finding.message
+    assert "--max-model-len" in finding.setting
+
+
+def test_json_says_what_bounds_each_run_when_no_rule_fires(tmp_path, capsys) -> None:
+    path = tmp_path / "run.json"
+    save_json(make_run(label="quiet"), path)
+    assert main(["diagnose", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["findings"] == [] and out["what_bounds"][0].startswith("quiet: ")

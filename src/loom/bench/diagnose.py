@@ -8,9 +8,12 @@ the one setting to try next:
    requests wait in the client instead     -> the load generator's --max-concurrency
 2. TTFT rises with long prompts            -> chunked prefill / max_num_batched_tokens
 3. throughput up but p95 worse             -> cap admission (needs several rates or configs)
-4. preemptions or out-of-memory            -> KV cache capacity
+4. preemptions or out-of-memory            -> KV cache capacity (or fewer sequences)
 5. low utilisation while requests wait     -> something upstream of the scheduler
 6. the client fell behind its schedule      -> the load generator itself (its own cores)
+7. requests wait while the KV cache is full -> KV cache capacity (memory admits the work)
+8. requests wait while running = max_num_seqs (memory not full) -> the batch-size cap
+9. requests failed                         -> what the errors say (trace, timeout, server)
 
 When none fires, `what_bounds` still says where each run's time went (queue, prefill or
 decode), which names the knob that would move it.
@@ -20,12 +23,13 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from loom.bench.client import OK
+from loom.bench.client import CANCELLED, OK, REJECTED
 from loom.bench.results import Slo, client_limits, groups, requests_of
 from loom.bench.scorecard import shown_label
 
@@ -44,6 +48,8 @@ P95_BLOWUP = 2.0            # ... while p95 TTFT at least doubles
 PREEMPTION_SHARE = 0.01     # preemptions per request sent that count as KV pressure
 OUTSIDE_ENGINE_S = 0.1      # client TTFT beyond the server's own TTFT by at least this
 IN_FLIGHT_GAP = 2.0         # requests in flight at the client but not in the engine
+KV_FULL = 0.95              # KV cache usage peak at which memory, not the scheduler, admits
+FAILED_SHARE = 0.05         # failed per request sent worth a finding (the sweep's default)
 
 
 @dataclass
@@ -108,7 +114,7 @@ def waiting_with_memory_free(run: dict[str, Any], flags: str, slo: Slo | None) -
     waiting, kv = run.get("num_requests_waiting_mean"), run.get("kv_cache_usage_peak")
     rejected = run.get("rejected", 0)
     findings = []
-    memory_free = kv is not None and kv < KV_FREE
+    memory_free = _memory_free(run)
     if memory_free and rejected >= max(1, REJECTED_SHARE * run["num_prompts"]):
         findings.append(Finding(
             "waiting_memory_free", "Requests refused while memory is free", shown_label(run),
@@ -116,7 +122,7 @@ def waiting_with_memory_free(run: dict[str, Any], flags: str, slo: Slo | None) -
             f"peaked at {kv:.0%}: the admission limit, not memory, turned them away.",
             "--max-num-queued-reqs (raise it)",
             {"rejected": rejected, "num_prompts": run["num_prompts"], "kv_cache_usage_peak": kv}))
-    elif memory_free and waiting is not None and waiting >= WAITING_MEAN:
+    elif _waits_with_memory_free(run):
         running_peak = run.get("num_requests_running_peak")
         running = [e["running"] for e in run.get("timeline", []) if e.get("running") is not None]
         max_seqs = server_setting(run, flags, "max_num_seqs")
@@ -154,6 +160,17 @@ def waiting_with_memory_free(run: dict[str, Any], flags: str, slo: Slo | None) -
             "--max-concurrency of loom bench (raise it, or drop it for a pure open loop)",
             {"send_lag_p95_ms": lag, "max_concurrency": run["max_concurrency"]}))
     return findings
+
+
+def _memory_free(run: dict[str, Any]) -> bool:
+    kv = run.get("kv_cache_usage_peak")
+    return kv is not None and kv < KV_FREE
+
+
+def _waits_with_memory_free(run: dict[str, Any]) -> bool:
+    """Requests queued on average while the KV cache never filled: a scheduling limit."""
+    waiting = run.get("num_requests_waiting_mean")
+    return _memory_free(run) and waiting is not None and waiting >= WAITING_MEAN
 
 
 def ttft_long_prompts(run: dict[str, Any], flags: str, slo: Slo | None) -> list[Finding]:
@@ -198,15 +215,126 @@ def preemptions_or_oom(run: dict[str, Any], flags: str, slo: Slo | None) -> list
         return []
     kv = run.get("kv_cache_usage_peak")
     kv_text = f", KV cache usage peaked at {kv:.0%}" if kv is not None else ""
+    max_seqs = server_setting(run, flags, "max_num_seqs")
+    seqs = f" (now {max_seqs})" if isinstance(max_seqs, int) else ""
     message = (f"{preemptions} preemptions for {sent} requests ({preemptions / sent:.1%})"
                f"{kv_text}, {len(oom)} out-of-memory errors, p95 E2E "
-               f"{(run['p95_e2el_ms'] or 0) / 1000:.2f} s: the active contexts do not fit the "
-               "KV cache, and each preemption recomputes work. Give the cache more memory, or "
-               "admit fewer sequences (--max-num-seqs) / shorter contexts.")
+               f"{(run.get('p95_e2el_ms') or 0) / 1000:.2f} s: the active contexts do not fit "
+               "the KV cache, and each preemption recomputes work (not a free scheduling "
+               "event). Give the cache more memory (vLLM: --gpu-memory-utilization; a GPU with "
+               f"more memory, tensor or pipeline parallelism), or admit fewer sequences "
+               f"(--max-num-seqs{seqs}), a smaller token budget (--max-num-batched-tokens) or "
+               "shorter contexts (--max-model-len).")
     return [Finding("preemptions_kv_pressure", "Preemptions or out-of-memory errors",
                     shown_label(run), message, "--kv-cache-memory",
                     {"preemptions": preemptions, "num_prompts": sent, "kv_cache_usage_peak": kv,
                      "oom_errors": len(oom)})]
+
+
+def kv_cache_full(run: dict[str, Any], flags: str, slo: Slo | None) -> list[Finding]:
+    """Requests waited while the KV cache was full: memory bounds the batch (a what-if of a
+    GPU too small for the load shows this, often without a single preemption)."""
+    kv, waiting = run.get("kv_cache_usage_peak"), run.get("num_requests_waiting_peak")
+    if kv is None or kv < KV_FULL or not waiting or waiting < 1:
+        return []
+    running = run.get("num_requests_running_peak")
+    max_seqs = server_setting(run, flags, "max_num_seqs")
+    capped = _at_cap(running, max_seqs)
+    message = (f"KV cache usage peaked at {kv:.1%} while up to {waiting:g} requests waited "
+               f"(p95 TTFT {(run.get('p95_ttft_ms') or 0) / 1000:.2f} s) and running peaked "
+               f"at {_g(running)}")
+    if capped:
+        message += (f" = max_num_seqs {max_seqs}: the batch is at its sequence cap and the "
+                    "cache is full too, so raising --max-num-seqs alone would only preempt. ")
+    else:
+        message += ": memory, not the sequence cap, limits how many requests run; new ones "
+        message += "wait for KV blocks to free. "
+    message += ("Give the KV cache more memory (a GPU with more memory, tensor parallelism, a "
+                "smaller KV dtype) or shorten contexts (--max-model-len), or offer less load.")
+    return [Finding("kv_cache_full", "Requests wait while the KV cache is full",
+                    shown_label(run), message,
+                    "--kv-cache-memory (vLLM: --gpu-memory-utilization)",
+                    {"kv_cache_usage_peak": kv, "waiting_peak": waiting, "running_peak": running,
+                     "max_num_seqs": max_seqs})]
+
+
+def batch_at_cap(run: dict[str, Any], flags: str, slo: Slo | None) -> list[Finding]:
+    """Requests waited while the batch was at max_num_seqs and memory was not full. Left to
+    `waiting_with_memory_free` when memory was clearly free and the queue long (it says the
+    same), and to `kv_cache_full` when the cache was full."""
+    kv, waiting = run.get("kv_cache_usage_peak"), run.get("num_requests_waiting_peak")
+    running = run.get("num_requests_running_peak")
+    max_seqs = server_setting(run, flags, "max_num_seqs")
+    if not _at_cap(running, max_seqs) or not waiting or waiting < 1 \
+            or (kv is not None and kv >= KV_FULL) or _waits_with_memory_free(run):
+        return []
+    kv_text = "unknown" if kv is None else f"{kv:.0%}"
+    return [Finding(
+        "batch_at_cap", "The batch size cap bounds this run", shown_label(run),
+        f"running peaked at {running:g} = max_num_seqs {max_seqs} while up to {waiting:g} "
+        f"requests waited (p95 TTFT {(run.get('p95_ttft_ms') or 0) / 1000:.2f} s) and KV cache "
+        f"usage peaked at {kv_text}: the sequence cap, not memory, decides when a waiting "
+        "request starts. Raise it while KV usage stays below ~90% (a larger batch also "
+        "lengthens each decode step), or add capacity.",
+        "--max-num-seqs (llama.cpp: --parallel, SGLang: --max-running-requests)",
+        {"running_peak": running, "max_num_seqs": max_seqs, "waiting_peak": waiting,
+         "kv_cache_usage_peak": kv})]
+
+
+def failed_requests(run: dict[str, Any], flags: str, slo: Slo | None) -> list[Finding]:
+    """A share of requests failed: what the errors were, and where to look for each kind.
+    Refusals while memory was free are `waiting_with_memory_free`'s, so not counted here."""
+    sent, failed = run["num_prompts"], run.get("failed") or 0
+    skip = {OK, CANCELLED, REJECTED} if _memory_free(run) else {OK, CANCELLED}
+    if _memory_free(run):
+        failed -= run.get("rejected") or 0
+    if not sent or failed < max(1, FAILED_SHARE * sent):
+        return []
+    kinds = Counter(_error_kind(r) for r in run.get("requests", [])
+                    if r.get("status") not in skip)
+    if not kinds:  # a result without its requests: the distinct errors it kept
+        kinds = Counter({e[:120]: 1 for e in run.get("errors", [])})
+    top = kinds.most_common(3)
+    listed = "; ".join(f"{n} x {kind}" for kind, n in top) or "no error text recorded"
+    return [Finding(
+        "failed_requests", "Requests failed", shown_label(run),
+        f"{failed} of {sent} requests failed ({failed / sent:.0%}): {listed}. Latency figures "
+        "count only the answered ones, so fix the failures before comparing speed.",
+        _ERROR_SETTING[_error_class(top[0][0]) if top else "other"],
+        {"failed": failed, "num_prompts": sent, "errors": dict(top)})]
+
+
+_ERROR_SETTING = {
+    "client": "the requests themselves: prompt + max_tokens within the server's "
+              "--max-model-len, the model name (--model) and the API (--endpoint)",
+    "rejected": "--max-num-queued-reqs / --queue-timeout (the server's admission), or a lower "
+                "offered load",
+    "timeout": "--request-timeout (longer), or a lower offered load",
+    "other": "the server's log: it failed these requests (or the connection broke)",
+}
+
+
+def _error_kind(request: dict[str, Any]) -> str:
+    """A request's error, cut where requests differ (ids, lengths), to count alike ones."""
+    error = request.get("error") or request.get("status") or "error"
+    return re.sub(r"\d{3,}", "N", error)[:120] if not error.startswith("HTTP") else error[:120]
+
+
+def _error_class(kind: str) -> str:
+    if kind.startswith(("HTTP 429", "HTTP 503")):
+        return "rejected"
+    if kind.startswith("HTTP 4"):
+        return "client"
+    return "timeout" if kind.startswith("timeout") else "other"
+
+
+def _at_cap(running: float | None, max_seqs: Any) -> bool:
+    return isinstance(max_seqs, int) and not isinstance(max_seqs, bool) \
+        and running is not None and running >= max_seqs
+
+
+def _g(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:g}"
 
 
 def upstream_bottleneck(run: dict[str, Any], flags: str, slo: Slo | None) -> list[Finding]:
@@ -340,8 +468,8 @@ def _limit(slo: Slo | None, metric: str) -> float:
     return DEFAULT_TTFT_LIMIT_S
 
 
-RUN_RULES = (client_limited, waiting_with_memory_free, ttft_long_prompts, preemptions_or_oom,
-             upstream_bottleneck)
+RUN_RULES = (client_limited, failed_requests, waiting_with_memory_free, kv_cache_full,
+             batch_at_cap, ttft_long_prompts, preemptions_or_oom, upstream_bottleneck)
 
 
 def diagnose(obj: dict[str, Any], slo: Slo | None = None) -> list[Finding]:
