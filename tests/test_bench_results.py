@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loom.bench.client import CANCELLED, OK, REJECTED, RequestResult
-from loom.bench.results import Slo, request_figures
+from loom.bench.results import Slo, offered_rate, request_figures
 from loom.bench.scorecard import markdown, print_scorecard, rows
 from loom.bench.scrape import Histogram, parse_metrics, sample_value
 
@@ -98,12 +98,26 @@ def test_request_figures_of_nothing_completed() -> None:
     assert f["completed"] == 0 and f["mean_ttft_ms"] is None and f["goodput"] is None
 
 
+def test_a_short_run_never_completes_more_than_it_was_offered() -> None:
+    """Two sends 2 s apart answered at once: 1 gap in 2 s of sending (0.5/s) but 2 answers
+    in 2.05 s; offered is never below sent over the duration completed req/s uses."""
+    sent = [_result(OK, 0.01, 0.05, tokens=2), _result(OK, 0.01, 0.05, tokens=2)]
+    sent[1].scheduled_s = 2.0
+    completed = request_figures(sent, 2.05, None)["request_throughput"]
+    assert offered_rate(sent, 2.05) >= completed == pytest.approx(2 / 2.05)
+    sent += [_result(OK, 0.01, 0.05, tokens=2) for _ in range(99)]
+    for i, r in enumerate(sent):
+        r.scheduled_s = 0.1 * i
+    assert offered_rate(sent, 12.0) == pytest.approx(10.0)  # a long run: the send span's
+
+
 def test_slo_parse() -> None:
     slo = Slo.parse("ttft_p95=1.0,e2e_p99=10,tpot=0.2")
     assert slo.limits == (("ttft", 95, 1.0), ("e2e", 99, 10.0), ("tpot", 95, 0.2))
     assert str(slo) == "ttft_p95=1,e2e_p99=10,tpot_p95=0.2"
-    with pytest.raises(ValueError, match="bad term"):
-        Slo.parse("latency=3")
+    for bad in ("latency=3", "ttft_p95=-1", "ttft_p95=abc", "ttft_p0=1", "e2e_px=2"):
+        with pytest.raises(ValueError, match="bad term"):
+            Slo.parse(bad)
 
 
 def _scored_run(**extra) -> dict:

@@ -180,8 +180,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
     shown = {"formatter_class": _ShowDefaults}
 
-    generate = _common_parent(f"requests to generate (default {_DEFAULT_TRACE_SIZE}), or the "
-                              "first N to import")
+    generate = _common_parent(f"requests to generate (default {_DEFAULT_TRACE_SIZE}), or at "
+                              "most N to import (default: all)")
     p = bench_sub.add_parser("trace", **shown, parents=[generate],
                              help="generate or import a trace")
     _trace_args(p)
