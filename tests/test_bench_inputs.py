@@ -233,3 +233,21 @@ def test_compare_simulates_a_gpu_named_by_model_and_gpus(tmp_path: Path) -> None
     (sweep,) = load_result(out)["sweeps"]
     assert sweep["label"] == "a" and sweep["simulated"]
     assert sweep["config"]["flags"] == "simulate:--model llama-3.1-8b --gpus h100-sxm"
+
+
+def test_sharegpt_records_of_another_shape_are_skipped_and_bad_json_named(tmp_path: Path,
+                                                                          capsys) -> None:
+    """A list, a string or a turn that is not an object is no conversation (skipped); a
+    line that is not JSON is an error naming it."""
+    bundled_synth()
+    path = tmp_path / "c.jsonl"
+    turns = [{"from": "human", "value": "Tell me a story about a cat please"},
+             {"from": "gpt", "value": "Once upon a time there was a cat who sat."}]
+    path.write_text("\n".join([json.dumps("x"), json.dumps({"conversations": [3, *turns]}),
+                               json.dumps([1, 2])]) + "\n")
+    out = tmp_path / "t.jsonl"
+    assert main(["bench", "trace", "--from-sharegpt", str(path), "-o", str(out)]) == 0
+    assert len(load_trace(out).requests) == 1
+    path.write_text(path.read_text() + "{oops\n")
+    assert "c.jsonl:4: not JSON" in _error(["bench", "trace", "--from-sharegpt", str(path),
+                                            "-o", str(out)], capsys)

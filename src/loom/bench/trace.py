@@ -459,10 +459,21 @@ def _header(kind: str, seed: int, n: int, tokenizer_name: str, arrivals: Arrival
 
 
 def _read_conversations(path: str | Path) -> Iterable[Any]:
-    text = Path(path).read_text()
+    """A JSON list or JSONL of conversations; a line that is not JSON is named."""
+    text = _decode(Path(path).read_bytes(), path)
     if text.lstrip().startswith("["):
-        return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not JSON ({e.msg})") from None
+    return out
 
 
 def _first_exchange(conversation: Any) -> tuple[str, str] | None:
