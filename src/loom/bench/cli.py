@@ -194,7 +194,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                                          "(open loop, at most N in flight): one is required.")
     rate = next(f for f in fields(Load) if f.name == "rate")
     p.add_argument("--rate", type=parse_rate, default=argparse.SUPPRESS,
-                   help=rate.metadata["help"])  # no "(default: inf)": a load must be given
+                   help=rate.metadata["help"] + " (default: inf only with --max-concurrency, "
+                                                "the closed loop; one of the two is required)")
     p.add_argument("--label", default=None, help="name of the run in tables and plots; "
                                                  "default: its offered load")
     p.add_argument("--out", default=None, help="write the result JSON here; default: only "
