@@ -251,3 +251,14 @@ def test_sharegpt_records_of_another_shape_are_skipped_and_bad_json_named(tmp_pa
     path.write_text(path.read_text() + "{oops\n")
     assert "c.jsonl:4: not JSON" in _error(["bench", "trace", "--from-sharegpt", str(path),
                                             "-o", str(out)], capsys)
+
+
+def test_compare_refuses_a_simulated_config_it_cannot_run_before_any_server(
+        trace: Path, tmp_path: Path, capsys) -> None:
+    """The server configuration comes first, but nothing starts: --auto is refused for the
+    simulated one up front (its server command would fail if run)."""
+    err = _error(["bench", "compare", "--trace", str(trace), "--auto", "--output-dir",
+                  str(tmp_path / "cmp"), "--server-cmd", "false {port}", "--config", "real=",
+                  "--config", "sim=simulate:--profile p.json"], capsys)
+    assert "--config sim=simulate:...: the simulator takes --rates" in err
+    assert not list((tmp_path / "cmp").glob("*.server.log"))

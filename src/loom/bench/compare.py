@@ -59,6 +59,9 @@ def compare(trace: Trace, configs: list[tuple[str, str]], out_dir: Path, base: L
     endpoint)."""
     if repeats < 1:
         raise ValueError("--repeats must be >= 1")
+    for name, flags in configs:  # before any server runs: its sweep would be thrown away
+        if flags.startswith(SIMULATE):
+            _check_simulated(name, trace, base, auto)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
     for k in range(repeats):
@@ -97,11 +100,7 @@ def simulate_config(name: str, flags: str, trace: Trace, out_dir: Path, base: Lo
     """`loom simulate FLAGS` on the same trace and loads: a sweep JSON marked simulated."""
     from loom.sim.cli import add_parser  # the simulator only when asked for
 
-    if auto is not None or base.burst or base.ramp_up:
-        raise ValueError(f"--config {name}=simulate:...: the simulator takes --rates or "
-                         "--overlap, without --auto, --burst or --ramp-up")
-    if trace.path is None:
-        raise ValueError("a simulated configuration needs the trace as a file")
+    _check_simulated(name, trace, base, auto)
     sim_dir = out_dir / f"{name}.simulated"
     argv = ["simulate", "--trace", trace.path, "--label", name, "--output-dir", str(sim_dir),
             "--seed", str(base.seed), "--burstiness", str(base.burstiness)]
@@ -122,6 +121,15 @@ def simulate_config(name: str, flags: str, trace: Trace, out_dir: Path, base: Lo
     result["label"] = name  # --gpus names its sweep after the GPU, not --label
     result["config"]["flags"] = f"{SIMULATE}{flags}"
     return result
+
+
+def _check_simulated(name: str, trace: Trace, base: Load, auto: AutoSearch | None) -> None:
+    """What `loom simulate` cannot take from a comparison."""
+    if auto is not None or base.burst or base.ramp_up:
+        raise ValueError(f"--config {name}=simulate:...: the simulator takes --rates or "
+                         "--overlap, without --auto, --burst or --ramp-up")
+    if trace.path is None:
+        raise ValueError("a simulated configuration needs the trace as a file")
 
 
 def _simulated_file(name: str, sim_dir: Path) -> str:
