@@ -130,7 +130,7 @@ def main() -> None:
     trace = generate_mix(parse_mix("chat=0.6,long=0.15,rag=0.25"), args.num_requests,
                          args.seed, PromptSynth(load_tokenizer(path)), ArrivalSpec(),
                          CancelSpec(), path.name)
-    ids = prompt_token_ids(trace, None, args.seed)
+    ids = prompt_token_ids(trace, load_tokenizer(path), args.seed)
 
     def config(blocks: int, scheduler: str = "continuous") -> SimConfig:
         return SimConfig("loom", profile, SchedulerConfig(scheduler=scheduler),

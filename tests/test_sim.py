@@ -206,7 +206,7 @@ def test_what_the_server_refuses_is_a_400_not_a_capped_run():
 
 @pytest.mark.parametrize("lines, message", [
     (['{"header": 5}', '{"prompt_len": 10, "max_tokens": 4}'],
-     "t.jsonl: the trace header must be a JSON object, got 5"),
+     "t.jsonl:1: the trace header must be a JSON object, got 5"),
     (['{"header": {}}', "", '{"prompt_len": 10, "max_tokens": 4}',
       '{"prompt": "hi there", "prompt_len": "x", "max_tokens": 4}'],
      "t.jsonl:4: prompt_len must be a positive integer, got 'x'"),
@@ -374,8 +374,6 @@ def test_cli_fleet_sizes_and_routers(tmp_path, capsys):
     (["--queue-timeout", "-1"], "queue_timeout must be > 0, got -1"),
     (["--max-num-queued-reqs", "-1"], "max_num_queued_reqs must be >= 1, got -1"),
     (["--duration", "-1"], "--duration must be > 0, got -1"),
-    (["-n", "0"], "-n/--num-requests must be >= 1, got 0"),
-    (["-n", "-1"], "-n/--num-requests must be >= 1, got -1"),
     (["--rate", "0"], "--rate must be > 0"),
     (["--async-scheduling"], "does not model --async-scheduling"),
     (["--speculative-config", '{"method": "ngram"}'], "does not model --speculative-config"),
@@ -398,6 +396,13 @@ def test_cli_refuses_bad_flags_before_simulating(tmp_path, monkeypatch, flags, m
                  str(tmp_path / "t.jsonl"), "--rate", "1", *flags])
     with pytest.raises(ValueError, match=message):
         args.func(args)
+
+
+@pytest.mark.parametrize("count", ["0", "-1"])
+def test_a_request_count_below_one_is_refused_as_the_flag_is_parsed(count, capsys):
+    with pytest.raises(SystemExit):
+        _cli(["simulate", "--trace", "t.jsonl", "-n", count])
+    assert f"expected an integer >= 1, got '{count}'" in capsys.readouterr().err
 
 
 def test_calibrate_checks_its_output_before_measuring(monkeypatch):

@@ -128,7 +128,10 @@ def load_trace(path: str | Path) -> Trace:
             raise ValueError(f"{path}:{number}: expected a JSON object (a request), got "
                              f"{type(obj).__name__}")
         if "header" in obj:
-            header = obj["header"] if isinstance(obj["header"], dict) else {}
+            if not isinstance(obj["header"], dict):
+                raise ValueError(f"{path}:{number}: the trace header must be a JSON object, "
+                                 f"got {obj['header']!r}")
+            header = obj["header"]
             continue
         request = TraceRequest.from_json(obj, f"{path}:{number}")
         if request.id is not None:

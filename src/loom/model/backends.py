@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 
 from loom import host
-from loom.config import CacheConfig, ModelConfig
+from loom.config import CacheConfig, ModelConfig, check_device
 from loom.model.arch import ModelArch
 from loom.model.kernels import block_quant_linear_ops, fused_ops, paged_attention_ops
 from loom.model.linear import (
@@ -133,6 +133,7 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(name)  # a sentence where torch would fail deep in its lazy init
     return torch.device(name)
 
 

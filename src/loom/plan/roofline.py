@@ -135,7 +135,7 @@ class Efficiency:
         for part in text.split(","):
             key, sep, value = part.partition("=")
             if not sep or key.strip() not in names:
-                raise PlanError(f"bad --efficiency term {part!r}; keys: {', '.join(names)}")
+                raise PlanError(f"bad --efficiency term {part!r}; keys: {', '.join(sorted(names))}")
             values[key.strip()] = float(value)
         return cls(**values)
 

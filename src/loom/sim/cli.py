@@ -22,7 +22,11 @@ def _rates(text: str) -> list[float | str]:
     """'0.5,1,inf,trace' -> rates; 'trace' replays the trace's own arrival_s."""
     out: list[float | str] = []
     for x in (x.strip() for x in text.split(",") if x.strip()):
-        out.append(x if x == "trace" else math.inf if x == "inf" else float(x))
+        try:
+            out.append(x if x == "trace" else math.inf if x == "inf" else float(x))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{x!r} is not a rate: give requests per second, inf or trace") from None
     return out
 
 
@@ -193,8 +197,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _check_flags(args: argparse.Namespace) -> None:
     """The load and sweep flags' ranges, before any work: out of range, a run sends no
     request (or fails them all) and would still exit 0."""
-    at_least_one = {"-n/--num-requests": [args.num_requests],
-                    "--max-concurrency": [args.max_concurrency],
+    at_least_one = {"--max-concurrency": [args.max_concurrency],  # -n: by its parser
                     "--overlap": args.overlap or [], "--replicas": args.replicas}
     positive = {"--duration": args.duration, "--burstiness": args.burstiness,
                 "--scrape-interval": args.scrape_interval, "--max-p95-queue": args.max_p95_queue}
@@ -255,10 +258,9 @@ def _trace(args: argparse.Namespace, max_model_len: int) -> tuple[Any, list[list
     """The trace, checked before anything runs, and its prompts' token ids: text is
     tokenized with --tokenizer, as the server the trace stands for would count it."""
     from loom.bench.trace import load_trace
-    from loom.sim.replay import check_trace, prompt_token_ids
+    from loom.sim.replay import prompt_token_ids
 
-    trace = load_trace(args.trace)
-    check_trace(trace)
+    trace = load_trace(args.trace)  # every field checked, naming file:line
     tokenizer = None
     if any(r.prompt is not None for r in trace.requests):
         from loom.bench.tokens import load_tokenizer

@@ -10,7 +10,6 @@ at the next step boundary. Every request sent ends completed, cancelled, rejecte
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import random
 from collections import deque
@@ -75,33 +74,6 @@ class SimRun:
     busy_s: float = 0.0  # summed over the fleet's engines
     requests_per_replica: list[int] = field(default_factory=list)
     router_decisions: dict[str, int] = field(default_factory=dict)
-
-
-def check_trace(trace: Trace) -> None:
-    """What the simulator reads of a trace beyond what `load_trace` checks, refused up front
-    naming the file and line (not as a TypeError mid-run, or after it when the result is
-    built): the header is an object, and a given prompt_len or priority is an integer."""
-    if not isinstance(trace.header, dict):
-        raise ValueError(f"{trace.path}: the trace header must be a JSON object, got "
-                         f"{trace.header!r}")
-    for index, r in enumerate(trace.requests):
-        for key, value, low in (("prompt_len", r.prompt_len, 1), ("priority", r.priority, None)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or (low is not None and value < low)):
-                kind = "a positive integer" if low else "an integer"
-                raise ValueError(f"{_where(trace, index)}: {key} must be {kind}, got "
-                                 f"{value!r}")
-
-
-def _where(trace: Trace, index: int) -> str:
-    """file:line of the trace's `index`-th request, counted as `load_trace` reads the file
-    (blank lines and header lines are not requests)."""
-    if trace.path is None:
-        return f"trace request {index + 1}"
-    with open(trace.path, encoding="utf-8") as f:
-        numbers = [number for number, line in enumerate(f, 1)
-                   if line.strip() and "header" not in json.loads(line)]
-    return f"{trace.path}:{numbers[index]}"
 
 
 def prompt_token_ids(trace: Trace, tokenizer: Any | None, seed: int,
