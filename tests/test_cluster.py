@@ -170,6 +170,8 @@ def test_models_health_and_one_scrape_of_every_replica(apps: dict[str, Served]) 
     assert _get(url, "/health") == 200
     models = httpx.get(url + "/v1/models").json()["data"]
     assert models[0]["max_model_len"] == 2048
+    reset = httpx.post(url + "/reset_prefix_cache")  # each replica holds its own cache
+    assert reset.status_code == 501 and "data-parallel-size" in reset.json()["error"]["message"]
     _wait_for(lambda: len(_finished(url)) == 2, "not every replica's series is scraped")
     decisions = _by_replica(url, "loom:router_decisions_total", router="prefix")
     assert decisions and sum(decisions.values()) >= len(PROMPTS)

@@ -101,6 +101,7 @@ def test_killing_the_engine_mid_stream_ends_streams_with_an_error() -> None:
         assert "engine process died" in error["message"]
         assert httpx.get(f"{server.url}/health").status_code == 503
         assert httpx.get(f"{server.url}/metrics").status_code == 503  # not a 500, not a hang
+        assert httpx.post(f"{server.url}/reset_prefix_cache", timeout=HANG_S).status_code == 503
         late = httpx.post(f"{server.url}/v1/completions", timeout=HANG_S,
                           json={"model": "any", "prompt": PROMPT, "max_tokens": 4})
         assert late.status_code == 503

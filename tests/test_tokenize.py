@@ -76,6 +76,19 @@ def test_bad_requests_name_the_field(url: str) -> None:
     assert no_turns.status_code == 400 and no_turns.json()["error"]["param"] == "messages"
 
 
+def test_reset_prefix_cache_makes_the_next_request_start_cold(url: str) -> None:
+    """vLLM's POST /reset_prefix_cache, which `loom bench run --reset-prefix-cache` sends
+    between repeats: the prompt cached a moment before is computed again."""
+    prompt = "A prefix long enough to fill several KV blocks, said twice. " * 6
+    post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    warm = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 1}).json()
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert post(url, "/reset_prefix_cache", {}).status_code == 200
+    cold = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 1}).json()
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert cold["choices"][0]["text"] == warm["choices"][0]["text"]
+
+
 def test_cached_tokens_and_continuous_usage(url: str) -> None:
     """A repeated prompt is served from the prefix cache, and says so; with
     continuous_usage_stats every chunk carries the usage so far."""

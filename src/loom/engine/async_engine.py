@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -142,6 +143,7 @@ class AsyncEngine:
         # -- guarded by _cond: the inbox and what admission control reads
         self._adds: list[tuple[OutputSink, EngineRequest, float]] = []
         self._aborts: list[str] = []
+        self._resets: list[Future[None]] = []  # prefix-cache resets asked for
         self._num_waiting = 0  # the core's waiting queue, as of the last drain or step
         self._num_running = 0  # and its running batch
         self._draining = False  # shutting down: finish what runs, take nothing new
@@ -235,6 +237,17 @@ class AsyncEngine:
             self._aborts.append(request_id)
             self._cond.notify()
 
+    def reset_prefix_cache(self) -> Future[None]:
+        """Forget every cached prefix between two steps; done when the future is. Requests
+        added after it is done find nothing cached from before."""
+        done: Future[None] = Future()
+        with self._cond:
+            if self._dead is not None:
+                raise self._dead
+            self._resets.append(done)
+            self._cond.notify()
+        return done
+
     # -- the loop thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -265,13 +278,18 @@ class AsyncEngine:
     def _wait_for_work(self, step_in_flight: bool) -> bool:
         """Sleep until there is something to do; False when it is time to stop."""
         with self._cond:
-            while not (self._stopping or self._adds or self._aborts or step_in_flight
-                       or self.core.has_unfinished_requests()):
+            while not (self._stopping or self._adds or self._aborts or self._resets
+                       or step_in_flight or self.core.has_unfinished_requests()):
                 self._cond.wait()
             return not self._stopping
 
     def _drain_inbox(self) -> None:
         with self._cond:  # held while adding, so admission never sees a request in neither place
+            resets, self._resets = self._resets, []
+            if resets:  # before the adds: a request sent after the reset finds nothing cached
+                self.core.reset_prefix_cache()
+                for done in resets:
+                    done.set_result(None)
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
             for stream, request, arrival in adds:
@@ -323,5 +341,8 @@ class AsyncEngine:
             streams = {s for s, _, _ in self._adds} | set(self._streams.values())
             self._adds.clear()
             self._streams.clear()
+            resets, self._resets = self._resets, []
+        for done in resets:
+            done.set_exception(EngineDeadError(str(error)))
         for stream in streams:  # one exception each: they are raised in different tasks
             stream.put_threadsafe([EngineDeadError(str(error))])

@@ -175,6 +175,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay with their requests): benchmark
+        repeats then start cold, as vLLM's /reset_prefix_cache lets them."""
+        self.scheduler.kv_cache.pool.reset_prefix_cache()
+
     # -- the step --------------------------------------------------------------------------------
 
     def step(self, previous: InFlightStep | None = None

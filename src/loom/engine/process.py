@@ -40,6 +40,7 @@ from loom.engine.process_main import (
     METRICS,
     OUTPUTS,
     READY,
+    RESET_PREFIX_CACHE,
     STOP,
     SUBMIT,
     EngineProcessConfig,
@@ -108,7 +109,7 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the three below (the reader thread writes them)
         self._submissions: dict[int, _Submission] = {}
-        self._metrics: dict[int, Future[bytes]] = {}
+        self._replies: dict[int, Future[object]] = {}  # asked of the child, by token
         self._dead: str | None = None  # why the engine process is gone, once it is
         self._ids = itertools.count()
         self._stop_reason: str | None = None
@@ -195,15 +196,22 @@ class EngineProcess:
         self._send((ABORT, request_id))
 
     async def fetch_metrics(self) -> bytes:
+        return await self._ask(METRICS)
+
+    async def reset_prefix_cache(self) -> None:
+        await self._ask(RESET_PREFIX_CACHE)
+
+    async def _ask(self, kind: str) -> object:
+        """Send `kind` with a token; the child's reply carries the token back."""
         import asyncio  # not at the top: the server starts the engine process before it
 
         token = next(self._ids)
-        future: Future[bytes] = Future()
+        future: Future[object] = Future()
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
-            self._metrics[token] = future
-        self._send((METRICS, token))
+            self._replies[token] = future
+        self._send((kind, token))
         return await asyncio.wrap_future(future)
 
     def _send(self, message: tuple[object, ...]) -> bool:
@@ -224,7 +232,7 @@ class EngineProcess:
                 if message[0] == OUTPUTS:
                     self._deliver(message[1], message[2])
                 else:
-                    self._metrics_arrived(message[1], message[2])
+                    self._reply_arrived(message[1], message[2])
         except (EOFError, OSError):
             pass
         self._process.join()  # it closed its end by exiting
@@ -252,17 +260,17 @@ class EngineProcess:
         submission.stream.put_threadsafe([
             item if isinstance(item, Exception) else decode(item) for item in items])
 
-    def _metrics_arrived(self, token: int, text: bytes) -> None:
+    def _reply_arrived(self, token: int, payload: object) -> None:
         with self._lock:
-            future = self._metrics.pop(token, None)
+            future = self._replies.pop(token, None)
         if future is not None:
-            future.set_result(text)
+            future.set_result(payload)
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:
             self._dead = reason
             submissions, self._submissions = self._submissions, {}
-            waiters, self._metrics = self._metrics, {}
+            waiters, self._replies = self._replies, {}
         for submission in submissions.values():
             submission.stream.put_threadsafe([EngineDeadError(reason)])
         for future in waiters.values():

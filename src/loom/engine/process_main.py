@@ -2,9 +2,10 @@
 sides speak. Plain pickled tuples cross one duplex pipe:
 
     server -> engine   (SUBMIT, sid, [EngineRequest]) | (ABORT, request_id) | (DRAIN,)
-                       | (STOP, reason) | (METRICS, token)
+                       | (STOP, reason) | (METRICS, token) | (RESET_PREFIX_CACHE, token)
     engine -> server   (READY, EngineFacts) | (FAILED, user_error, message)    once, first
                        (OUTPUTS, sid, [OutputDelta | Exception]) | (METRICS, token, bytes)
+                       | (RESET_PREFIX_CACHE, token, None)
 
 The engine is the in-process server's `AsyncEngine(EngineCore)`: admission control, queue
 timeouts and aborts stay its own. Its loop thread sends each step's outputs down the pipe as
@@ -36,6 +37,7 @@ from loom.torch_import import defer_unused_modules
 logger = logging.getLogger(__name__)
 
 SUBMIT, ABORT, DRAIN, STOP, METRICS = "submit", "abort", "drain", "stop", "metrics"
+RESET_PREFIX_CACHE = "reset_prefix_cache"  # answered, as METRICS is, with its token
 READY, FAILED, OUTPUTS = "ready", "failed", "outputs"
 _LIVENESS_POLL_S = 1.0  # how soon a quiet engine process notices its loop died, and exits
 _PR_SET_PDEATHSIG = 1
@@ -119,6 +121,12 @@ def _handle(message: tuple[object, ...], engine: AsyncEngine, sender: _Sender) -
         engine.stop(message[1])
     elif kind == METRICS:
         sender.send((METRICS, message[1], engine.core.metrics.prometheus_text()))
+    elif kind == RESET_PREFIX_CACHE:
+        try:
+            engine.reset_prefix_cache().result()  # between two steps of the loop thread
+        except EngineDeadError:
+            pass  # the loop is gone: the pipe closes next, and the caller is told then
+        sender.send((RESET_PREFIX_CACHE, message[1], None))
     return kind == STOP
 
 

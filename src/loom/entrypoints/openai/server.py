@@ -1,7 +1,8 @@
 """`loom serve`'s OpenAI-compatible HTTP server over an engine client (its options and start-up
 order are `loom.entrypoints.openai.launch`'s).
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /version.
+Routes: /v1/completions, /v1/chat/completions, /v1/responses (and GET/DELETE of a kept one),
+/v1/models, /tokenize, /detokenize, /reset_prefix_cache, /health, /metrics, /version.
 
 The app serves any engine client with AsyncEngine's surface (`EngineClient`): by default the
 engine in a child process (`loom.engine.process`: it loads the model while this process
@@ -12,11 +13,13 @@ on Ray Serve (`loom.cluster`, imported only then).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import socket
 import warnings
 from collections.abc import AsyncIterable, AsyncIterator
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, Protocol
@@ -31,7 +34,7 @@ from loom.cluster.config import ClusterConfig
 from loom.config import EngineConfig
 from loom.engine.async_engine import EngineRequest
 from loom.entrypoints.openai import http_server
-from loom.entrypoints.openai.errors import install_error_handlers
+from loom.entrypoints.openai.errors import APIError, install_error_handlers
 from loom.entrypoints.openai.guards import ApiKeyGuard, BodyGuard, HostGuard, is_loopback
 from loom.entrypoints.openai.launch import ServerConfig
 from loom.entrypoints.openai.protocol import (
@@ -113,6 +116,18 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         return await responses.create(request, raw_request)
 
     get = partial(app.api_route, methods=["GET", "HEAD"])  # HEAD: the same answer, no body
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's: forget every cached prefix, so that benchmark repeats start cold
+        (`loom bench run --repeats N --reset-prefix-cache`)."""
+        reset = getattr(engine, "reset_prefix_cache", None)
+        if reset is None:  # replicas on Ray: each holds its own cache
+            raise APIError(501, "reset_prefix_cache is not available with "
+                           "--data-parallel-size above 1; restart the server instead")
+        done = reset()
+        await (asyncio.wrap_future(done) if isinstance(done, Future) else done)
+        return Response(status_code=200)
 
     @get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> ResponseObject:
