@@ -164,6 +164,15 @@ def test_hf_folder_missing_files(tmp_path, hf_folder, missing, message):
         load_model(str(folder))
 
 
+@pytest.mark.parametrize("value", ["32", 0, 2.5, True])
+def test_a_shape_field_of_the_wrong_type_is_named(tmp_path, hf_folder, value):
+    """Once a TypeError deep in the arithmetic, in loom serve, plan and simulate alike."""
+    folder = copy_folder(hf_folder, tmp_path / "typed")
+    edit_config(folder, num_attention_heads=value)
+    with pytest.raises(ModelLoadError, match="num_attention_heads must be a positive integer"):
+        load_model(str(folder))
+
+
 @pytest.mark.integration
 def test_missing_weights_are_named(tmp_path, hf_folder):
     from safetensors.torch import load_file, save_file

@@ -149,11 +149,23 @@ def _gguf_rope_scaling(rope_freqs: GGUFTensor | None, meta: Mapping[str, Any], p
                          "Llama-3 (rope_freqs) scaling")
 
 
+# config.json fields the model's shape is computed from: a string there ("32") failed deep in
+# the arithmetic as a TypeError (in loom serve, loom plan and loom simulate alike)
+_SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+                 "max_position_embeddings")
+
+
 def arch_from_hf_config(config: Mapping[str, Any]) -> ModelArch:
     model_type = config.get("model_type", "")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported model_type {model_type!r}; loom runs "
                              f"{sorted(SUPPORTED_ARCHITECTURES)}")
+    for key in _SHAPE_FIELDS:
+        value = config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise ModelLoadError(f"config.json: {key} must be a positive integer, got {value!r}")
     try:
         num_heads = config["num_attention_heads"]
         rope_theta, rope_scaling = _hf_rope(config)

@@ -61,7 +61,6 @@ def resolve_model(text: str | None) -> PlanModel:
         raise PlanError(f"model {text!r} is neither a known architecture "
                         f"({', '.join(sorted(known))}) nor an existing GGUF, folder or "
                         "config.json")
-    _check_hf_config(path)
     try:
         arch = read_arch(path)
     except ModelLoadError as e:
@@ -70,32 +69,6 @@ def resolve_model(text: str | None) -> PlanModel:
     folder = path.parent if path.name == "config.json" else path
     name = path.stem if path.suffix == ".gguf" else folder.resolve().name  # not "config"
     return PlanModel(name, arch, str(folder), gguf_bytes)
-
-
-# config.json fields the plan divides and multiplies: a string there ("32") would fail deep
-# in the arithmetic as a TypeError
-_SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-                 "max_position_embeddings")
-
-
-def _check_hf_config(path: Path) -> None:
-    """A Hugging Face config's shape fields are positive integers (where given), else an
-    error naming the field and the file."""
-    config_path = path / "config.json" if path.is_dir() else path
-    if config_path.suffix != ".json" or not config_path.is_file():
-        return  # read_arch says what is wrong with it
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as e:
-        raise PlanError(f"cannot read {str(config_path)!r}: {e}") from None
-    if not isinstance(config, dict):
-        raise PlanError(f"{config_path}: not a JSON object")
-    for key in _SHAPE_FIELDS:
-        value = config.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 1):
-            raise PlanError(f"{config_path}: {key} must be a positive integer, got {value!r}")
 
 
 def _gguf_tensor_bytes(path: Path) -> int:
