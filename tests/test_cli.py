@@ -219,7 +219,7 @@ def test_diagnose_a_missing_file(tmp_path, capsys) -> None:
 
 def test_serve_refuses_a_port_out_of_range_before_binding(capsys) -> None:
     assert main(["serve", "--port", "99999"]) == 2
-    assert "loom: error: port must be in 1-65535, got 99999" in capsys.readouterr().err
+    assert "loom: error: port must be in 0-65535, got 99999" in capsys.readouterr().err
 
 
 def test_serve_api_key_help_names_every_open_route(capsys) -> None:

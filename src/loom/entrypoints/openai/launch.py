@@ -34,7 +34,8 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=flag_help(
         "address to listen on; 0.0.0.0 serves every network the machine is on (set "
         "--api-key then)"))
-    port: int = field(default=8000, metadata=flag_help("TCP port to listen on, 1-65535"))
+    port: int = field(default=8000, metadata=flag_help(
+        "TCP port to listen on, 0-65535 (0: any free one, which the log names)"))
     served_model_name: str | None = field(default=None, metadata=flag_help(
         "model name in /v1/models and responses; none = the model's own name"))
     stream_interval: int = field(default=1, metadata=flag_help(
@@ -74,8 +75,8 @@ class ServerConfig:
         "own (slower to start and to serve; one process to debug)"))
 
     def __post_init__(self) -> None:
-        if not 1 <= self.port <= 65535:  # else bind() raises OverflowError, not an OSError
-            raise ValueError(f"port must be in 1-65535, got {self.port}")
+        if not 0 <= self.port <= 65535:  # else bind() raises OverflowError, not an OSError
+            raise ValueError(f"port must be in 0-65535, got {self.port}")
         positive = {"stream_interval": self.stream_interval,
                     "max_num_queued_reqs": self.max_num_queued_reqs,
                     "max_request_body_bytes": self.max_request_body_bytes,

@@ -219,6 +219,7 @@ def serve(config: ServerConfig, sock: socket.socket, engine: EngineClient) -> in
         uvicorn_config, config.shutdown_timeout, drain=engine.drain,
         stop=lambda: engine.stop("the server is shutting down: this request was aborted"))
     logger.info("Serving %s on http://%s:%d%s", engine.core.model_name, config.host,
-                config.port, "" if config.api_key is None else " (API key required)")
+                sock.getsockname()[1],  # the port bound: the one asked for, or --port 0's pick
+                "" if config.api_key is None else " (API key required)")
     server.run(sockets=[sock])
     return 0
