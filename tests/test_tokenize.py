@@ -86,7 +86,8 @@ def test_reset_prefix_cache_makes_the_next_request_start_cold(url: str) -> None:
     assert post(url, "/reset_prefix_cache", {}).status_code == 200
     cold = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 1}).json()
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert cold["choices"][0]["text"] == warm["choices"][0]["text"]
+    again = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 1}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # cached anew
 
 
 def test_cached_tokens_and_continuous_usage(url: str) -> None:
