@@ -159,6 +159,9 @@ def test_stop_token_ids_min_tokens_and_max_tokens(any_llm: LLM) -> None:
     forced = any_llm.chat(chat, SamplingParams(max_tokens=64, min_tokens=len(short.token_ids) + 5,
                                            temperature=0.0))[0].outputs[0]
     assert len(forced.token_ids) >= len(short.token_ids) + 5
+    # EOS is never sampled before min_tokens (vLLM's rule): the answer goes on, not past an end
+    eos = set(any_llm.tokenizer.eos_token_ids)
+    assert not eos & set(forced.token_ids[:len(short.token_ids) + 4])
     capped = any_llm.generate("Hello", greedy(5))[0].outputs[0]
     assert len(capped.token_ids) == 5 and capped.finish_reason == "length"
 

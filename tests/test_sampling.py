@@ -60,10 +60,13 @@ def test_penalties_and_bias_adjust_only_the_rows_that_ask() -> None:
     logits = torch.tensor([[1.0, 2.0, -1.0, 0.5]] * 3)
     params = [SamplingParams(frequency_penalty=1.0, presence_penalty=0.5, logit_bias={0: -3.0}),
               SamplingParams(repetition_penalty=2.0), SamplingParams()]
-    got = adjust_logits(logits, params, [[1, 1, 3], [2], [1]], [[], [1], [0]])
+    got = adjust_logits(logits, params, [[1, 1, 3], [2], [1]], [[], [1], [0]], [(), (), ()])
     assert got.tolist() == [[-2.0, -0.5, -1.0, -1.0],  # 2 - (2 x 1 + 0.5); 0.5 - 1.5
                             [1.0, 1.0, -2.0, 0.5],  # seen in prompt or output: / or x 2
                             [1.0, 2.0, -1.0, 0.5]]
+    banned = adjust_logits(logits, [SamplingParams()] * 3, [[]] * 3, [[]] * 3, [(), (1, 3), ()])
+    assert banned[1].tolist() == [1.0, float("-inf"), -1.0, float("-inf")]
+    assert torch.equal(banned[::2], logits[::2])
     assert logits[0].tolist() == [1.0, 2.0, -1.0, 0.5]  # a copy: logprobs read the model's
 
 

@@ -31,6 +31,9 @@ class ScheduledRequest:
     # Speculative decoding: the last `num_draft_tokens` of token_ids are guesses; the runner
     # samples at each of them and keeps the run the model agrees with.
     num_draft_tokens: int = 0
+    # Tokens the sample may not be: EOS and stop tokens while fewer than min_tokens have been
+    # generated (they could not end the request, so sampling one would only derail it).
+    banned_token_ids: tuple[int, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -227,8 +227,9 @@ class Scheduler:
         remaining budget and the request's own limits; none where they could not be used."""
         params = request.sampling_params
         if (self.proposer is None or request.num_output_placeholders
-                or params.logprobs is not None or params.penalized):
-            return []  # penalties change with every token: verify_drafts has no such rows
+                or params.logprobs is not None or params.penalized
+                or len(request.output_token_ids) < params.min_tokens):
+            return []  # penalties and bans change with every token: verify_drafts has neither
         room = min(room, params.max_tokens - len(request.output_token_ids) - 1,
                    self.max_model_len - request.num_tokens - 1)
         drafts = self.proposer.propose(request, room) if room > 0 else []
@@ -288,7 +289,19 @@ class Scheduler:
             sampling_params=request.sampling_params,
             sample=sample,
             prompt_token_ids=request.prompt_token_ids,
+            banned_token_ids=self._banned(request) if sample else (),
         )
+
+    @staticmethod
+    def _banned(request: Request) -> tuple[int, ...]:
+        """EOS and the stop tokens while the token about to be sampled could not end the
+        request (`_token_stop`: before min_tokens), as vLLM's min-tokens processor does."""
+        params = request.sampling_params
+        count = len(request.output_token_ids) + request.num_output_placeholders  # this one's
+        if count >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else tuple(request.eos_token_ids)
+        return (*eos, *params.stop_token_ids)
 
     def _preempt(self, request: Request) -> None:
         self._requeue(request)

@@ -157,7 +157,8 @@ class ModelRunner:
             params = [s.sampling_params for s in plain]
             rows = adjust_logits(rows, params,
                                  [self.outputs_so_far.get(s.request_id, []) for s in plain],
-                                 [s.prompt_token_ids for s in plain])
+                                 [s.prompt_token_ids for s in plain],
+                                 [s.banned_token_ids for s in plain])
             token_ids = self.sampler(self._constrain(rows, plain, bitmask, mask_rows),
                                      params, [self._generator(s) for s in plain]).tolist()
             for s, token_id in zip(plain, token_ids):
@@ -174,7 +175,7 @@ class ModelRunner:
                 positions = logits[first:first + s.num_draft_tokens + 1]
                 rows = s.num_draft_tokens + 1  # drafts skip penalized requests: a bias at most
                 positions = adjust_logits(positions, [s.sampling_params] * rows, [[]] * rows,
-                                          [[]] * rows)
+                                          [[]] * rows, [()] * rows)
                 if s.request_id in mask_rows:
                     mask_first = mask_rows[s.request_id]
                     positions = apply_token_bitmask(positions, bitmask.bitmask[

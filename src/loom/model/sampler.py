@@ -80,20 +80,23 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
-                  outputs: list[list[int]], prompts: list[list[int]]) -> torch.Tensor:
+                  outputs: list[list[int]], prompts: list[list[int]],
+                  banned: list[tuple[int, ...]]) -> torch.Tensor:
     """Row i adjusted as params[i] asks, in a copy (`logits` may be the model's, which
     logprobs read; rows that ask nothing pass as they are): vLLM's repetition penalty (the
     logits of tokens in prompts[i] or outputs[i] divided by it where positive, multiplied
     where negative), OpenAI's frequency and presence penalties (minus frequency x count and
-    presence once, for each token in outputs[i], the tokens generated so far) and logit_bias
-    (added)."""
-    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    presence once, for each token in outputs[i], the tokens generated so far), logit_bias
+    (added), and banned[i] (-inf: EOS and stop tokens before min_tokens)."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits or banned[i]]
     if not rows:
         return logits
     logits = logits.clone()
     device = logits.device
     for i in rows:
         p, row = params[i], logits[i]
+        if banned[i]:
+            row[torch.tensor(banned[i], device=device)] = float("-inf")
         if p.repetition_penalty != 1.0 and (prompts[i] or outputs[i]):
             seen = torch.tensor(sorted({*prompts[i], *outputs[i]}), device=device)
             values = row[seen]
