@@ -379,6 +379,11 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "logit_bias": 5}, "logit_bias"),
     ("chat/completions", {"messages": CHAT, "presence_penalty": "x"}, "presence_penalty"),
     ("chat/completions", {"messages": CHAT, "frequency_penalty": -3}, "frequency_penalty"),
+    ("chat/completions", {"messages": CHAT, "tools": [
+        {"type": "function", "function": {"name": "f"}},
+        {"type": "function", "function": {"name": "f"}}]}, "tools"),  # calls name them
+    ("chat/completions", {"messages": CHAT, "tools": [
+        {"type": "function", "function": {"name": ""}}]}, "tools"),
     # once accepted
     ("completions", {"prompt": "hi", "temperature": float("inf")}, "temperature"),
     ("completions", {"prompt": [True, False]}, "prompt"),

@@ -206,7 +206,7 @@ class ChatMessage(OpenAIRequest):
 
 
 class FunctionDefinition(OpenAIRequest):
-    name: str
+    name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

@@ -62,7 +62,7 @@ class InputItem(OpenAIRequest):
 
 class FunctionTool(OpenAIRequest):
     type: Literal["function"]
-    name: str
+    name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

@@ -285,8 +285,9 @@ def _tool_use(request: ChatCompletionRequest) -> ToolUse:
     try:
         return ToolUse.of(tools, choice if isinstance(choice, str) or choice is None
                           else choice.model_dump(), request.parallel_tool_calls is not False)
-    except ValueError as e:
-        raise APIError(400, str(e), "tool_choice") from e
+    except ValueError as e:  # its message starts with the field it names
+        field = str(e).split(":", 1)[0]
+        raise APIError(400, str(e), field if field == "tools" else "tool_choice") from e
 
 
 def render_chat(tokenizer: Any, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,

@@ -34,6 +34,11 @@ class ToolUse:
             if tool_choice not in (None, "none"):
                 raise ValueError("tool_choice: needs tools")
             return cls("none", [])
+        names = [t["function"]["name"] for t in tools]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # a call names its function: two of one name could not be told apart
+            raise ValueError(f"tools: function names must be unique; {twice[0]!r} is given "
+                             "more than once")
         if tool_choice is None or tool_choice in ("auto", "none", "required"):
             return cls(tool_choice or "auto", tools if tool_choice != "none" else [],
                        parallel=parallel)
