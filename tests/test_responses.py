@@ -68,6 +68,7 @@ def test_input_items_become_the_chat_conversation() -> None:
     ({"input": [{"role": "user"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text"),
 ])
 def test_what_loom_cannot_do_is_an_error_naming_the_field(body: dict, param: str) -> None:
@@ -363,6 +364,7 @@ def test_text_format_json_schema_constrains_the_answer(client: openai.OpenAI) ->
                                         "schema": {"type": "nonsense"}}}}, "text"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}]},
      "input"),
     ({"input": "x", "tool_choice": "required",

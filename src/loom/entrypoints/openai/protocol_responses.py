@@ -172,9 +172,12 @@ def _text(content: str | list[InputContentPart], where: str) -> str:
     if isinstance(content, str):
         return content
     for part in content:
-        if part.type not in ("input_text", "output_text", "text") or part.text is None:
+        if part.type not in ("input_text", "output_text", "text"):
             raise APIError(400, f"{where}: content part of type {part.type!r} is not "
                            "supported (text only)", "input")
+        if part.text is None:
+            raise APIError(400, f"{where}: a content part of type {part.type!r} needs text",
+                           "input")
     return "".join(part.text or "" for part in content)
 
 
