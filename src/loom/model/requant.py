@@ -38,7 +38,7 @@ QUANTIZED_AGAIN = ("Q6_K", "Q3_K", "Q2_K")
 CONVERTED_KINDS = (*SAME_CODES, *QUANTIZED_AGAIN)
 
 _GROUP = 32
-_ROWS_PER_CHUNK = 2048  # bounds the fp32 copy a chunk of rows takes while it is converted
+_ROWS_PER_CHUNK = 2048  # bounds the copies a chunk of rows takes while it is converted
 
 
 def native_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> BlockQuantWeight:
@@ -51,37 +51,58 @@ def native_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> BlockQ
 
 
 def _convert(kind: str, data: np.ndarray, cols: int) -> BlockQuantWeight:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    weights = dequantize(data, GGMLQuantizationType[kind]).astype(np.float32, copy=False)
-    weights = weights.reshape(data.shape[0], cols // _GROUP, _GROUP)
     if kind in QUANTIZED_AGAIN:
-        return _quantized_again(weights)
-    scale, offset = _scales(kind, data, cols)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        codes = np.rint((weights - offset[..., None]) / scale[..., None])
-    codes[scale == 0] = 0  # every weight of such a group is its offset
-    return _blocks(codes, scale, offset, SAME_CODES[kind])
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
 
-
-def _scales(kind: str, data: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """(scale, offset) float32 [rows, cols / 32], exact, with w = code * scale + offset."""
+        weights = dequantize(data, GGMLQuantizationType[kind]).astype(np.float32, copy=False)
+        return _quantized_again(weights.reshape(data.shape[0], cols // _GROUP, _GROUP))
     rows = data.shape[0]
     if kind in ("Q5_0", "Q5_1"):
-        blocks = data.reshape(rows, cols // _GROUP, -1)
-        scale = _fp16(blocks, 0)
-        # Q5_0's codes count from 16: taken signed (w = (q - 16) d), they need no offset
-        offset = _fp16(blocks, 2) if kind == "Q5_1" else np.zeros_like(scale)
-        return scale, offset
+        codes, scale, offset = _q5_blocks(kind, data.reshape(rows, cols // _GROUP, -1))
+    else:
+        codes, scale, offset = _k_blocks(kind, data.reshape(rows, cols // 256, -1))
+    return _blocks(codes.reshape(rows, cols), scale.reshape(rows, -1),
+                   offset.reshape(rows, -1), SAME_CODES[kind])
+
+
+# The codes are read straight from the blocks' bits (gguf's decoders make float weights, which
+# took most of a K-quant model's load); test_requant checks them against gguf's decoders.
+
+def _q5_blocks(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Codes [..., 32], scale and offset [...] of Q5_0 ([d, qh, qs]) or Q5_1 ([d, m, qh, qs])
+    blocks: the low 4 bits in qs (input j's in byte j's low nibble, input j + 16's in its
+    high one), the fifth as bit j of qh. Q5_0's codes count from 16: taken signed, they need
+    no offset."""
+    header = 2 if kind == "Q5_0" else 4
+    qs = blocks[..., header + 4:]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    high = np.unpackbits(blocks[..., header:header + 4], axis=-1, bitorder="little")
+    codes = (low | (high << 4)).astype(np.int8)
+    scale = _fp16(blocks, 0)
+    if kind == "Q5_0":
+        return codes - np.int8(16), scale, np.zeros_like(scale)
+    return codes, scale, _fp16(blocks, 2)
+
+
+def _k_blocks(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Codes [..., 8, 32], scales and offsets [..., 8] of Q4_K ([d, dmin, 12 bytes of 6-bit
+    scales and mins, 128 of codes]) or Q5_K (the same with 32 bytes of fifth bits before the
+    codes) blocks of 256: sub-block 2i's codes are the low nibbles of code bytes 32i..32i+31,
+    sub-block 2i + 1's their high ones; sub-block s's fifth bits are bit s of the 32 bytes."""
     from gguf.quants import Q4_K  # Q5_K packs its 6-bit scales and mins as Q4_K does
 
-    blocks = data.reshape(rows, cols // 256, -1)
+    qs = blocks[..., 48:] if kind == "Q5_K" else blocks[..., 16:]
+    nibbles = qs.reshape(*qs.shape[:-1], 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    codes = (nibbles & 0x0F).reshape(*qs.shape[:-1], 8, 32)
+    if kind == "Q5_K":
+        qh = blocks[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]
+        codes = codes | ((qh & 1) << 4)
     d, dmin = _fp16(blocks, 0), _fp16(blocks, 2)
     sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
     scale = d[..., None] * sc.reshape(*d.shape, 8).astype(np.float32)
     offset = -dmin[..., None] * m.reshape(*d.shape, 8).astype(np.float32)
-    return scale.reshape(rows, -1), offset.reshape(rows, -1)
+    return codes.astype(np.int8), scale, offset
 
 
 def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:
