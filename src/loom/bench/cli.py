@@ -477,7 +477,9 @@ def _compare(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     out_dir = Path(args.output_dir)
-    _check_dir(out_dir, "--output-dir")
+    from loom.bench.results import check_folder_writable
+
+    check_folder_writable(out_dir, "--output-dir")
     result = compare(_load_trace(args), configs, out_dir, load, limits,
                      args.server_cmd or LOOM_SERVE, args.server_flags, slo=slo,
                      gpu_cost_per_hour=args.gpu_cost_per_hour,
@@ -491,15 +493,6 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_dir(path: Path, flag: str) -> None:
-    """The folder results will be written into, made now: a bad path fails before work."""
-    from loom.bench.results import check_writable
-
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{flag} {path}: exists and is not a directory")
-    check_writable(path / "compare.json", flag)
-
-
 def _target_option(args: argparse.Namespace, name: str) -> Any:
     """A Target option of a command that builds no Target itself (compare): the flag's value,
     else the dataclass default."""
@@ -508,14 +501,14 @@ def _target_option(args: argparse.Namespace, name: str) -> Any:
 
 def _scorecard(args: argparse.Namespace) -> int:
     from loom.bench.compare import write_report
-    from loom.bench.results import check_writable, groups
+    from loom.bench.results import check_folder_writable, check_writable, groups
     from loom.bench.scorecard import markdown, print_scorecard
 
     slo = _slo(args)
     if args.markdown:
         check_writable(args.markdown, "--markdown")
     if args.plots:
-        _check_dir(Path(args.plots), "--plots")
+        check_folder_writable(args.plots, "--plots")
     grouped: list[tuple[str, list]] = []
     for path in args.results:
         for name, runs, _ in groups(_load_result(path)):

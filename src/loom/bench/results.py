@@ -257,6 +257,14 @@ def check_writable(path: str | Path, flag: str) -> None:
         raise ValueError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
 
 
+def check_folder_writable(path: str | Path, flag: str) -> None:
+    """The folder results will be written into, made now: a bad path fails before work."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path}: exists and is not a directory")
+    check_writable(path / "compare.json", flag)
+
+
 def load_json(path: str | Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 

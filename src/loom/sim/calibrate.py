@@ -180,9 +180,9 @@ def calibrate(config: EngineConfig, grid_name: str, repeats: int) -> Profile:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from loom.sim.cli import check_output
+    from loom.bench.results import check_writable
 
-    check_output("--output", args.calibrate_output)  # not after minutes of measuring
+    check_writable(args.calibrate_output, "--output")  # not after minutes of measuring
     config = EngineConfig.from_cli_args(args)
     check_device(config.model.device)
     logging.getLogger("loom.sim.calibrate").setLevel(logging.INFO)

@@ -158,7 +158,7 @@ def _quiet_preemption_warnings() -> Iterator[None]:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from loom.bench.results import Slo, save_json
+    from loom.bench.results import Slo, check_folder_writable, check_writable, save_json
     from loom.bench.scorecard import print_scorecard
     from loom.bench.sweep import Limits
     from loom.plan.catalogue import check_prices, parse_prices
@@ -176,8 +176,10 @@ def _simulate(args: argparse.Namespace) -> int:
     single = len(configs) * len(points) == 1 and not args.output_dir
     if not single and not args.output_dir:
         raise ValueError("several loads or configurations: give --output-dir")
-    check_output("--output", args.output if single else None)
-    check_output("--output-dir", args.output_dir, folder=True)
+    if single and args.output:  # fail before the work, not after it
+        check_writable(args.output, "--output")
+    if args.output_dir:
+        check_folder_writable(args.output_dir, "--output-dir")
     trace, token_ids = _trace(args, max(c.model_len for c in configs))
     slo = Slo.parse(args.slo) if args.slo else None
     limits = Limits(args.max_p95_queue, args.max_error_rate)
@@ -213,25 +215,6 @@ def _check_flags(args: argparse.Namespace) -> None:
     bad_rates = [r for r in args.rates or [] if r != "trace" and not r > 0]
     if bad_rates:
         raise ValueError(f"--rate must be > 0 (or inf, or trace), got {bad_rates[0]:g}")
-
-
-def check_output(flag: str, path: str | None, folder: bool = False) -> None:
-    """Fail before the work, not after it, when the file (or folder) `flag` names cannot be
-    written. Missing folders are made, as the writer would make them; the probe file is
-    removed again unless it was there before."""
-    if path is None:
-        return
-    target = Path(path)
-    probe = target / ".loom-write-probe" if folder else target
-    try:
-        probe.parent.mkdir(parents=True, exist_ok=True)
-        existed = probe.exists()
-        with open(probe, "a"):
-            pass
-        if not existed:
-            probe.unlink()
-    except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
 
 
 def _points(args: argparse.Namespace) -> list[Any]:
