@@ -28,9 +28,7 @@ class StoredResponse:
 
 class ResponseStore:
     def __init__(self, capacity: int) -> None:
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {capacity}")
-        self.capacity = capacity
+        self.capacity = capacity  # >= 0: ServerConfig checks --max-stored-responses
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def put(self, response: ResponseObject, conversation: list[ChatMessage]) -> None:
