@@ -119,8 +119,8 @@ def _permuted_heads(name: str, arch: ModelArch) -> int | None:
 
 
 def _block_quant(tensor: GGUFTensor) -> BlockQuantWeight | None:
-    """A 2-D Q4_0, Q4_1 or Q8_0 tensor as its blocks (a view of the file map), one of the
-    types requant.py converts as the blocks it makes; else None."""
+    """A 2-D Q4_0, Q4_1 or Q8_0 tensor as its blocks (a view of the file map), a 2-D tensor
+    of a type requant.py converts as the blocks it converts it to; else None."""
     kind = tensor.kind
     if len(tensor.shape) != 2:
         return None
