@@ -322,6 +322,40 @@ def test_loader_keeps_the_files_own_blocks(tmp_path, quant: str) -> None:
         np.testing.assert_array_equal(loaded.weights[name].numpy(), expected)
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("linear_backend", ["onednn", "torch"])
+def test_other_backends_never_convert_a_files_blocks(tmp_path, monkeypatch,
+                                                     linear_backend: str) -> None:
+    """Only the native matmul reads the converted blocks (requant.py), so an engine on another
+    backend never pays for making them; their shapes are known without making them, and the
+    native engine on the same file converts each one once."""
+    from loom.model import loader
+    from loom.model.requant import native_blocks
+
+    path = write_gguf(build_tiny_model(TINY_SPECS["llama"]), tmp_path / "q.gguf", quant="Q5_0")
+    converted: list[str] = []
+
+    def recorded(kind: str, data: np.ndarray, shape: tuple[int, int]) -> BlockQuantWeight:
+        converted.append(kind)
+        return native_blocks(kind, data, shape)
+
+    monkeypatch.setattr(loader, "native_blocks", recorded)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    other = LLM(model=str(path), kv_cache_memory="16MiB", dtype="float32",
+                linear_backend=linear_backend)
+    assert other.generate(["hello"], params)[0].outputs[0].token_ids
+    assert converted == []
+    loaded = load_model(str(path))
+    assert loaded.block_quant_shapes == {n: bq.shape for n, bq in loaded.block_quant.items()}
+    assert len(converted) == len(loaded.block_quant) > 0
+    if block_quant_linear_ops() is not None:
+        converted.clear()
+        native = LLM(model=str(path), kv_cache_memory="16MiB", dtype="float32",
+                     linear_backend="native")
+        assert native.engine.runner.model.layers[0].qkv.panels is not None
+        assert len(converted) == len(loaded.block_quant)
+
+
 def test_f32_gguf_and_hf_folder_have_no_blocks(tmp_path) -> None:
     model = build_tiny_model(TINY_SPECS["llama"])
     assert load_model(str(write_gguf(model, tmp_path / "f.gguf"))).block_quant == {}

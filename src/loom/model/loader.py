@@ -26,7 +26,7 @@ from loom.model.arch import (
     tokenizer_from_hf_folder,
 )
 from loom.model.gguf_file import GGUFTensor, dequantize, read_gguf
-from loom.model.requant import CONVERTED_KINDS, native_blocks
+from loom.model.requant import CONVERTED_KINDS, FILE_KINDS, native_blocks
 from loom.model.weights import BlockQuantWeight, LazyWeights, LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -78,25 +78,25 @@ def _load_gguf(path: Path) -> LoadedModel:
     meta = gguf_file.metadata
     tensors = {t.name: t for t in gguf_file.tensors}
     arch = arch_from_gguf(meta, tensors, path.name)
-    makers, block_quant = {}, {}
+    makers, quant_makers, quant_shapes = {}, {}, {}
     for tensor in gguf_file.tensors:
         if tensor.name == ROPE_FREQS_TENSOR:
             continue  # folded into arch.rope_scaling above
         name, heads = _hf_name(tensor.name), _permuted_heads(tensor.name, arch)
-        bq = _block_quant(tensor)
-        if bq is not None:
-            if heads is not None:
-                bq = BlockQuantWeight(_unpermute_rope(bq.blocks, heads).contiguous(), bq.kind)
-            block_quant[name] = bq
+        makers[name] = lambda t=tensor, heads=heads: _dequantized(t, heads)
+        if not _has_block_quant(tensor):
+            continue
+        quant_makers[name] = lambda t=tensor, heads=heads: _block_quant(t, heads)
+        quant_shapes[name] = tuple(tensor.shape)
         # fp32 weights are the file's values: a converted type's blocks round some of them
-        if bq is not None and bq.kind == tensor.kind:
-            makers[name] = bq.dequantize
-        else:
-            makers[name] = lambda t=tensor, heads=heads: _dequantized(t, heads)
+        if tensor.kind in FILE_KINDS:
+            makers[name] = lambda name=name: block_quant[name].dequantize()
+    block_quant = LazyWeights(quant_makers)
 
     tokenizer = tokenizer_from_gguf(meta)
     # The file name, not general.name ("Smollm2 135M 8k ..."): it is what users pass and see.
-    return LoadedModel(arch, LazyWeights(makers), tokenizer, path.stem, block_quant)
+    return LoadedModel(arch, LazyWeights(makers), tokenizer, path.stem, block_quant,
+                       quant_shapes)
 
 
 def _dequantized(tensor: GGUFTensor, heads: int | None) -> torch.Tensor:
@@ -118,18 +118,23 @@ def _permuted_heads(name: str, arch: ModelArch) -> int | None:
     return None
 
 
-def _block_quant(tensor: GGUFTensor) -> BlockQuantWeight | None:
-    """A 2-D Q4_0, Q4_1 or Q8_0 tensor as its blocks (a view of the file map), a 2-D tensor
-    of a type requant.py converts as the blocks it converts it to; else None."""
-    kind = tensor.kind
-    if len(tensor.shape) != 2:
-        return None
+def _has_block_quant(tensor: GGUFTensor) -> bool:
+    """A 2-D tensor of a kind the native matmul reads, as it is or converted (requant.py)."""
+    return len(tensor.shape) == 2 and tensor.kind in FILE_KINDS + CONVERTED_KINDS
+
+
+def _block_quant(tensor: GGUFTensor, heads: int | None) -> BlockQuantWeight:
+    """A tensor `_has_block_quant` takes as its blocks (Q4_0, Q4_1 and Q8_0: a view of the file
+    map; other kinds converted), Q/K rows un-permuted (heads given)."""
     rows, cols = tensor.shape
-    if kind in CONVERTED_KINDS:
-        return native_blocks(kind, tensor.data, (rows, cols))
-    if kind not in ("Q4_0", "Q4_1", "Q8_0"):
-        return None
-    return BlockQuantWeight(torch.from_numpy(tensor.data.reshape(rows, cols // 32, -1)), kind)
+    if tensor.kind in CONVERTED_KINDS:
+        bq = native_blocks(tensor.kind, tensor.data, (rows, cols))
+    else:
+        bq = BlockQuantWeight(torch.from_numpy(tensor.data.reshape(rows, cols // 32, -1)),
+                              tensor.kind)
+    if heads is None:
+        return bq
+    return BlockQuantWeight(_unpermute_rope(bq.blocks, heads).contiguous(), bq.kind)
 
 
 def _hf_name(gguf_name: str) -> str:

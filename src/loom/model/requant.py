@@ -34,6 +34,7 @@ import torch
 
 from loom.model.weights import BlockQuantWeight
 
+FILE_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the GGUF types the native matmul reads as they are
 SAME_CODES = {"Q4_K": "Q4_1", "Q5_K": "I8", "Q5_1": "I8", "Q5_0": "Q8_0"}
 QUANTIZED_AGAIN = ("Q6_K", "Q3_K", "Q2_K")
 CONVERTED_KINDS = (*SAME_CODES, *QUANTIZED_AGAIN)

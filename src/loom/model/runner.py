@@ -71,8 +71,7 @@ class ModelRunner:
         block_size = config.cache.block_size
         backends = resolve_backends(
             config.model, config.cache, loaded.arch, has_block_quant=bool(loaded.block_quant),
-            bf16_copy_bytes=sum(2 * n * k for n, k in (bq.shape for bq in
-                                                        loaded.block_quant.values())))
+            bf16_copy_bytes=sum(2 * n * k for n, k in loaded.block_quant_shapes.values()))
         model = LlamaModel(loaded.arch, loaded.weights, backends.dtype, backends.device,
                            prepack=backends.prepack,
                            block_quant=loaded.block_quant if backends.linear == "native"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 
@@ -122,15 +123,19 @@ def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[..., start:start + 2].view(torch.float16).float()
 
 
-class LazyWeights(Mapping[str, torch.Tensor]):
-    """Named tensors, each made on first access and then kept (so two users of one name, like
-    a tied embedding and lm_head, share it). Names and `in` cost nothing."""
+Made = TypeVar("Made")
 
-    def __init__(self, makers: Mapping[str, Callable[[], torch.Tensor]]) -> None:
+
+class LazyWeights(Mapping[str, Made], Generic[Made]):
+    """Named tensors (or block-quantized weights), each made on first access and then kept (so
+    two users of one name, like a tied embedding and lm_head, share it). Names and `in` cost
+    nothing."""
+
+    def __init__(self, makers: Mapping[str, Callable[[], Made]]) -> None:
         self._makers = dict(makers)
-        self._made: dict[str, torch.Tensor] = {}
+        self._made: dict[str, Made] = {}
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str) -> Made:
         if name not in self._made:
             self._made[name] = self._makers[name]()
         return self._made[name]
@@ -153,5 +158,8 @@ class LoadedModel:
     name: str
     # The GGUF's block-quantized weights as the native matmul reads them (Q4_0/Q4_1/Q8_0 in
     # the file's own format, other types converted: requant.py), by the same names as
-    # `weights`.
-    block_quant: dict[str, BlockQuantWeight] = field(default_factory=dict)
+    # `weights`. Made on first use: a backend other than the native one never pays for the
+    # conversion.
+    block_quant: Mapping[str, BlockQuantWeight] = field(default_factory=dict)
+    # (out, in) of each of them, known before any is made
+    block_quant_shapes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
