@@ -1,8 +1,8 @@
 """GGUF types the native matmul does not read, converted at load (loom/model/requant.py),
-against gguf's own dequantize of the same bytes: K-quants and Q5_0 / Q5_1 keep every code, so
-the only change is the fp16 rounding of a scale or offset (none where those are fp16 values
-already); Q6_K, Q3_K and Q2_K, quantized again to 8 bits, move no weight by more than half a
-step."""
+against gguf's own dequantize of the same bytes: Q4_K, Q5_K, Q5_0, Q5_1, IQ4_NL and IQ4_XS
+keep every code, so the only change is the fp16 rounding of a scale or offset (none where those
+are fp16 values already); the types quantized again to 8 bits move no weight by more than half
+a step."""
 
 from __future__ import annotations
 
@@ -17,10 +17,24 @@ from loom.model.requant import CONVERTED_KINDS, QUANTIZED_AGAIN, SAME_CODES, nat
 
 pytestmark = pytest.mark.unit
 
-# Byte offsets of each type's fp16 fields in a block (the rest, codes and packed sub-scales,
-# may hold any bytes).
+# Byte offsets of each type's fp16 fields in a block (the rest, codes, grid indices and packed
+# sub-scales, may hold any bytes). IQ1_M's one is spread over the top nibbles of four uint16
+# from its byte 48 (write_fp16).
 FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q6_K": (208,),
-               "Q3_K": (108,), "Q2_K": (80, 82)}
+               "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ3_S": (0,),
+               "IQ3_XXS": (0,), "IQ2_S": (0,), "IQ2_XS": (0,), "IQ2_XXS": (0,), "IQ1_S": (0,),
+               "IQ1_M": (48,), "TQ2_0": (64,), "TQ1_0": (52,)}
+
+
+def write_fp16(blocks: np.ndarray, kind: str, start: int, values: np.ndarray) -> None:
+    """Set the fp16 field at byte `start` of each block (uint8 [blocks, type size])."""
+    bits = np.asarray(values, np.float64).astype(np.float16).view(np.uint16)
+    if kind != "IQ1_M":
+        blocks[:, start:start + 2] = bits[:, None].view(np.uint8)
+        return
+    for i in range(4):  # nibble i in the top nibble of uint16 scale i (its second byte)
+        byte = blocks[:, start + 2 * i + 1]
+        blocks[:, start + 2 * i + 1] = (byte & 0x0F) | (((bits >> (4 * i)) & 0x0F) << 4)
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int,
@@ -38,7 +52,7 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int,
             values = rng.uniform(*fp16, len(blocks))
         if kind == "Q5_1" and start == 2:
             values = values * rng.choice([-1, 1], len(blocks))  # Q5_1's offset has a sign
-        blocks[:, start:start + 2] = values.astype(np.float16)[:, None].view(np.uint8)
+        write_fp16(blocks, kind, start, values)
     return blocks.reshape(rows, -1)
 
 
@@ -56,7 +70,7 @@ def test_codes_kept_as_they_are_give_the_files_weights_bit_for_bit(kind: str) ->
     np.testing.assert_array_equal(bq.dequantize().numpy(), exact(kind, data, 512))
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "IQ4_XS"])
 def test_k_quant_scales_are_only_rounded_to_fp16(kind: str) -> None:
     """A 256-block's fp16 scale times a 6-bit one is rounded to fp16: no weight moves by more
     than that rounding (2^-11 of the scale, times the largest code, plus that of the
@@ -65,7 +79,7 @@ def test_k_quant_scales_are_only_rounded_to_fp16(kind: str) -> None:
     bq = native_blocks(kind, data, (16, 512))
     want = exact(kind, data, 512)
     got = bq.dequantize().numpy()
-    largest_code = 15 if kind == "Q4_K" else 31
+    largest_code = {"Q4_K": 15, "Q5_K": 31, "IQ4_XS": 127}[kind]
     bound = np.repeat(largest_code * np.abs(bq.scale.numpy()) + np.abs(bq.offset.numpy()),
                       32, axis=1) * 2.0 ** -11
     assert (np.abs(got - want) <= bound * (1 + 1e-6) + 1e-9).all()
@@ -73,7 +87,9 @@ def test_k_quant_scales_are_only_rounded_to_fp16(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", QUANTIZED_AGAIN)
-def test_types_scaled_every_16_weights_move_by_at_most_half_a_step(kind: str) -> None:
+def test_types_quantized_again_move_by_at_most_half_a_step(kind: str) -> None:
+    """Q6_K, Q3_K and Q2_K scale every 16 weights; the IQ1-3 types pick codes from grids, the
+    TQ types hold -1, 0 or 1: none fits a block of 32 with one scale."""
     data = random_blocks(kind, 16, 512, seed=3, fp16=(1e-3, 1e-2))
     bq = native_blocks(kind, data, (16, 512))
     assert bq.kind == "Q8_0"
@@ -94,7 +110,7 @@ def test_groups_of_zero_scale_hold_their_offset_and_nothing_else(kind: str) -> N
     blocks = data.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1])
     for start in FP16_FIELDS[kind]:
         if kind != "Q5_1" or start == 0:  # Q5_1: d = 0 leaves w = m
-            blocks[:, start:start + 2] = 0
+            write_fp16(blocks, kind, start, np.zeros(len(blocks)))
     bq = native_blocks(kind, data, (8, 256))
     got = bq.dequantize().numpy()
     assert np.isfinite(got).all()

@@ -18,9 +18,12 @@ Two ways, by type:
       -> 8 Q4_1 blocks:  [ fp16(d sc_j), fp16(-dmin m_j) | codes 32j .. 32j + 31 ]
 
   Q5_K's 5-bit codes and Q5_1's go to I8 blocks (int8 codes with an offset), Q5_0's, counted
-  from 16, to Q8_0 blocks.
-- **Quantized again.** Q6_K, Q3_K and Q2_K scale every 16 weights, which a block of 32 cannot
-  hold: their exact weights are quantized again per 32, to 8-bit codes and one scale,
+  from 16, to Q8_0 blocks. IQ4_NL and IQ4_XS hold 4-bit indices into a table of 16 int8
+  levels: the levels are Q8_0 codes, with IQ4_NL's scale as it is and IQ4_XS's (d times a
+  6-bit scale less 32, per 32 weights) rounded to fp16.
+- **Quantized again.** Q6_K, Q3_K and Q2_K scale every 16 weights, the IQ1-IQ3 types pick
+  their weights from grids, the TQ types are ternary: none is a block of 32 with one scale.
+  Their exact weights are quantized again per 32, to 8-bit codes and one scale,
   max |w| / 127 (Q8_0), which moves each weight by at most half that step.
 
 `benchmarks/native_accuracy.py --reference F16.gguf --model X.gguf` measures what either costs
@@ -35,8 +38,10 @@ import torch
 from loom.model.weights import BlockQuantWeight
 
 FILE_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the GGUF types the native matmul reads as they are
-SAME_CODES = {"Q4_K": "Q4_1", "Q5_K": "I8", "Q5_1": "I8", "Q5_0": "Q8_0"}
-QUANTIZED_AGAIN = ("Q6_K", "Q3_K", "Q2_K")
+SAME_CODES = {"Q4_K": "Q4_1", "Q5_K": "I8", "Q5_1": "I8", "Q5_0": "Q8_0", "IQ4_NL": "Q8_0",
+              "IQ4_XS": "Q8_0"}
+QUANTIZED_AGAIN = ("Q6_K", "Q3_K", "Q2_K", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS",
+                   "IQ1_M", "IQ1_S", "TQ2_0", "TQ1_0")
 CONVERTED_KINDS = (*SAME_CODES, *QUANTIZED_AGAIN)
 
 _GROUP = 32
@@ -60,10 +65,8 @@ def _convert(kind: str, data: np.ndarray, cols: int) -> BlockQuantWeight:
         weights = dequantize(data, GGMLQuantizationType[kind]).astype(np.float32, copy=False)
         return _quantized_again(weights.reshape(data.shape[0], cols // _GROUP, _GROUP))
     rows = data.shape[0]
-    if kind in ("Q5_0", "Q5_1"):
-        codes, scale, offset = _q5_blocks(kind, data.reshape(rows, cols // _GROUP, -1))
-    else:
-        codes, scale, offset = _k_blocks(kind, data.reshape(rows, cols // 256, -1))
+    weights_per_block, read = _SAME_CODE_READERS[kind]
+    codes, scale, offset = read(kind, data.reshape(rows, cols // weights_per_block, -1))
     return _blocks(codes.reshape(rows, cols), scale.reshape(rows, -1),
                    offset.reshape(rows, -1), SAME_CODES[kind])
 
@@ -107,10 +110,41 @@ def _k_blocks(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, ...]:
     return codes.astype(np.int8), scale, offset
 
 
+# IQ4_NL's and IQ4_XS's 16 levels: a 4-bit index picks one (llama.cpp's kvalues_iq4nl)
+_IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                        113], np.int8)
+
+
+def _iq4_blocks(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Codes [..., 32] (or [..., 8, 32]), scales and offsets of IQ4_NL ([d, 16 bytes of
+    indices], 32 weights) or IQ4_XS ([d, 2 bytes of the scales' high bits, 4 of their low
+    ones, 8 x 16 bytes of indices], 256) blocks: each code is the level its 4-bit index picks,
+    input j's in byte j's low nibble and input j + 16's in its high one. IQ4_XS scales every
+    32 weights by d times a 6-bit scale less 32."""
+    qs = blocks[..., 2:] if kind == "IQ4_NL" else blocks[..., 8:].reshape(*blocks.shape[:-1], 8,
+                                                                          16)
+    codes = _IQ4_LEVELS[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)]
+    d = _fp16(blocks, 0)
+    if kind == "IQ4_NL":
+        return codes, d, np.zeros_like(d)
+    low = (blocks[..., 4:8, None] >> np.array([0, 4], np.uint8)) & 0x0F  # sub-blocks 2i, 2i + 1
+    high_bits = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)
+    high = (high_bits >> np.arange(0, 16, 2, dtype=np.uint16)) & 3
+    sub_scale = (low.reshape(high.shape) | (high << 4)).astype(np.float32) - 32
+    scale = d[..., None] * sub_scale
+    return codes, scale, np.zeros_like(scale)
+
+
 def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:
     """float32 [...] from the fp16 at byte `start` of each block."""
     return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0] \
         .astype(np.float32)
+
+
+# per same-code kind: the weights in one of its blocks, and what reads them
+_SAME_CODE_READERS = {"Q5_0": (_GROUP, _q5_blocks), "Q5_1": (_GROUP, _q5_blocks),
+                      "Q4_K": (256, _k_blocks), "Q5_K": (256, _k_blocks),
+                      "IQ4_NL": (_GROUP, _iq4_blocks), "IQ4_XS": (256, _iq4_blocks)}
 
 
 def _quantized_again(weights: np.ndarray) -> BlockQuantWeight:
