@@ -221,7 +221,7 @@ def test_scorecard_markdown_goes_into_a_new_folder(tmp_path: Path, capsys) -> No
 
 def test_compare_simulates_a_gpu_named_by_model_and_gpus(tmp_path: Path) -> None:
     """`simulate:--model M --gpus G` writes its sweep under the GPU's name (h100-sxm-tp1);
-    compare finds it and files it under the configuration's own name."""
+    compare finds it and files it, and its runs, under the configuration's own name."""
     from loom.bench.results import load_result
 
     path = tmp_path / "t.jsonl"
@@ -233,6 +233,7 @@ def test_compare_simulates_a_gpu_named_by_model_and_gpus(tmp_path: Path) -> None
     (sweep,) = load_result(out)["sweeps"]
     assert sweep["label"] == "a" and sweep["simulated"]
     assert sweep["config"]["flags"] == "simulate:--model llama-3.1-8b --gpus h100-sxm"
+    assert [run["label"] for run in sweep["runs"]] == ["simulated a @1/s"]
 
 
 def test_sharegpt_records_of_another_shape_are_skipped_and_bad_json_named(tmp_path: Path,

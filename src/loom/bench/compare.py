@@ -117,8 +117,9 @@ def simulate_config(name: str, flags: str, trace: Trace, out_dir: Path, base: Lo
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv + shlex.split(flags))
     args.func(args)
-    result = load_json(sim_dir / _simulated_file(name, sim_dir))
-    result["label"] = name  # --gpus names its sweep after the GPU, not --label
+    simulated = _simulated_config(name, sim_dir)
+    result = load_json(sim_dir / simulated["file"])
+    _rename(result, simulated["name"], name)
     result["config"]["flags"] = f"{SIMULATE}{flags}"
     return result
 
@@ -132,16 +133,26 @@ def _check_simulated(name: str, trace: Trace, base: Load, auto: AutoSearch | Non
         raise ValueError("a simulated configuration needs the trace as a file")
 
 
-def _simulated_file(name: str, sim_dir: Path) -> str:
-    """The sweep file `loom simulate` wrote: it names it after --label with --profile, but
-    after the GPU and TP (h100-sxm-tp1.json) with --gpus, so its compare.json is read."""
+def _simulated_config(name: str, sim_dir: Path) -> dict[str, Any]:
+    """The configuration `loom simulate` wrote (its name and sweep file): it names it after
+    --label with --profile, but after the GPU and TP (h100-sxm-tp1) with --gpus, so its
+    compare.json is read."""
     configs = load_json(sim_dir / "compare.json")["configs"]
     if len(configs) != 1:
         names = ", ".join(c["name"] for c in configs)
         raise ValueError(f"--config {name}=simulate:...: simulated {len(configs)} "
                          f"configurations ({names}); give one per --config (one GPU, one "
                          "tensor-parallel size)")
-    return configs[0]["file"]
+    return configs[0]
+
+
+def _rename(result: dict[str, Any], simulated: str, name: str) -> None:
+    """The sweep and its runs under the comparison's NAME. With --gpus the simulator names
+    its runs after the GPU ("simulated h100-sxm-tp1 @2/s"); left so, the scorecard would
+    call the configuration that while its timeline and fairness rows call it NAME."""
+    result["label"] = name
+    for run in result["runs"]:
+        run["label"] = run["label"].replace(f"simulated {simulated}", f"simulated {name}", 1)
 
 
 def save_compare(trace: Trace, entries: list[dict[str, Any]], sweeps: list[dict[str, Any]],
