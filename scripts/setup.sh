@@ -18,7 +18,7 @@ with_tests=${LOOM_WITH_TESTS:-0}
 for arg in "$@"; do
     case $arg in
         --test) with_tests=1 ;;
-        -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "setup.sh: unknown argument $arg (use --test or --help)" >&2; exit 2 ;;
     esac
 done

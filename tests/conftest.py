@@ -28,3 +28,15 @@ def llm() -> LLM:
     switch between its int8 and fp32 paths, which moves logprobs by less than the margins
     of these prompts' greedy choices.)"""
     return LLM(kv_cache_memory="256MiB", max_model_len=2048, dtype="float32")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test is `unit` or `integration` (pyproject's markers), one of them, so that
+    `-m unit` and `-m integration` split the whole suite: a test with neither or both stops
+    the run."""
+    wrong = [f"{item.nodeid} ({' and '.join(kinds) or 'neither'})" for item in items
+             if len(kinds := sorted({"unit", "integration"}
+                                    & {m.name for m in item.iter_markers()})) != 1]
+    if wrong:
+        raise pytest.UsageError("each test is marked unit or integration (pyproject.toml's "
+                                "markers), not: " + ", ".join(wrong))

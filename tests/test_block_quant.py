@@ -75,6 +75,7 @@ def two_part_reference(x: torch.Tensor, bq: BlockQuantWeight) -> torch.Tensor:
             + blocks.double().sum(-1) @ offset.T).float()
 
 
+@pytest.mark.unit
 @needs_kernel
 @pytest.mark.parametrize("quant", list(CODES))
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 17, 32, 40])
@@ -142,6 +143,7 @@ def test_calls_from_many_threads_at_once_give_each_its_own_result() -> None:
         torch.set_num_threads(threads_before)
 
 
+@pytest.mark.unit
 @needs_kernel
 def test_panels_keep_the_files_sizes() -> None:
     """4-bit codes two to a byte and fp16 scales and offsets: Q4_0 and Q4_1 take 20 bytes per
@@ -204,6 +206,7 @@ def test_blocks_hold_the_codes_they_were_made_from(quant: str) -> None:
                                    torch.cat([p.dequantize() for p in parts]), rtol=0, atol=0)
 
 
+@pytest.mark.unit
 @needs_kernel
 def test_kernel_takes_strided_rows_and_refuses_bad_shapes() -> None:
     bq = random_block_quant(16, 64, seed=1)
@@ -226,6 +229,7 @@ def test_kernel_takes_strided_rows_and_refuses_bad_shapes() -> None:
         ops.block_quant_linear(torch.randn(2, 64), panels, torch.randn(8), INT8)
 
 
+@pytest.mark.unit
 @needs_kernel
 @pytest.mark.parametrize("quant", list(CODES))
 def test_linear_uses_the_kernel_at_every_batch_size(quant: str) -> None:
@@ -257,6 +261,7 @@ def test_linear_uses_the_kernel_at_every_batch_size(quant: str) -> None:
         BlockQuantWeight.from_codes(bq.codes, bq.scale + 1e-6, bq.offset)
 
 
+@pytest.mark.unit
 @needs_kernel
 @pytest.mark.parametrize("above", [BF16_ABOVE_ROWS, BF16_ABOVE_ROWS_AMX])
 @pytest.mark.parametrize("out_features", [48, 64])
@@ -294,6 +299,7 @@ def test_wide_calls_take_the_bf16_copy_and_narrow_ones_the_kernel(above: int,
                                rtol=0, atol=0)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
 def test_loader_keeps_the_files_own_blocks(tmp_path, quant: str) -> None:
     """codes * scale + offset is bit for bit what gguf's own reader and dequantize give, q/k
@@ -356,6 +362,7 @@ def test_other_backends_never_convert_a_files_blocks(tmp_path, monkeypatch,
         assert len(converted) == len(loaded.block_quant)
 
 
+@pytest.mark.unit
 def test_f32_gguf_and_hf_folder_have_no_blocks(tmp_path) -> None:
     model = build_tiny_model(TINY_SPECS["llama"])
     assert load_model(str(write_gguf(model, tmp_path / "f.gguf"))).block_quant == {}

@@ -11,9 +11,8 @@ import pytest
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
 from loom.entrypoints.cli import build_parser
 
-pytestmark = pytest.mark.unit
 
-
+@pytest.mark.unit
 def test_flags_round_trip_into_the_dataclasses() -> None:
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
@@ -27,6 +26,7 @@ def test_flags_round_trip_into_the_dataclasses() -> None:
     assert config.model.model is None  # untouched flags keep the dataclass defaults
 
 
+@pytest.mark.unit
 def test_every_field_has_exactly_one_flag() -> None:
     import dataclasses
 
@@ -39,6 +39,7 @@ def test_every_field_has_exactly_one_flag() -> None:
                 help_text.count("--" + f.name.replace("_", "-") + ",") >= 1, f.name
 
 
+@pytest.mark.unit
 def test_bad_values_are_rejected_naming_the_option() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
         SchedulerConfig(max_num_batched_tokens=0)
@@ -59,6 +60,7 @@ def test_bad_values_are_rejected_naming_the_option() -> None:
         parser.parse_args(["generate", "hi", "--scheduler", "sometimes"])
 
 
+@pytest.mark.unit
 def test_parse_size_units() -> None:
     assert parse_size("4GiB") == 4 * 2**30
     assert parse_size("512MB") == 512 * 10**6

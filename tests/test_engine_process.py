@@ -18,8 +18,6 @@ import openai
 import pytest
 from server_helpers import serve_process
 
-pytestmark = pytest.mark.integration
-
 HANG_S = 120  # how long a test waits on something that must happen before calling it hung
 PROMPT = "The capital of France is"
 
@@ -63,6 +61,7 @@ def server():
         yield server
 
 
+@pytest.mark.integration
 def test_completions_streamed_and_not(server) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     whole = client.completions.create(model="any", prompt=PROMPT, max_tokens=12,
@@ -78,6 +77,7 @@ def test_completions_streamed_and_not(server) -> None:
     assert "Paris" in chat.choices[0].message.content
 
 
+@pytest.mark.integration
 def test_the_server_process_never_loads_torch(server) -> None:
     assert not maps_torch(server.pid)
     assert maps_torch(engine_child(server.pid))  # the check sees torch where it is loaded
@@ -85,6 +85,7 @@ def test_the_server_process_never_loads_torch(server) -> None:
     assert "loom:generation_tokens_total" in metrics
 
 
+@pytest.mark.integration
 def test_killing_the_engine_mid_stream_ends_streams_with_an_error() -> None:
     with serve_process("--kv-cache-memory", "128MiB") as server:
         body = {"model": "any", "prompt": "Tell me a long story", "max_tokens": 2000,
@@ -107,6 +108,7 @@ def test_killing_the_engine_mid_stream_ends_streams_with_an_error() -> None:
         assert late.status_code == 503
 
 
+@pytest.mark.integration
 def test_the_engine_exits_with_the_server() -> None:
     with serve_process("--kv-cache-memory", "128MiB") as server:
         child = engine_child(server.pid)
@@ -119,6 +121,7 @@ def _serve_and_fail(*flags: str) -> subprocess.CompletedProcess:
                            "0", *flags], capture_output=True, text=True, timeout=HANG_S)
 
 
+@pytest.mark.integration
 def test_a_bad_model_path_exits_with_the_reason(tmp_path: Path) -> None:
     missing = _serve_and_fail("--model", str(tmp_path / "none.gguf"))
     assert missing.returncode != 0 and "does not exist" in missing.stderr
@@ -128,6 +131,7 @@ def test_a_bad_model_path_exits_with_the_reason(tmp_path: Path) -> None:
     assert failed.returncode != 0 and "corrupt.gguf" in failed.stderr
 
 
+@pytest.mark.integration
 def test_an_engine_that_refuses_its_config_exits_with_the_reason() -> None:
     """The model loads (the server's tokenizer too); the engine then refuses the config."""
     failed = _serve_and_fail("--no-enable-chunked-prefill", "--max-num-batched-tokens", "64",
@@ -137,6 +141,7 @@ def test_an_engine_that_refuses_its_config_exits_with_the_reason() -> None:
     assert "loaded" in failed.stderr  # it was the engine process that refused
 
 
+@pytest.mark.integration
 def test_the_engine_in_process_is_a_flag_away() -> None:
     with serve_process("--kv-cache-memory", "128MiB", "--engine-in-process") as server:
         with pytest.raises(AssertionError):

@@ -27,10 +27,10 @@ from loom.model.loader import load_model
 from loom.model.runner import ModelRunner
 
 ops = fused_ops()
-pytestmark = [pytest.mark.unit,
-              pytest.mark.skipif(ops is None, reason="no C++ compiler for the fused kernels")]
+pytestmark = [pytest.mark.skipif(ops is None, reason="no C++ compiler for the fused kernels")]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("rows", [0, 1, 5, 33, 300])
 @pytest.mark.parametrize("with_delta", [False, True])
 def test_add_rms_norm_matches_torch(rows: int, with_delta: bool) -> None:
@@ -45,6 +45,7 @@ def test_add_rms_norm_matches_torch(rows: int, with_delta: bool) -> None:
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("rows", [0, 1, 4, 11, 64])
 def test_silu_mul_matches_torch(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
@@ -53,6 +54,7 @@ def test_silu_mul_matches_torch(rows: int) -> None:
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.unit
 def test_silu_mul_is_accurate_over_the_whole_float_range() -> None:
     """Past |x| = 88 e^-x over- or underflows a float; -ffast-math assumes it never does."""
     x = torch.cat([torch.linspace(-200, 200, 400_001), torch.tensor([-1e30, 1e30, 0.0])])
@@ -62,6 +64,7 @@ def test_silu_mul_is_accurate_over_the_whole_float_range() -> None:
     assert ((out.double() - exact).abs() <= 1e-6 * exact.abs() + 1e-30).all()
 
 
+@pytest.mark.unit
 def test_bf16_cast_is_torchs_bit_for_bit() -> None:
     """Rounding to nearest even (ties included), at sizes below and above one task's grain."""
     x = torch.randn(70, 4096) * 100
@@ -71,6 +74,7 @@ def test_bf16_cast_is_torchs_bit_for_bit() -> None:
         assert torch.equal(ops.to_bf16(part).view(torch.int16), part.bfloat16().view(torch.int16))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_bf16_linear_is_a_bf16_matmul_on_column_slices(threads: int) -> None:
     """bf16_linear against F.linear on x and W in bf16, product widened, bias added in fp32:
@@ -113,6 +117,7 @@ needs_amx = pytest.mark.skipif(ops is None or not ops.amx_available(),
                                reason="no AMX tiles on this CPU (or this build)")
 
 
+@pytest.mark.unit
 def test_amx_tiles_round_trip() -> None:
     """The AMX layout holds the weight's every element once, and puts input pairs together:
     tile row r of a block holds inputs 2r and 2r + 1 of each of its 16 channels."""
@@ -125,6 +130,7 @@ def test_amx_tiles_round_trip() -> None:
     assert amx_fits((96, 64)) and not amx_fits((96, 48)) and not amx_fits((40, 64))
 
 
+@pytest.mark.unit
 @needs_amx
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_amx_bf16_linear_is_a_bf16_matmul(threads: int) -> None:
@@ -169,6 +175,7 @@ def check_amx_bf16_linear(kernels: ModuleType, threads: int) -> None:
         kernels.amx_bf16_linear(x.bfloat16(), tiles, None)
 
 
+@pytest.mark.unit
 def test_bad_inputs_are_refused() -> None:
     weight = torch.ones(8)
     with pytest.raises(RuntimeError, match="float32"):

@@ -15,6 +15,7 @@ needs_onednn = pytest.mark.skipif(
     reason="torch built without oneDNN")
 
 
+@pytest.mark.unit
 @needs_onednn
 @pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -29,6 +30,7 @@ def test_prepacked_linear_matches_f_linear(rows: int, with_bias: bool) -> None:
     torch.testing.assert_close(packed(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.unit
 @needs_onednn
 def test_prepacked_linear_takes_strided_and_batched_inputs() -> None:
     weight = torch.randn(48, 32)

@@ -164,6 +164,7 @@ def test_hf_folder_missing_files(tmp_path, hf_folder, missing, message):
         load_model(str(folder))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value", ["32", 0, 2.5, True])
 def test_a_shape_field_of_the_wrong_type_is_named(tmp_path, hf_folder, value):
     """Once a TypeError deep in the arithmetic, in loom serve, plan and simulate alike."""
