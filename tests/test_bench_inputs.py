@@ -77,6 +77,15 @@ def test_a_file_that_is_no_result_is_one_error(tmp_path: Path, capsys, content: 
     assert "r.json" in _error([*command, str(path)], capsys)
 
 
+@pytest.mark.parametrize("command", [["diagnose"], ["bench", "scorecard"], ["bench", "report"]])
+def test_a_folder_or_path_that_holds_no_result_says_what_to_give(tmp_path: Path, capsys,
+                                                                 command: list[str]) -> None:
+    folder = tmp_path / "sweeps"
+    folder.mkdir()
+    assert "a folder without compare.json" in _error([*command, str(folder)], capsys)
+    assert "no such file" in _error([*command, str(tmp_path / "gone.json")], capsys)
+
+
 # -- loom bench trace ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags, message", [

@@ -274,7 +274,12 @@ def load_result(path: str | Path) -> dict[str, Any]:
     what the scorecard and diagnose read, so a wrong file is one error naming it."""
     path = Path(path)
     if path.is_dir():
+        if not (path / "compare.json").is_file():
+            raise ValueError(f"{path}: a folder without compare.json: give a run or sweep "
+                             "JSON, or the folder `loom bench compare --out-dir` wrote")
         path = path / "compare.json"
+    elif not path.is_file():
+        raise ValueError(f"{path}: no such file (a run or sweep JSON, or a compare folder)")
     obj = load_json(path)
     if not isinstance(obj, dict) or obj.get("kind") not in ("run", "sweep", "compare"):
         raise ValueError(f"{path}: not a loom bench result (run, sweep or compare)")
