@@ -79,6 +79,23 @@ def test_a_spec_that_cannot_compile_is_a_400_naming_the_field(client: openai.Ope
     assert caught.value.body["param"] == param
 
 
+@pytest.mark.parametrize(("body", "param"), [
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "response_format"),
+    ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+     "response_format"),
+])
+def test_two_fields_asking_for_structure_are_a_400_not_one_dropped(
+        client: openai.OpenAI, body: dict, param: str) -> None:
+    for create, prompt in ((client.completions.create, {"prompt": "x"}),
+                           (client.chat.completions.create,
+                            {"messages": [{"role": "user", "content": "hi"}]})):
+        with pytest.raises(openai.BadRequestError) as caught:
+            create(model="any", max_tokens=4, extra_body=body, **prompt)
+        assert caught.value.body["param"] == param
+        assert "one kind of structured output" in caught.value.body["message"]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize(("body", "param"), [
     ({"guided_choice": ["\U00040000"]}, "guided_choice"),

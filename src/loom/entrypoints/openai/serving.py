@@ -362,18 +362,25 @@ def usage(finals: list[RequestOutput], num_prompt_tokens: int, num_cached_tokens
 def _structured_spec(request: SamplingRequest, format_param: str
                      ) -> tuple[str, dict[str, object]] | None:
     """(the request field that asked, StructuredOutputsParams' fields), or None;
-    `format_param` is what the API calls `response_format` (the Responses API: `text`)."""
-    so = request.structured_outputs
+    `format_param` is what the API calls `response_format` (the Responses API: `text`). Two
+    of those fields at once is a 400 naming the second: neither would be silently dropped."""
+    so, fmt = request.structured_outputs, request.response_format
+    guided = {"json": request.guided_json, "regex": request.guided_regex,
+              "choice": request.guided_choice, "grammar": request.guided_grammar}
+    given = [kind for kind, value in guided.items() if value is not None]
+    asked = [field for field, set_ in (("structured_outputs", so is not None),
+                                       (f"guided_{given[0]}" if given else "", bool(given)),
+                                       (format_param, fmt is not None and fmt.type != "text"))
+             if set_]
+    if len(asked) > 1:
+        raise APIError(400, f"{asked[1]}: one kind of structured output per request, and "
+                       f"{asked[0]} is set too", asked[1])
     if so is not None:
         return "structured_outputs", {"json": so.json_, "regex": so.regex,
                                       "choice": so.choice, "grammar": so.grammar,
                                       "json_object": bool(so.json_object)}
-    guided = {"json": request.guided_json, "regex": request.guided_regex,
-              "choice": request.guided_choice, "grammar": request.guided_grammar}
-    given = [kind for kind, value in guided.items() if value is not None]
     if given:
         return f"guided_{given[0]}", guided
-    fmt = request.response_format
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
