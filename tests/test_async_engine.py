@@ -208,6 +208,24 @@ def test_admission_counts_engine_requests_and_free_slots(
     assert len({o.request_id for batch in asyncio.run(fits()) for o in batch}) == 3
 
 
+def test_a_request_too_big_to_ever_be_admitted_is_a_400_not_a_retry(
+        make_engine: Callable[..., AsyncEngine], core: EngineCore) -> None:
+    """Two slots and room for two waiting: five engine requests (n=5) could never be taken,
+    however long the client waits, so no 503 with Retry-After, but a 400 that says why."""
+    engine = make_engine(max_num_queued_reqs=2, max_num_seqs=2)
+    rejected = counter(core, "loom:request_rejected_total")
+    with pytest.raises(ValueError, match="max_num_queued_reqs=2"):
+        asyncio.run(collect(engine, *(request(f"n{i}") for i in range(5))))
+    answer = client(engine).post("/v1/completions", json={"prompt": "hi", "max_tokens": 1,
+                                                          "n": 5})
+    assert answer.status_code == 400 and "retry-after" not in answer.headers
+    assert "lower n" in answer.json()["error"]["message"]
+    assert counter(core, "loom:request_rejected_total") == rejected
+    at_the_limit = asyncio.run(collect(engine, *(request(f"ok{i}") for i in range(4))))
+    assert {o.request_id for batch in at_the_limit for o in batch if o.finished} == {
+        f"ok{i}" for i in range(4)}
+
+
 def test_drain_refuses_new_work_and_stop_ends_open_streams(
         make_engine: Callable[..., AsyncEngine]) -> None:
     engine = make_engine()

@@ -196,7 +196,8 @@ class AsyncEngine:
         """Queue requests for the next step, all or none. Must be called on the event loop
         that will read the returned stream. Raises RequestRejectedError when taking them
         would make more than `max_num_queued_reqs` requests wait, or while draining;
-        EngineDeadError when the loop is down."""
+        EngineDeadError when the loop is down. Requests that even an idle engine could never
+        take all at once get a ValueError through the stream."""
         stream = OutputStream(self, [r.request_id for r in requests])
         self.submit_to(requests, stream)
         return stream
@@ -214,6 +215,10 @@ class AsyncEngine:
                 raise EngineDeadError("the engine loop is not running")
             if self._draining:
                 self._reject(requests, "the server is shutting down; retry elsewhere or later")
+            too_many = self._never_admitted(len(requests))
+            if too_many is not None:
+                stream.put_threadsafe([ValueError(too_many)])
+                return
             free_slots = max(0, self.max_num_seqs - self._num_running)
             not_running = self._num_waiting + len(self._adds)
             would_wait = max(0, not_running + len(requests) - free_slots)
@@ -224,6 +229,20 @@ class AsyncEngine:
                     f"(max_num_queued_reqs={self.max_num_queued_reqs}); retry later"))
             self._adds.extend((stream, r, arrival) for r in requests)
             self._cond.notify()
+
+    def _never_admitted(self, num_requests: int) -> str | None:
+        """Why a request of `num_requests` engine requests could never be taken, even by an
+        idle engine, or None. A 503 with Retry-After would have its client retry forever:
+        this is the client's to change (a 400, as for a prompt that can never run)."""
+        if self.max_num_queued_reqs is None:
+            return None
+        most = self.max_num_seqs + self.max_num_queued_reqs
+        if num_requests <= most:
+            return None
+        return (f"this request needs {num_requests} sequences (prompts x n), but at most "
+                f"{most} can run or wait at once (max_num_seqs={self.max_num_seqs} + "
+                f"max_num_queued_reqs={self.max_num_queued_reqs}); lower n or send fewer "
+                "prompts per request")
 
     def _reject(self, requests: list[EngineRequest], why: str) -> None:
         self.core.metrics.rejected.inc(len(requests))
