@@ -1,7 +1,8 @@
 """`loom serve` with the engine in a process of its own (the default): completions streamed and
-not, a server process that never loads torch, a child killed mid-stream (error event, 503,
-no hang), a child or a server that fails or dies, and the in-process engine still a flag away.
-Real server processes on loopback and the official openai client."""
+not, a server process that never loads torch, a child killed mid-stream (error event, no
+hang, the server exits with code 1), a child or a server that fails or dies, and the
+in-process engine still a flag away. Real server processes on loopback and the official
+openai client."""
 
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def test_the_server_process_never_loads_torch(server) -> None:
 
 
 @pytest.mark.integration
-def test_killing_the_engine_mid_stream_ends_streams_with_an_error() -> None:
+def test_killing_the_engine_mid_stream_fails_streams_and_exits_the_server() -> None:
     with serve_process("--kv-cache-memory", "128MiB") as server:
         body = {"model": "any", "prompt": "Tell me a long story", "max_tokens": 2000,
                 "ignore_eos": True, "stream": True}
@@ -100,12 +101,9 @@ def test_killing_the_engine_mid_stream_ends_streams_with_an_error() -> None:
         error = json.loads(events[-2])["error"]
         assert error["type"] == "service_unavailable_error"
         assert "engine process died" in error["message"]
-        assert httpx.get(f"{server.url}/health").status_code == 503
-        assert httpx.get(f"{server.url}/metrics").status_code == 503  # not a 500, not a hang
-        assert httpx.post(f"{server.url}/reset_prefix_cache", timeout=HANG_S).status_code == 503
-        late = httpx.post(f"{server.url}/v1/completions", timeout=HANG_S,
-                          json={"model": "any", "prompt": PROMPT, "max_tokens": 4})
-        assert late.status_code == 503
+        # Not a server answering 503 for ever: it exits, for its supervisor to restart it.
+        assert server.proc.wait(timeout=HANG_S) == 1
+        assert "The engine is dead" in server.log_path.read_text()
 
 
 @pytest.mark.integration

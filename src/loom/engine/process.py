@@ -15,8 +15,8 @@ side are in `loom.engine.process_main`.
 Errors the engine raises for a request (RequestRejectedError, ValueError, EngineDeadError)
 travel as items and are raised to the stream's reader, as in-process. If the child dies, the
 pipe ends: every request in flight gets EngineDeadError and `is_alive` turns False (/health
-503). If the server dies, the child gets SIGKILL (PR_SET_PDEATHSIG on Linux) or else EOF on the
-pipe.
+503, and the server shuts down). If the server dies, the child gets SIGKILL
+(PR_SET_PDEATHSIG on Linux) or else EOF on the pipe.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ class EngineProcess:
             f"the engine process died (exit code {self._process.exitcode}); the server log "
             "says why")
         if self._stop_reason is None:
-            logger.error("The engine process died (exit code %s); /health now reports 503",
+            logger.error("The engine process died (exit code %s); the server shuts down",
                          self._process.exitcode)
         self._fail_all(reason)
 

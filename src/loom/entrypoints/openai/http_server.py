@@ -12,6 +12,8 @@
   get 503, and requests in flight run on for up to `shutdown_timeout` seconds; then the
   engine stops, so every stream still open ends with an error event and [DONE], and the
   process exits.
+- If the engine dies on its own, the server shuts down the same way (its requests in flight
+  have already failed) and `loom serve` exits with code 1, for a supervisor to restart it.
 - /health and /metrics answers are kept out of the access log: a scraper polls them every
   second or so and would drown the lines that matter.
 """
@@ -108,13 +110,28 @@ def protocol_class(max_connections: int) -> type[H11Protocol]:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, whose shutdown first lets requests in flight finish for up to
-    `shutdown_timeout` seconds, then calls `stop` (which must end every response still open)."""
+    `shutdown_timeout` seconds, then calls `stop` (which must end every response still open).
+
+    Given `engine_alive`, it also shuts down once that turns False, and `engine_died` says so:
+    an engine that died on its own never comes back, and a server left up without it would
+    answer 503 for ever instead of exiting for its supervisor to restart it (vLLM's API server
+    exits too)."""
 
     def __init__(self, config: uvicorn.Config, shutdown_timeout: float,
-                 drain: Callable[[], None], stop: Callable[[], None]) -> None:
+                 drain: Callable[[], None], stop: Callable[[], None],
+                 engine_alive: Callable[[], bool] | None = None) -> None:
         super().__init__(config)
         self.shutdown_timeout = shutdown_timeout
         self._drain, self._stop = drain, stop
+        self._engine_alive = engine_alive
+        self.engine_died = False
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's tick (every 0.1 s until shutdown), which also watches the engine."""
+        if not self.should_exit and self._engine_alive is not None and not self._engine_alive():
+            logger.error("The engine is dead: shutting the server down, to exit with code 1")
+            self.engine_died = self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         logger.info("Draining: new requests get 503; requests in flight have %gs to finish",

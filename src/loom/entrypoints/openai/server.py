@@ -200,13 +200,16 @@ def serve_cluster(config: ServerConfig, sock: socket.socket, cluster_config: Clu
     cluster = deploy(cluster_config, engine_config,
                      ReplicaLimits(config.max_num_queued_reqs, config.queue_timeout))
     try:
-        return serve(config, sock, cluster.engine)
+        return serve(config, sock, cluster.engine, exit_with_engine=False)
     finally:
         cluster.shutdown()
 
 
-def serve(config: ServerConfig, sock: socket.socket, engine: EngineClient) -> int:
-    """Serve the app over `engine` on `sock` until SIGTERM or Ctrl-C (then drain)."""
+def serve(config: ServerConfig, sock: socket.socket, engine: EngineClient,
+          exit_with_engine: bool = True) -> int:
+    """Serve the app over `engine` on `sock` until SIGTERM or Ctrl-C (then drain), or, with
+    `exit_with_engine`, until the engine dies (then return 1). Replicas on Ray do not: Ray
+    Serve replaces a dead one."""
     app = build_app(engine, config)
     logging.getLogger("uvicorn.access").addFilter(http_server.QuietPathsFilter())
     # log_config=None: uvicorn's lines go through loom's logging set-up, in one format.
@@ -217,9 +220,10 @@ def serve(config: ServerConfig, sock: socket.socket, engine: EngineClient) -> in
         timeout_graceful_shutdown=config.shutdown_timeout + _SHUTDOWN_GRACE_S)
     server = http_server.DrainingServer(
         uvicorn_config, config.shutdown_timeout, drain=engine.drain,
-        stop=lambda: engine.stop("the server is shutting down: this request was aborted"))
+        stop=lambda: engine.stop("the server is shutting down: this request was aborted"),
+        engine_alive=(lambda: engine.is_alive) if exit_with_engine else None)
     logger.info("Serving %s on http://%s:%d%s", engine.core.model_name, config.host,
                 sock.getsockname()[1],  # the port bound: the one asked for, or --port 0's pick
                 "" if config.api_key is None else " (API key required)")
     server.run(sockets=[sock])
-    return 0
+    return 1 if server.engine_died else 0
