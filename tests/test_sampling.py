@@ -9,7 +9,7 @@ import torch
 
 from loom.engine.detokenizer import IncrementalDetokenizer
 from loom.model.sampler import Sampler, apply_token_bitmask, apply_top_k_top_p, row_argmax
-from loom.sampling import SamplingParams, SamplingParamsError, valid_unicode
+from loom.sampling import MAX_STOPS, SamplingParams, SamplingParamsError, valid_unicode
 
 pytestmark = pytest.mark.unit
 
@@ -121,6 +121,19 @@ def test_values_that_once_reached_the_model_are_refused(kwargs: dict, field: str
     with pytest.raises(SamplingParamsError) as error:
         SamplingParams(**kwargs)
     assert error.value.field == field
+
+
+def test_stop_lists_are_capped_where_each_token_is_checked_against_them() -> None:
+    """Every generated token is checked against each stop string and stop token id on the
+    step loop all requests share: a list long enough to slow everyone is a 400 naming it,
+    while the longest allowed list is taken."""
+    SamplingParams(stop=[f"s{i}" for i in range(MAX_STOPS)],
+                   stop_token_ids=list(range(MAX_STOPS)))
+    for field, too_many in (("stop", [f"s{i}" for i in range(MAX_STOPS + 1)]),
+                            ("stop_token_ids", list(range(MAX_STOPS + 1)))):
+        with pytest.raises(SamplingParamsError, match=f"at most {MAX_STOPS}") as error:
+            SamplingParams(**{field: too_many})
+        assert error.value.field == field
 
 
 def test_the_widest_valid_values_are_taken() -> None:

@@ -10,6 +10,10 @@ from typing import Any
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: a 64-bit value
 _MAX_INT32 = 2**31 - 1  # counts (tokens, top-k) beyond this are no request, only a bug
+# Stop strings, and stop token ids, per request at most: every token a request generates is
+# checked against each of them on the step loop all requests share, so 300,000 (a 3 MiB body)
+# made every other request's tokens several times slower. OpenAI allows 4 stop strings.
+MAX_STOPS = 1024
 
 
 class SamplingParamsError(ValueError):
@@ -132,8 +136,12 @@ class SamplingParams:
              f"must be in [0, 20], got {self.logprobs!r}"),
             ("prompt_logprobs", self.prompt_logprobs is None or whole(self.prompt_logprobs, 0, 20),
              f"must be in [0, 20], got {self.prompt_logprobs!r}"),
+            ("stop", len(self.stop) <= MAX_STOPS,
+             f"must hold at most {MAX_STOPS} strings, got {len(self.stop)}"),
             ("stop", all(isinstance(s, str) and s and valid_unicode(s) for s in self.stop),
              "must be non-empty strings of valid Unicode"),
+            ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOPS,
+             f"must hold at most {MAX_STOPS} token ids, got {len(self.stop_token_ids)}"),
             ("stop_token_ids", all(whole(t, 0, _MAX_INT32) for t in self.stop_token_ids),
              "must be token ids (integers >= 0)"),
             ("presence_penalty", finite(self.presence_penalty)
