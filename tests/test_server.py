@@ -339,6 +339,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
     ("completions", {"prompt": "hi", "stop": 3}, "stop"),
     ("completions", {"prompt": "hi", "n": 0}, "n"),
+    ("completions", {"prompt": [[1, 2]] * 65, "n": 128}, "prompt"),  # 8320 sequences
     ("completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
     ("completions", {"prompt": "hi", "stream": "sometimes"}, "stream"),
     ("completions", {"prompt": "hi", "min_tokens": 9, "max_tokens": 2}, "min_tokens"),

@@ -152,6 +152,12 @@ class SamplingRequest(RequestBody):
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
+# Engine requests (prompts x n) one completions request may make. The server builds them all
+# before the first step, on the event loop every client shares: 2000 prompts x n=128 held
+# /health for 12 s, and the 4 MiB body limit lets a batch of a million prompts through.
+MAX_SEQUENCES_PER_REQUEST = 8192
+
+
 class CompletionRequest(SamplingRequest):
     # A string, token ids, or a batch of either (each prompt gets its own n choices).
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -164,6 +170,18 @@ class CompletionRequest(SamplingRequest):
     def _not_empty(cls, prompt: Any) -> Any:
         if any(len(p) == 0 for p in _as_batch(prompt)):
             raise ValueError("prompt must not be empty")
+        return prompt
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_too_many(cls, prompt: Any, info: ValidationInfo) -> Any:
+        """`n` is validated before `prompt` (it is declared first), so it is in info.data."""
+        num_prompts, n = len(_as_batch(prompt)), info.data.get("n", 1)
+        if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
+            raise ValueError(
+                f"{num_prompts} prompts x n={n} make {num_prompts * n} sequences; one request "
+                f"may make at most {MAX_SEQUENCES_PER_REQUEST} (send the batch in several "
+                "requests)")
         return prompt
 
     def prompts(self) -> list[str | list[int]]:
