@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from loom.engine.detokenizer import IncrementalDetokenizer
-from loom.model.sampler import Sampler, apply_token_bitmask, apply_top_k_top_p, row_argmax
+from loom.model.sampler import (
+    Sampler,
+    apply_token_bitmask,
+    apply_top_k_top_p,
+    generator_seed,
+    row_argmax,
+)
 from loom.sampling import MAX_STOPS, SamplingParams, SamplingParamsError, valid_unicode
 
 pytestmark = pytest.mark.unit
@@ -134,6 +140,20 @@ def test_stop_lists_are_capped_where_each_token_is_checked_against_them() -> Non
         with pytest.raises(SamplingParamsError, match=f"at most {MAX_STOPS}") as error:
             SamplingParams(**{field: too_many})
         assert error.value.field == field
+
+
+def test_seeds_wider_than_32_bits_draw_their_own_numbers() -> None:
+    """torch's CPU generator keeps a seed's low 32 bits: 1 and 2**32 + 1 (or -1 and
+    2**32 - 1) drew the same numbers. 32-bit seeds stay as they were; -1 and 2**64 - 1 are
+    one 64-bit value."""
+    assert [generator_seed(s) for s in (0, 1, 2**32 - 1)] == [0, 1, 2**32 - 1]
+    wide = [1, 2**32 + 1, 2**33 + 1, -1, 2**32 - 1, 2**63 - 1, -(2**63), 2**64 - 2]
+    assert len({generator_seed(s) for s in wide}) == len(wide)
+    assert generator_seed(-1) == generator_seed(2**64 - 1)
+    assert all(0 <= generator_seed(s) < 2**32 for s in wide)
+    draws = {tuple(torch.rand(4, generator=torch.Generator().manual_seed(generator_seed(s))
+                              ).tolist()) for s in wide}
+    assert len(draws) == len(wide)
 
 
 def test_the_widest_valid_values_are_taken() -> None:

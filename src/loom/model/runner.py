@@ -32,7 +32,7 @@ from loom.model.backends import Backends, resolve_backends
 from loom.model.llama import LlamaModel
 from loom.model.loader import load_model
 from loom.model.memory import KVCacheSpec
-from loom.model.sampler import Sampler, adjust_logits, apply_token_bitmask
+from loom.model.sampler import Sampler, adjust_logits, apply_token_bitmask, generator_seed
 from loom.model.spec_verify import verify_drafts
 from loom.outputs import TokenLogprob
 
@@ -215,7 +215,8 @@ class ModelRunner:
         if seed is None:
             return None
         if item.request_id not in self.generators:
-            self.generators[item.request_id] = torch.Generator(self.device).manual_seed(seed)
+            self.generators[item.request_id] = torch.Generator(self.device).manual_seed(
+                generator_seed(seed))
         return self.generators[item.request_id]
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[

@@ -8,13 +8,34 @@ import torch
 
 from loom.sampling import SamplingParams
 
+_LOW_32_BITS = 2**32 - 1
+_BITS_64 = 2**64 - 1
+
+
+def generator_seed(seed: int) -> int:
+    """What a request's seed seeds its `torch.Generator` with. torch's CPU generator (an
+    mt19937) keeps only a seed's low 32 bits, so seeds that differ only above them (1 and
+    2**32 + 1, or -1 and 2**32 - 1) drew the same numbers. Seeds of up to 32 bits are taken as
+    they are; wider ones, negative ones as their 64-bit two's complement, go through
+    splitmix64's mixer first, whose low 32 bits differ for two such seeds but with chance
+    2^-32 (a 32-bit generator cannot keep 64 bits apart)."""
+    z = seed & _BITS_64
+    if z <= _LOW_32_BITS:
+        return z
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _BITS_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _BITS_64
+    return (z ^ (z >> 31)) & _LOW_32_BITS
+
 
 class Sampler:
     """Samples one token per row of a logits matrix, each row with its own parameters.
 
     Random rows use inverse-CDF sampling: one uniform draw per row, located in the row's
     cumulative distribution. A per-request `torch.Generator` therefore produces one number per
-    step, so seeded requests stay reproducible whatever else shares the batch. (The
+    step, whatever else shares the batch: a seeded request's draws are its own. Its text is
+    reproducible as far as its logits are; those can move in their last bits with the batch's
+    size (the native matmul's int8 and fp32 paths, linear.py), which turns a draw that lands
+    near the boundary between two tokens. (The
     exponential-race trick needs a random number per vocabulary entry; torch's CPU
     `exponential_` made that 25 ms for 32 rows of a 49k vocabulary, against 1.5 ms here:
     benchmarks/op_costs.py.)
