@@ -86,3 +86,28 @@ def test_merge_labels_every_replicas_series_in_one_family_each() -> None:
 
 def test_merge_of_no_replicas_is_empty() -> None:
     assert merge_replica_texts({}) == b""
+
+
+def test_only_requests_count_as_router_decisions() -> None:
+    """The start-up model_facts call goes through the router too; it is no request the router
+    placed, so /metrics showed a decision before any client had sent one."""
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    from loom.cluster.metrics import ROUTER_DECISIONS
+    from loom.cluster.ray_router import ROUTED_METHOD, LoomRequestRouter
+
+    router = LoomRequestRouter.__new__(LoomRequestRouter)  # no Ray Serve controller here
+    router.initialize_state(router="prefix", num_replicas=2)
+    replica = ReplicaID("r-units", DeploymentID(name="loom", app_name="units"))
+
+    def routed(method: str) -> float:
+        pending = SimpleNamespace(metadata=SimpleNamespace(call_method=method,
+                                                           internal_request_id=method))
+        router.on_request_routed(pending, replica, None)
+        return sum(s.value for m in ROUTER_DECISIONS.collect() for s in m.samples
+                   if s.name.endswith("_total") and s.labels["replica"] == "r-units")
+
+    assert routed("model_facts") == 0
+    assert routed(ROUTED_METHOD) == 1

@@ -19,6 +19,7 @@ from prometheus_client import generate_latest
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from loom.cluster.metrics import ROUTER_REGISTRY, merge_replica_texts
+from loom.cluster.ray_router import ROUTED_METHOD
 from loom.cluster.replica import DEAD, INVALID, REJECTED, ModelFacts
 from loom.cluster.routing import prompt_block_hashes
 from loom.engine.async_engine import EngineDeadError, EngineRequest, RequestRejectedError
@@ -109,7 +110,7 @@ class ClusterEngine:
     def __init__(self, handle: DeploymentHandle, facts: ModelFacts, hub: Any,
                  num_replicas: int) -> None:
         self.core = ServedCore(facts.tokenizer, facts.engine, ClusterMetrics(hub, num_replicas))
-        self._handle = handle.options(stream=True, method_name="generate")
+        self._handle = handle.options(stream=True, method_name=ROUTED_METHOD)
         self._streams: dict[str, RemoteStream] = {}
         self._draining = False
         self._stopped: str | None = None

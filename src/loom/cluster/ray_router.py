@@ -33,6 +33,7 @@ from loom.cluster.routing import (
 )
 
 MAX_PENDING_CHOICES = 4096
+ROUTED_METHOD = "generate"  # the replica method requests come through (client.py)
 
 
 class LoomRequestRouter(RequestRouter):
@@ -96,6 +97,8 @@ class LoomRequestRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
+        if pending_request.metadata.call_method != ROUTED_METHOD:
+            return  # a control call (model_facts at start-up) is no request the router placed
         decision, hashes = self._chosen.pop(pending_request.metadata.internal_request_id,
                                             (self._policy.last_decision, []))
         self._policy.record(self._slot(replica_id), hashes)
