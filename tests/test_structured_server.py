@@ -68,6 +68,7 @@ def test_vllm_spellings_on_chat_and_completions(client: openai.OpenAI) -> None:
     ({"guided_regex": "a(b"}, "guided_regex"),
     ({"guided_json": {"type": "nonsense"}}, "guided_json"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"guided_choice": [f"option {i}" for i in range(2001)]}, "guided_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
 ])
