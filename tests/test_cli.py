@@ -214,7 +214,7 @@ def test_diagnose_other_json_says_it_is_no_result(tmp_path, capsys) -> None:
 
 def test_diagnose_a_missing_file(tmp_path, capsys) -> None:
     assert main(["diagnose", str(tmp_path / "none.json")]) == 2
-    assert "No such file" in capsys.readouterr().err
+    assert "none.json: no such file" in capsys.readouterr().err
 
 
 def test_serve_refuses_a_port_out_of_range_before_binding(capsys) -> None:
