@@ -249,6 +249,24 @@ def test_preemption_recomputes_the_latest_arrival_and_logs_it(caplog) -> None:
     assert second.output_token_ids == expected_output([4, 5, 6], 5)
 
 
+def test_admission_keeps_room_for_the_token_a_prompt_samples() -> None:
+    """3 blocks of 4. "second"'s 4 tokens end a block, so the token it samples needs a block
+    of its own: it waits for one instead of taking the last block and being, the latest
+    arrival, its own preemption victim the step after (with async scheduling a re-admitted
+    request did that step after step)."""
+    scheduler = make(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), 3, 4,
+                     prefix_caching=False)
+    model = SlotModel(4)
+    first = add(scheduler, "first", [1, 2, 3, 4, 5], 3)
+    second = add(scheduler, "second", [6, 7, 8, 9], 3)
+    assert [s.request_id for s in run_step(scheduler, model).scheduled] == ["first"]
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler, model)
+    assert scheduler.num_preemptions == 0
+    assert first.output_token_ids == expected_output([1, 2, 3, 4, 5], 3)
+    assert second.output_token_ids == expected_output([6, 7, 8, 9], 3)
+
+
 def test_static_batch_admits_nobody_until_the_whole_batch_is_done() -> None:
     config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2, scheduler="static")
     scheduler = make(config, 64, 4)

@@ -250,7 +250,12 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, cached_blocks):
+            # A chunk that ends the known tokens samples one: room for its KV too. Without it a
+            # request re-admitted with its tokens ending a block took the last free blocks,
+            # needed one more the next step and, the latest arrival, was its own victim (11
+            # preemptions where 3 do, with async scheduling).
+            samples = num_new == request.num_tokens - num_cached
+            if not self.kv_cache.allocate_slots(request, num_new + samples, cached_blocks):
                 break
             self._dequeue(request)
             request.status = RequestStatus.RUNNING
