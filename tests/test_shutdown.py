@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -169,3 +170,47 @@ def test_sigterm_to_every_process_still_drains() -> None:
         chunks = [json.loads(event) for event in stream[:-1]]
         assert all("error" not in chunk for chunk in chunks), (chunks[-1], log[-3000:])
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_second_ctrl_c_aborts_the_drain_and_ends_every_stream() -> None:
+    """Ctrl-C starts the drain; a second one (uvicorn's force quit) used to leave asyncio to
+    cancel the open streams: cut with neither an error event nor [DONE], tracebacks in the
+    log, exit status 0 (one Ctrl-C: a KeyboardInterrupt traceback at exit). Now it aborts the
+    requests still running, every stream ends properly, and the status is a shell's for
+    Ctrl-C."""
+    with serve_process("--kv-cache-memory", "256MiB", "--shutdown-timeout", "300") as server:
+        started = threading.Barrier(3)
+        events: list[list[str]] = [[] for _ in range(2)]
+        readers = [threading.Thread(target=_stream_events, args=(server.url, started, e))
+                   for e in events]
+        for reader in readers:
+            reader.start()
+        started.wait(timeout=SLOW_CLIENT_S)
+
+        os.kill(server.pid, signal.SIGINT)
+        deadline = time.monotonic() + SLOW_CLIENT_S
+        while "Draining" not in server.log_path.read_text():  # the first one was handled
+            assert time.monotonic() < deadline, "the server never started draining"
+            time.sleep(0.05)
+        os.kill(server.pid, signal.SIGINT)
+        status = server.proc.wait(timeout=SLOW_CLIENT_S)  # long before the shutdown timeout
+        for reader in readers:
+            reader.join(timeout=SLOW_CLIENT_S)
+        log = server.log_path.read_text()
+
+    assert status == 128 + signal.SIGINT, log[-3000:]
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    for stream in events:
+        assert stream[-1] == "[DONE]", (stream[-3:], log[-3000:])
+        assert "this request was aborted" in json.loads(stream[-2])["error"]["message"]
+
+
+def test_ctrl_c_on_an_idle_server_exits_130_without_a_traceback() -> None:
+    """A Ctrl-C ended `loom serve` with a KeyboardInterrupt traceback (uvicorn re-raises the
+    signal it drained for, and asyncio turned it into one)."""
+    with serve_process("--kv-cache-memory", "64MiB") as server:
+        os.kill(server.pid, signal.SIGINT)
+        status = server.proc.wait(timeout=SLOW_CLIENT_S)
+        log = server.log_path.read_text()
+    assert status == 128 + signal.SIGINT, log[-3000:]
+    assert "KeyboardInterrupt" not in log and "Traceback" not in log, log[-3000:]

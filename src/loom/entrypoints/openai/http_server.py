@@ -23,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import signal
 import socket
 from collections.abc import Callable
+from types import FrameType
 
 import h11
 import uvicorn
@@ -115,7 +117,10 @@ class DrainingServer(uvicorn.Server):
     Given `engine_alive`, it also shuts down once that turns False, and `engine_died` says so:
     an engine that died on its own never comes back, and a server left up without it would
     answer 503 for ever instead of exiting for its supervisor to restart it (vLLM's API server
-    exits too)."""
+    exits too).
+
+    `interrupted` says whether a Ctrl-C started the shutdown; a second one while draining calls
+    `stop` at once (`aborted`); a third is uvicorn's force quit."""
 
     def __init__(self, config: uvicorn.Config, shutdown_timeout: float,
                  drain: Callable[[], None], stop: Callable[[], None],
@@ -124,7 +129,29 @@ class DrainingServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self._drain, self._stop = drain, stop
         self._engine_alive = engine_alive
-        self.engine_died = False
+        self.engine_died = self.aborted = self.interrupted = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()  # for handle_exit, which runs in a handler
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """uvicorn's force quit on a second Ctrl-C left asyncio to cancel the responses still
+        open at exit: streams cut with neither an error event nor [DONE], CancelledError
+        tracebacks in the log, and exit status 0. Here it aborts the requests still running,
+        as the shutdown timeout does, so that every response ends properly, and the drain is
+        over at once."""
+        if sig == signal.SIGINT and self.should_exit and not self.aborted and self._loop:
+            self.aborted = True  # not captured: uvicorn re-raises what it captured, at exit
+            self._loop.call_soon_threadsafe(self._abort)
+            return
+        self.interrupted |= sig == signal.SIGINT
+        super().handle_exit(sig, frame)
+
+    def _abort(self) -> None:
+        logger.warning("Ctrl-C again: aborting the requests still running")
+        self._stop()
 
     async def on_tick(self, counter: int) -> bool:
         """uvicorn's tick (every 0.1 s until shutdown), which also watches the engine."""

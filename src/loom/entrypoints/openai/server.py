@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import signal
 import socket
 import warnings
 from collections.abc import AsyncIterable, AsyncIterator
@@ -207,9 +208,10 @@ def serve_cluster(config: ServerConfig, sock: socket.socket, cluster_config: Clu
 
 def serve(config: ServerConfig, sock: socket.socket, engine: EngineClient,
           exit_with_engine: bool = True) -> int:
-    """Serve the app over `engine` on `sock` until SIGTERM or Ctrl-C (then drain), or, with
-    `exit_with_engine`, until the engine dies (then return 1). Replicas on Ray do not: Ray
-    Serve replaces a dead one."""
+    """Serve the app over `engine` on `sock` until SIGTERM (then drain; the process ends by
+    the signal, re-raised) or Ctrl-C (then drain and return 130, a second one aborting what
+    still runs), or, with `exit_with_engine`, until the engine dies (then return 1). Replicas
+    on Ray do not: Ray Serve replaces a dead one."""
     app = build_app(engine, config)
     logging.getLogger("uvicorn.access").addFilter(http_server.QuietPathsFilter())
     # log_config=None: uvicorn's lines go through loom's logging set-up, in one format.
@@ -225,5 +227,10 @@ def serve(config: ServerConfig, sock: socket.socket, engine: EngineClient,
     logger.info("Serving %s on http://%s:%d%s", engine.core.model_name, config.host,
                 sock.getsockname()[1],  # the port bound: the one asked for, or --port 0's pick
                 "" if config.api_key is None else " (API key required)")
-    server.run(sockets=[sock])
-    return 1 if server.engine_died else 0
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises, at exit, the Ctrl-C it has drained for: handled, no crash
+    if server.engine_died:
+        return 1
+    return 128 + signal.SIGINT if server.interrupted else 0  # a shell's status for Ctrl-C
