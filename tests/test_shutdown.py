@@ -107,18 +107,26 @@ def _stream_events(url: str, started: threading.Barrier, events: list[str],
         events.append(f"client error: {e!r}")
 
 
+def _start_streams(url: str, count: int, body: dict = LONG
+                   ) -> tuple[list[list[str]], list[threading.Thread], threading.Barrier]:
+    """`count` streams reading on threads: their events, the threads, and a barrier the
+    caller waits at (with one party of its own) until every stream has its first chunk."""
+    started = threading.Barrier(count + 1)
+    events: list[list[str]] = [[] for _ in range(count)]
+    readers = [threading.Thread(target=_stream_events, args=(url, started, e, body))
+               for e in events]
+    for reader in readers:
+        reader.start()
+    return events, readers, started
+
+
 def test_sigterm_drains_streams_and_exits() -> None:
     """16 streams in flight and three stalled sockets (silent, half a head, half a body);
     SIGTERM with --shutdown-timeout 3: the server exits on its own, every stream ends with
     [DONE] after either its finish or an error event, and the stalled sockets are closed."""
     with serve_process("--kv-cache-memory", "512MiB", "--shutdown-timeout", "3",
                        "--read-timeout", "600") as server:
-        started = threading.Barrier(17)
-        events: list[list[str]] = [[] for _ in range(16)]
-        readers = [threading.Thread(target=_stream_events, args=(server.url, started, e))
-                   for e in events]
-        for reader in readers:
-            reader.start()
+        events, readers, started = _start_streams(server.url, 16)
         stalled = [open_socket(server.url, sends) for sends in (b"", HEAD_ONLY, HALF_BODY)]
         started.wait(timeout=SLOW_CLIENT_S)  # every stream has its first chunk
 
@@ -150,12 +158,7 @@ def test_sigterm_to_every_process_still_drains() -> None:
     flight still finish, whole, before the server exits."""
     body = {**LONG, "max_tokens": 80}
     with serve_process("--kv-cache-memory", "256MiB", "--shutdown-timeout", "120") as server:
-        started = threading.Barrier(5)
-        events: list[list[str]] = [[] for _ in range(4)]
-        readers = [threading.Thread(target=_stream_events, args=(server.url, started, e, body))
-                   for e in events]
-        for reader in readers:
-            reader.start()
+        events, readers, started = _start_streams(server.url, 4, body)
         started.wait(timeout=SLOW_CLIENT_S)
 
         os.killpg(server.pid, signal.SIGTERM)  # its own session: the server and its engine
@@ -179,12 +182,7 @@ def test_a_second_ctrl_c_aborts_the_drain_and_ends_every_stream() -> None:
     requests still running, every stream ends properly, and the status is a shell's for
     Ctrl-C."""
     with serve_process("--kv-cache-memory", "256MiB", "--shutdown-timeout", "300") as server:
-        started = threading.Barrier(3)
-        events: list[list[str]] = [[] for _ in range(2)]
-        readers = [threading.Thread(target=_stream_events, args=(server.url, started, e))
-                   for e in events]
-        for reader in readers:
-            reader.start()
+        events, readers, started = _start_streams(server.url, 2)
         started.wait(timeout=SLOW_CLIENT_S)
 
         os.kill(server.pid, signal.SIGINT)
