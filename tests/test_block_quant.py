@@ -6,6 +6,7 @@ at every batch size it is given."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -330,7 +331,7 @@ def test_loader_keeps_the_files_own_blocks(tmp_path, quant: str) -> None:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("linear_backend", ["onednn", "torch"])
-def test_other_backends_never_convert_a_files_blocks(tmp_path, monkeypatch,
+def test_other_backends_never_convert_a_files_blocks(tmp_path, monkeypatch, caplog,
                                                      linear_backend: str) -> None:
     """Only the native matmul reads the converted blocks (requant.py), so an engine on another
     backend never pays for making them; their shapes are known without making them, and the
@@ -354,12 +355,15 @@ def test_other_backends_never_convert_a_files_blocks(tmp_path, monkeypatch,
     loaded = load_model(str(path))
     assert loaded.block_quant_shapes == {n: bq.shape for n, bq in loaded.block_quant.items()}
     assert len(converted) == len(loaded.block_quant) > 0
+    assert loaded.conversions == {"Q5_0 as Q8_0": len(loaded.block_quant)}
     if block_quant_linear_ops() is not None:
         converted.clear()
-        native = LLM(model=str(path), kv_cache_memory="16MiB", dtype="float32",
-                     linear_backend="native")
+        with caplog.at_level(logging.INFO, logger="loom.model.runner"):
+            native = LLM(model=str(path), kv_cache_memory="16MiB", dtype="float32",
+                         linear_backend="native")
         assert native.engine.runner.model.layers[0].qkv.panels is not None
         assert len(converted) == len(loaded.block_quant)
+        assert f"{len(converted)} x Q5_0 as Q8_0" in caplog.text  # the user is told
 
 
 @pytest.mark.unit

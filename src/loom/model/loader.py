@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,7 +27,7 @@ from loom.model.arch import (
     tokenizer_from_hf_folder,
 )
 from loom.model.gguf_file import GGUFTensor, dequantize, read_gguf
-from loom.model.requant import CONVERTED_KINDS, FILE_KINDS, native_blocks
+from loom.model.requant import CONVERTED_KINDS, FILE_KINDS, conversion, native_blocks
 from loom.model.weights import BlockQuantWeight, LazyWeights, LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ def _load_gguf(path: Path) -> LoadedModel:
     tensors = {t.name: t for t in gguf_file.tensors}
     arch = arch_from_gguf(meta, tensors, path.name)
     makers, quant_makers, quant_shapes = {}, {}, {}
+    conversions: Counter[str] = Counter()
     for tensor in gguf_file.tensors:
         if tensor.name == ROPE_FREQS_TENSOR:
             continue  # folded into arch.rope_scaling above
@@ -88,6 +90,8 @@ def _load_gguf(path: Path) -> LoadedModel:
             continue
         quant_makers[name] = lambda t=tensor, heads=heads: _block_quant(t, heads)
         quant_shapes[name] = tuple(tensor.shape)
+        if tensor.kind in CONVERTED_KINDS:
+            conversions[conversion(tensor.kind)] += 1
         # fp32 weights are the file's values: a converted type's blocks round some of them
         if tensor.kind in FILE_KINDS:
             makers[name] = lambda name=name: block_quant[name].dequantize()
@@ -96,7 +100,7 @@ def _load_gguf(path: Path) -> LoadedModel:
     tokenizer = tokenizer_from_gguf(meta)
     # The file name, not general.name ("Smollm2 135M 8k ..."): it is what users pass and see.
     return LoadedModel(arch, LazyWeights(makers), tokenizer, path.stem, block_quant,
-                       quant_shapes)
+                       quant_shapes, dict(conversions))
 
 
 def _dequantized(tensor: GGUFTensor, heads: int | None) -> torch.Tensor:

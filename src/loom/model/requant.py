@@ -48,6 +48,13 @@ _GROUP = 32
 _ROWS_PER_CHUNK = 2048  # bounds the copies a chunk of rows takes while it is converted
 
 
+def conversion(kind: str) -> str:
+    """What loading does to a tensor of `kind` (one of CONVERTED_KINDS), in a few words."""
+    if kind in SAME_CODES:
+        return f"{kind} as {SAME_CODES[kind]}"
+    return f"{kind} quantized again to Q8_0"
+
+
 def native_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> BlockQuantWeight:
     """A 2-D tensor of GGUF type `kind` (one of CONVERTED_KINDS; `data` uint8 [rows, bytes per
     row]) as blocks the native matmul reads."""

@@ -82,6 +82,9 @@ class ModelRunner:
                          loaded.arch.max_position_embeddings)
         logger.info("model %s on %s: %s%s", info.name, backends.device, backends.describe(),
                     " (dtype auto)" if config.model.dtype == "auto" else "")
+        if backends.linear == "native" and loaded.conversions:
+            logger.info("GGUF types the native matmul reads converted (docs/gguf-types.md): %s",
+                        ", ".join(f"{n} x {what}" for what, n in loaded.conversions.items()))
         return cls(model, backends, block_size, info)
 
     # -- KV cache memory -----------------------------------------------------------------------

@@ -163,3 +163,5 @@ class LoadedModel:
     block_quant: Mapping[str, BlockQuantWeight] = field(default_factory=dict)
     # (out, in) of each of them, known before any is made
     block_quant_shapes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    # how many of them each conversion makes (requant.conversion: "Q6_K quantized again ...")
+    conversions: Mapping[str, int] = field(default_factory=dict)
