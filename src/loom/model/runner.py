@@ -173,15 +173,15 @@ class ModelRunner:
                         logits[row:row + 1], [token_id], s.sampling_params.logprobs)[0]
         for s in items:
             if s.sample and s.num_draft_tokens:
-                first = sample_rows[s.request_id]
-                positions = logits[first:first + s.num_draft_tokens + 1]
-                rows = s.num_draft_tokens + 1  # drafts skip penalized requests: a bias at most
-                positions = adjust_logits(positions, [s.sampling_params] * rows, [[]] * rows,
-                                          [[]] * rows, [()] * rows)
+                first, count = sample_rows[s.request_id], s.num_draft_tokens + 1
+                # drafts skip penalized requests (Scheduler._drafts): a logit bias at most
+                positions = adjust_logits(logits[first:first + count],
+                                          [s.sampling_params] * count, [[]] * count,
+                                          [[]] * count, [()] * count)
                 if s.request_id in mask_rows:
                     mask_first = mask_rows[s.request_id]
                     positions = apply_token_bitmask(positions, bitmask.bitmask[
-                        mask_first:mask_first + s.num_draft_tokens + 1])
+                        mask_first:mask_first + count])
                 accepted, token_id = verify_drafts(
                     positions, s.token_ids[-s.num_draft_tokens:], s.sampling_params,
                     self._generator(s))

@@ -144,14 +144,10 @@ class DrainingServer(uvicorn.Server):
         over at once."""
         if sig == signal.SIGINT and self.should_exit and not self.aborted and self._loop:
             self.aborted = True  # not captured: uvicorn re-raises what it captured, at exit
-            self._loop.call_soon_threadsafe(self._abort)
+            self._loop.call_soon_threadsafe(self._stop_now, "Ctrl-C again")
             return
         self.interrupted |= sig == signal.SIGINT
         super().handle_exit(sig, frame)
-
-    def _abort(self) -> None:
-        logger.warning("Ctrl-C again: aborting the requests still running")
-        self._stop()
 
     async def on_tick(self, counter: int) -> bool:
         """uvicorn's tick (every 0.1 s until shutdown), which also watches the engine."""
@@ -164,14 +160,15 @@ class DrainingServer(uvicorn.Server):
         logger.info("Draining: new requests get 503; requests in flight have %gs to finish",
                     self.shutdown_timeout)
         self._drain()
-        deadline = asyncio.get_running_loop().call_later(self.shutdown_timeout, self._stop_now)
+        deadline = asyncio.get_running_loop().call_later(self.shutdown_timeout, self._stop_now,
+                                                         "shutdown_timeout reached")
         try:
             await super().shutdown(sockets)
         finally:
             deadline.cancel()
 
-    def _stop_now(self) -> None:
-        logger.warning("shutdown_timeout reached: aborting the requests still running")
+    def _stop_now(self, why: str) -> None:
+        logger.warning("%s: aborting the requests still running", why)
         self._stop()
 
 

@@ -368,10 +368,10 @@ def _structured_spec(request: SamplingRequest, format_param: str
     guided = {"json": request.guided_json, "regex": request.guided_regex,
               "choice": request.guided_choice, "grammar": request.guided_grammar}
     given = [kind for kind, value in guided.items() if value is not None]
-    asked = [field for field, set_ in (("structured_outputs", so is not None),
-                                       (f"guided_{given[0]}" if given else "", bool(given)),
-                                       (format_param, fmt is not None and fmt.type != "text"))
-             if set_]
+    asked = ["structured_outputs"] if so is not None else []
+    asked += [f"guided_{kind}" for kind in given[:1]]
+    if fmt is not None and fmt.type != "text":
+        asked.append(format_param)
     if len(asked) > 1:
         raise APIError(400, f"{asked[1]}: one kind of structured output per request, and "
                        f"{asked[0]} is set too", asked[1])
