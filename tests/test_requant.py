@@ -98,6 +98,11 @@ def test_types_quantized_again_move_by_at_most_half_a_step(kind: str) -> None:
     assert (np.abs(bq.dequantize().numpy() - want) <= step / 2 * (1 + 1e-6)).all()
     codes = bq.codes
     assert int(codes.abs().max()) <= 127
+    # each code is w / scale rounded to the nearest integer (ties to even), in float32
+    scale = np.repeat(bq.scale.numpy(), 32, axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        nearest = np.where(scale == 0, 0, np.rint(want.astype(np.float32) / scale))
+    np.testing.assert_array_equal(codes.numpy(), np.clip(nearest, -127, 127))
     # the scale is the smallest fp16 value at or above max |w| / 127: no code is clipped
     amax = np.abs(want.reshape(16, -1, 32)).max(axis=-1)
     assert (bq.scale.numpy() * 127 >= amax).all()
@@ -117,11 +122,24 @@ def test_groups_of_zero_scale_hold_their_offset_and_nothing_else(kind: str) -> N
     np.testing.assert_array_equal(got, exact(kind, data, 256))
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["IQ3_S", "TQ2_0"])
 def test_rows_converted_in_chunks_give_the_blocks_of_one_pass(kind: str, monkeypatch) -> None:
+    """The types gguf decodes to floats first go a chunk of rows at a time."""
     data = random_blocks(kind, 10, 256, seed=5, fp16=(1e-4, 1e-3))
     whole = native_blocks(kind, data, (10, 256))
     monkeypatch.setattr(requant, "_ROWS_PER_CHUNK", 3)
     chunked = native_blocks(kind, data, (10, 256))
     assert chunked.kind == whole.kind
     assert torch.equal(chunked.blocks, whole.blocks)
+
+
+def test_the_kernel_names_what_it_cannot_convert() -> None:
+    """A type without a conversion, or bytes that are not whole rows of blocks, are refused
+    with the reason, not read past."""
+    data = random_blocks("Q4_K", 2, 256, seed=6)
+    with pytest.raises(ValueError, match="no native conversion for GGUF type Q4_1"):
+        native_blocks("Q4_1", data, (2, 256))
+    with pytest.raises(ValueError, match=r"data must be uint8 \[rows, 144\]"):
+        native_blocks("Q4_K", data[:, :100], (2, 256))
+    with pytest.raises(ValueError, match="whole blocks of 256 weights"):
+        native_blocks("Q4_K", data, (2, 224))

@@ -11,6 +11,8 @@ Three places where torch has no good CPU primitive:
   parts per block of 32 (integer dot products), larger ones in fp32.
 - the elementwise glue between matmuls (residual add + RMSNorm, SiLU * up): torch runs an
   RMSNorm as about eight ops. `csrc/fused_ops.cpp` makes each one pass.
+And one at load: `csrc/gguf_blocks.cpp` converts the GGUF types the block-quantized matmul does
+not read into ones it does (model/requant.py), in one pass over the bytes.
 If one cannot be built (no compiler), the engine falls back to the torch path and says so once.
 """
 
@@ -45,6 +47,13 @@ def block_quant_linear_ops() -> ModuleType | None:
 
 
 @functools.cache
+def gguf_blocks_ops() -> ModuleType | None:
+    """The compiled GGUF block conversion (model/requant.py), or None if it fails to build."""
+    return _build("loom_gguf_blocks", "gguf_blocks.cpp", "GGUF block conversion",
+                  "dequantized fp32", exact_math=True)
+
+
+@functools.cache
 def fused_ops() -> ModuleType | None:
     """The compiled add + RMSNorm and SiLU * up extension, or None if it fails to build."""
     return _build("loom_fused_ops", "fused_ops.cpp", "fused norm kernel", "torch elementwise")
@@ -70,14 +79,18 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 _LDFLAGS = ["-fopenmp"]
 
 
-def _build(name: str, source: str, what: str, fallback: str) -> ModuleType | None:
+def _build(name: str, source: str, what: str, fallback: str,
+           exact_math: bool = False) -> ModuleType | None:
     """Compile (once; cached, see _build_directory) and import an extension. A build this
     source and these flags already made is imported straight from its .so: asking
     torch.utils.cpp_extension (importing it and setuptools, running ninja to check) took
-    longer than the rest of making the model."""
+    longer than the rest of making the model. exact_math: IEEE arithmetic, without
+    -ffast-math's rewrites (which may, for one, divide by multiplying with a reciprocal) and
+    without fusing a multiply and an add into one rounding."""
     directory = _build_directory(name)
     library, stamp = directory / f"{name}.so", directory / f"{name}.loom-stamp"
-    key = _source_key(source)
+    cflags = [*_CFLAGS, "-fno-fast-math", "-ffp-contract=off"] if exact_math else _CFLAGS
+    key = _source_key(source, cflags)
     if library.exists() and stamp.exists() and stamp.read_text() == key:
         try:
             return _join_pool(_import_library(name, library))
@@ -87,7 +100,7 @@ def _build(name: str, source: str, what: str, fallback: str) -> ModuleType | Non
 
     try:
         module = load(name=name, sources=[str(_CSRC / source)], build_directory=str(directory),
-                      extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                      extra_cflags=cflags, extra_ldflags=_LDFLAGS,
                       verbose=bool(os.environ.get("LOOM_VERBOSE_BUILD")))
     except Exception as e:  # noqa: BLE001 - compiler missing or failing: fall back, loudly
         logger.warning("could not build the C++ %s (%s: %s); using the slower %s path", what,
@@ -113,9 +126,9 @@ def _join_pool(module: ModuleType) -> ModuleType:
     return module
 
 
-def _source_key(source: str) -> str:
+def _source_key(source: str, cflags: list[str] = _CFLAGS) -> str:
     """What a build depends on: the source, the headers beside it, the flags."""
-    digest = hashlib.sha256(" ".join(_CFLAGS + _LDFLAGS).encode())
+    digest = hashlib.sha256(" ".join(cflags + _LDFLAGS).encode())
     for path in [_CSRC / source, *sorted(_CSRC.glob("*.h"))]:
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()

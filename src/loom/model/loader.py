@@ -27,7 +27,13 @@ from loom.model.arch import (
     tokenizer_from_hf_folder,
 )
 from loom.model.gguf_file import GGUFTensor, dequantize, read_gguf
-from loom.model.requant import CONVERTED_KINDS, FILE_KINDS, conversion, native_blocks
+from loom.model.requant import (
+    CONVERTED_KINDS,
+    FILE_KINDS,
+    conversion,
+    converts_here,
+    native_blocks,
+)
 from loom.model.weights import BlockQuantWeight, LazyWeights, LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -123,8 +129,11 @@ def _permuted_heads(name: str, arch: ModelArch) -> int | None:
 
 
 def _has_block_quant(tensor: GGUFTensor) -> bool:
-    """A 2-D tensor of a kind the native matmul reads, as it is or converted (requant.py)."""
-    return len(tensor.shape) == 2 and tensor.kind in FILE_KINDS + CONVERTED_KINDS
+    """A 2-D tensor of a kind the native matmul reads, as it is or converted (requant.py,
+    whose compiled conversion must build: else the tensor runs dequantized, as a type the
+    native matmul never reads does)."""
+    return len(tensor.shape) == 2 and (tensor.kind in FILE_KINDS
+                                       or tensor.kind in CONVERTED_KINDS and converts_here())
 
 
 def _block_quant(tensor: GGUFTensor, heads: int | None) -> BlockQuantWeight:

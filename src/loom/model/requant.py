@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from loom.model.kernels import gguf_blocks_ops
 from loom.model.weights import BlockQuantWeight
 
 FILE_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the GGUF types the native matmul reads as they are
@@ -44,8 +45,9 @@ QUANTIZED_AGAIN = ("Q6_K", "Q3_K", "Q2_K", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS"
                    "IQ1_M", "IQ1_S", "TQ2_0", "TQ1_0")
 CONVERTED_KINDS = (*SAME_CODES, *QUANTIZED_AGAIN)
 
-_GROUP = 32
-_ROWS_PER_CHUNK = 2048  # bounds the copies a chunk of rows takes while it is converted
+_ROWS_PER_CHUNK = 2048  # bounds the fp32 copy a chunk of rows takes while gguf decodes it
+# the types whose bytes gguf decodes to floats first (gguf_blocks.cpp reads the others' own)
+_DECODED_BY_GGUF = QUANTIZED_AGAIN[3:]
 
 
 def conversion(kind: str) -> str:
@@ -55,123 +57,27 @@ def conversion(kind: str) -> str:
     return f"{kind} quantized again to Q8_0"
 
 
+def converts_here() -> bool:
+    """Whether the conversion's compiled kernel (csrc/gguf_blocks.cpp) runs on this machine."""
+    return gguf_blocks_ops() is not None
+
+
 def native_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> BlockQuantWeight:
     """A 2-D tensor of GGUF type `kind` (one of CONVERTED_KINDS; `data` uint8 [rows, bytes per
-    row]) as blocks the native matmul reads."""
+    row]) as blocks the native matmul reads. The compiled kernel reads the bytes of every
+    same-code type and of the K types; the IQ and TQ types quantized again are decoded by gguf
+    first, a chunk of rows at a time, and their float weights quantized again by the kernel."""
+    ops = gguf_blocks_ops()
+    if ops is None:
+        raise RuntimeError("converting GGUF blocks needs loom's compiled gguf_blocks.cpp")
+    native = SAME_CODES.get(kind, "Q8_0")
     rows, cols = shape
-    chunks = [_convert(kind, data[r:r + _ROWS_PER_CHUNK], cols)
+    if kind not in _DECODED_BY_GGUF:
+        return BlockQuantWeight(torch.from_numpy(ops.native_blocks(data, kind, cols)), native)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    chunks = [ops.requantized_q8_0(dequantize(data[r:r + _ROWS_PER_CHUNK],
+                                              GGMLQuantizationType[kind]).reshape(-1, cols))
               for r in range(0, rows, _ROWS_PER_CHUNK)]
-    return BlockQuantWeight(torch.cat([c.blocks for c in chunks]), chunks[0].kind)
-
-
-def _convert(kind: str, data: np.ndarray, cols: int) -> BlockQuantWeight:
-    if kind in QUANTIZED_AGAIN:
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
-        weights = dequantize(data, GGMLQuantizationType[kind]).astype(np.float32, copy=False)
-        return _quantized_again(weights.reshape(data.shape[0], cols // _GROUP, _GROUP))
-    rows = data.shape[0]
-    weights_per_block, read = _SAME_CODE_READERS[kind]
-    codes, scale, offset = read(kind, data.reshape(rows, cols // weights_per_block, -1))
-    return _blocks(codes.reshape(rows, cols), scale.reshape(rows, -1),
-                   offset.reshape(rows, -1), SAME_CODES[kind])
-
-
-# The codes are read straight from the blocks' bits (gguf's decoders make float weights, which
-# took most of a K-quant model's load); test_requant checks them against gguf's decoders.
-
-def _q5_blocks(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Codes [..., 32], scale and offset [...] of Q5_0 ([d, qh, qs]) or Q5_1 ([d, m, qh, qs])
-    blocks: the low 4 bits in qs (input j's in byte j's low nibble, input j + 16's in its
-    high one), the fifth as bit j of qh. Q5_0's codes count from 16: taken signed, they need
-    no offset."""
-    header = 2 if kind == "Q5_0" else 4
-    qs = blocks[..., header + 4:]
-    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-    high = np.unpackbits(blocks[..., header:header + 4], axis=-1, bitorder="little")
-    codes = (low | (high << 4)).astype(np.int8)
-    scale = _fp16(blocks, 0)
-    if kind == "Q5_0":
-        return codes - np.int8(16), scale, np.zeros_like(scale)
-    return codes, scale, _fp16(blocks, 2)
-
-
-def _k_blocks(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Codes [..., 8, 32], scales and offsets [..., 8] of Q4_K ([d, dmin, 12 bytes of 6-bit
-    scales and mins, 128 of codes]) or Q5_K (the same with 32 bytes of fifth bits before the
-    codes) blocks of 256: sub-block 2i's codes are the low nibbles of code bytes 32i..32i+31,
-    sub-block 2i + 1's their high ones; sub-block s's fifth bits are bit s of the 32 bytes."""
-    from gguf.quants import Q4_K  # Q5_K packs its 6-bit scales and mins as Q4_K does
-
-    qs = blocks[..., 48:] if kind == "Q5_K" else blocks[..., 16:]
-    nibbles = qs.reshape(*qs.shape[:-1], 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
-    codes = (nibbles & 0x0F).reshape(*qs.shape[:-1], 8, 32)
-    if kind == "Q5_K":
-        qh = blocks[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]
-        codes = codes | ((qh & 1) << 4)
-    d, dmin = _fp16(blocks, 0), _fp16(blocks, 2)
-    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
-    scale = d[..., None] * sc.reshape(*d.shape, 8).astype(np.float32)
-    offset = -dmin[..., None] * m.reshape(*d.shape, 8).astype(np.float32)
-    return codes.astype(np.int8), scale, offset
-
-
-# IQ4_NL's and IQ4_XS's 16 levels: a 4-bit index picks one (llama.cpp's kvalues_iq4nl)
-_IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
-                        113], np.int8)
-
-
-def _iq4_blocks(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Codes [..., 32] (or [..., 8, 32]), scales and offsets of IQ4_NL ([d, 16 bytes of
-    indices], 32 weights) or IQ4_XS ([d, 2 bytes of the scales' high bits, 4 of their low
-    ones, 8 x 16 bytes of indices], 256) blocks: each code is the level its 4-bit index picks,
-    input j's in byte j's low nibble and input j + 16's in its high one. IQ4_XS scales every
-    32 weights by d times a 6-bit scale less 32."""
-    qs = blocks[..., 2:] if kind == "IQ4_NL" else blocks[..., 8:].reshape(*blocks.shape[:-1], 8,
-                                                                          16)
-    codes = _IQ4_LEVELS[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)]
-    d = _fp16(blocks, 0)
-    if kind == "IQ4_NL":
-        return codes, d, np.zeros_like(d)
-    low = (blocks[..., 4:8, None] >> np.array([0, 4], np.uint8)) & 0x0F  # sub-blocks 2i, 2i + 1
-    high_bits = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)
-    high = (high_bits >> np.arange(0, 16, 2, dtype=np.uint16)) & 3
-    sub_scale = (low.reshape(high.shape) | (high << 4)).astype(np.float32) - 32
-    scale = d[..., None] * sub_scale
-    return codes, scale, np.zeros_like(scale)
-
-
-def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:
-    """float32 [...] from the fp16 at byte `start` of each block."""
-    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0] \
-        .astype(np.float32)
-
-
-# per same-code kind: the weights in one of its blocks, and what reads them
-_SAME_CODE_READERS = {"Q5_0": (_GROUP, _q5_blocks), "Q5_1": (_GROUP, _q5_blocks),
-                      "Q4_K": (256, _k_blocks), "Q5_K": (256, _k_blocks),
-                      "IQ4_NL": (_GROUP, _iq4_blocks), "IQ4_XS": (256, _iq4_blocks)}
-
-
-def _quantized_again(weights: np.ndarray) -> BlockQuantWeight:
-    """Symmetric 8-bit codes per group of 32, the scale rounded up to an fp16 value so that
-    no code passes 127."""
-    amax = np.abs(weights).max(axis=-1)
-    scale = (amax / 127).astype(np.float16)
-    short = scale.astype(np.float32) * 127 < amax
-    scale[short] = np.nextafter(scale[short], np.float16(np.inf))
-    scale = scale.astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        codes = np.clip(np.rint(weights / scale[..., None]), -127, 127)
-    codes[scale == 0] = 0
-    return _blocks(codes, scale, np.zeros_like(scale), "Q8_0")
-
-
-def _blocks(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, kind: str
-            ) -> BlockQuantWeight:
-    rows = codes.shape[0]
-    return BlockQuantWeight.from_codes(
-        torch.from_numpy(codes.astype(np.int8).reshape(rows, -1)),
-        torch.from_numpy(scale.astype(np.float16).astype(np.float32)),
-        torch.from_numpy(offset.astype(np.float16).astype(np.float32)), kind)
+    return BlockQuantWeight(torch.from_numpy(np.concatenate(chunks)), native)
