@@ -30,7 +30,8 @@ def test_built_kernels_load_without_the_build_tools() -> None:
     assert _fresh_python(
         "import sys; from loom.model import kernels; "
         "assert None not in (kernels.paged_attention_ops(), kernels.block_quant_linear_ops(), "
-        "kernels.fused_ops()); print('torch.utils.cpp_extension' in sys.modules)") == "False"
+        "kernels.fused_ops(), kernels.gguf_blocks_ops()); "
+        "print('torch.utils.cpp_extension' in sys.modules)") == "False"
 
 
 @needs_kernels
@@ -69,3 +70,23 @@ def test_a_stale_stamp_goes_through_the_build(tmp_path: Path, monkeypatch) -> No
     assert stamp.read_text() == kernels._source_key("fused_ops.cpp")
     again = kernels._build(name, "fused_ops.cpp", "fused norm kernel", "torch")
     assert builds == [name] and hasattr(again, "silu_mul")
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
+def test_memory_loading_freed_goes_back_to_the_os() -> None:
+    """Large arrays freed between live small ones stay resident in glibc's heap (as the
+    loader's copies did, between what the model keeps) until the runner hands them back. In
+    a fresh interpreter: a 24 MiB array freed first raises glibc's mmap threshold above the
+    16 MiB ones, so those come from the heap."""
+    freed_kib = _fresh_python(
+        "import numpy as np\n"
+        "from loom.model.runner import _return_freed_heap\n"
+        "def rss(): return int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])\n"
+        "first = np.ones(24 << 20, np.uint8); del first\n"
+        "arrays, kept = [], []\n"
+        "for _ in range(16):\n"
+        "    arrays.append(np.ones(16 << 20, np.uint8)); kept.append(np.ones(1 << 16, np.uint8))\n"
+        "del arrays\n"
+        "before = rss(); _return_freed_heap(); print(before - rss())")
+    assert int(freed_kib) > 128 << 10
