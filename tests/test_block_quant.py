@@ -6,8 +6,10 @@ at every batch size it is given."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -381,6 +383,21 @@ def test_without_the_compiled_conversion_converted_types_run_dequantized(tmp_pat
     assert not loaded.block_quant and loaded.conversions == {}
     assert load_model(str(write_gguf(build_tiny_model(TINY_SPECS["llama"]),
                                      tmp_path / "q4.gguf", quant="Q4_1"))).block_quant
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc")
+@pytest.mark.parametrize("quant", ["Q8_0", "Q5_0"])
+def test_a_built_model_keeps_nothing_of_the_file_mapped(tmp_path, quant: str) -> None:
+    """Once the model is built the GGUF is unmapped: the embedding blocks and the norms are
+    copies (views kept the whole map, and every page loading touched, resident), and the
+    model still answers from them."""
+    path = write_gguf(build_tiny_model(TINY_SPECS["llama"]), tmp_path / "q.gguf", quant=quant)
+    llm = LLM(model=str(path), kv_cache_memory="16MiB", dtype="float32")
+    gc.collect()
+    assert str(path) not in Path("/proc/self/smaps").read_text()
+    assert llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0))[0] \
+        .outputs[0].token_ids
 
 
 @pytest.mark.unit

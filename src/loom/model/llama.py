@@ -85,8 +85,11 @@ class LlamaModel:
         block_quant = block_quant or {}
         # On a CPU the embedding is looked up in the GGUF's blocks, so its fp32 table (the
         # vocabulary x hidden) is never made; a tied lm_head runs on the same blocks.
-        self._embed_blocks = (block_quant.get("model.embed_tokens.weight")
-                              if device.type == "cpu" else None)
+        # (A copy: a view of the file's blocks would keep the whole file mapped, and every page
+        # loading touched resident, for as long as the model runs.)
+        embed = block_quant.get("model.embed_tokens.weight") if device.type == "cpu" else None
+        self._embed_blocks = (None if embed is None
+                              else BlockQuantWeight(embed.blocks.clone(), embed.kind))
         self._embed_table = (w["model.embed_tokens.weight"] if self._embed_blocks is None
                              else None)
         self.dtype = dtype

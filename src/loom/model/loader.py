@@ -110,8 +110,12 @@ def _load_gguf(path: Path) -> LoadedModel:
 
 
 def _dequantized(tensor: GGUFTensor, heads: int | None) -> torch.Tensor:
-    """A GGUF tensor in fp32, Q/K rows un-permuted (heads given) to transformers' layout."""
+    """A GGUF tensor in fp32, Q/K rows un-permuted (heads given) to transformers' layout. A
+    vector (a norm's weight, a bias) is copied out of the file map: the model keeps it, and a
+    view would keep the whole file mapped, and every page loading touched resident."""
     array = dequantize(tensor)
+    if array.ndim == 1:
+        array = array.copy()
     if heads is not None:
         array = _unpermute_rope(array, heads)
     return torch.from_numpy(np.ascontiguousarray(array))
