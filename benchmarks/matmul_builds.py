@@ -1,8 +1,9 @@
 """Two source trees' native block-quantized matmul (csrc/block_quant_linear.cpp) side by side
-in one process: the matmuls of one decode step on the bundled model's own weights (so they
-stream from memory, as in a real step), at a few row counts, the builds alternating many
-times. A kernel change is a few percent of a step; runs in separate processes, minutes apart,
-spread more than that on a shared machine. Run from the repository root, e.g.:
+in one process: the matmuls of one decode step on the bundled model's own weights, or a
+GGUF's (`--model`; so they stream from memory, as in a real step), at a few row counts, the
+builds alternating many times. A kernel change is a few percent of a step; runs in separate
+processes, minutes apart, spread more than that on a shared machine. Run from the repository
+root, e.g.:
 
     git worktree add /tmp/before HEAD~1
     python benchmarks/matmul_builds.py --tree before=/tmp/before --tree after=. --rows 1 8
@@ -47,8 +48,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=5, help="steps timed per round (median)")
+    parser.add_argument("--model", default=None, help="a GGUF (default: the bundled model)")
     args = parser.parse_args()
-    model = LLM(kv_cache_memory="256MiB").engine.runner.model  # loads this tree's build first
+    model = LLM(**({"model": args.model} if args.model else {}),  # this tree's build first
+                kv_cache_memory="256MiB").engine.runner.model
     with tempfile.TemporaryDirectory() as directory:
         builds = {label: build(label, Path(tree), Path(directory)) for label, tree in
                   (spec.split("=", 1) for spec in args.tree)}

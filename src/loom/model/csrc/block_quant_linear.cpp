@@ -53,7 +53,8 @@ constexpr int64_t kRecord4 = 128 + kScaleBytes;    // one 4-bit block of a panel
 constexpr int64_t kRecord8 = 256 + kScaleBytes;    // one 8-bit block of a panel
 constexpr int kTileRows = 6;                       // rows per fp32 register tile
 constexpr int kIntTileRows = 4;                    // rows per integer register tile
-constexpr int64_t kUnitWeights = 16384;            // weights per work unit of the int8 path
+constexpr int64_t kUnitWeights = 262144;           // at most, per work unit of the int8 path
+constexpr int64_t kUnitsPerThread = 4;             // at least, where the layer has the panels
 
 bool supported() {
 #ifdef LOOM_HAVE_AVX2
@@ -268,8 +269,13 @@ static void int8_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
   for (int64_t r = 0; r < M; ++r)
     quantize_row<Bits>(xp + r * K, K, qx.data() + r * 2 * K, scale.data() + r * nb,
                  sum.data() + r * nb, centre.data() + r * nb);
-  // a few panels per unit: fewer trips to the shared counter, still enough units to balance
-  const int64_t per_unit = std::max<int64_t>(1, kUnitWeights / (kPanel * K));
+  // Units as long as kUnitWeights, but at least kUnitsPerThread a thread to balance (a busy
+  // machine's descheduled thread holds up one unit): a unit is one run of memory, and long
+  // runs stream faster (at decode sizes, on the bundled model and on a 1.7B-parameter one:
+  // BENCHMARKS.md, "Longer work units").
+  const int64_t per_unit = std::max<int64_t>(
+      1, std::min<int64_t>(kUnitWeights / (kPanel * K),
+                           P / (kUnitsPerThread * at::get_num_threads())));
   const int64_t units = (P + per_unit - 1) / per_unit;
   // As in fp32_path, each thread holds the unit it does next and prefetches it while it
   // computes this one: a unit is a few KB, and the other threads' units lie between a thread's
