@@ -39,9 +39,7 @@ constexpr int64_t native_bytes(Native kind) {
 
 uint16_t fp16_bits(float value) { return c10::Half(value).x; }
 
-float fp16_value(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
+float fp16_float(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
@@ -50,6 +48,8 @@ uint16_t raw_fp16(const uint8_t* p) {
   std::memcpy(&bits, p, 2);
   return bits;
 }
+
+float fp16_value(const uint8_t* p) { return fp16_float(raw_fp16(p)); }
 
 // One output block from its 32 codes and the bits of its fp16 scale and offset.
 void write_block(uint8_t* out, Native kind, const int8_t* codes, uint16_t d, uint16_t m) {
@@ -77,10 +77,10 @@ void requantize_group(const float* w, uint8_t* out) {
   float amax = 0.0f;
   for (float m : lane_max) amax = std::max(amax, m);
   uint16_t bits = fp16_bits(amax / 127.0f);
-  float scale = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  float scale = fp16_float(bits);
   if (scale * 127.0f < amax && bits < 0x7C00) {  // below +inf: one fp16 step up
     ++bits;
-    scale = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+    scale = fp16_float(bits);
   }
   int8_t codes[kGroup] = {};
   if (scale != 0.0f)
