@@ -46,8 +46,6 @@ QUANTIZED_AGAIN = ("Q6_K", "Q3_K", "Q2_K", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS"
 CONVERTED_KINDS = (*SAME_CODES, *QUANTIZED_AGAIN)
 
 _ROWS_PER_CHUNK = 2048  # bounds the fp32 copy a chunk of rows takes while gguf decodes it
-# the types whose bytes gguf decodes to floats first (gguf_blocks.cpp reads the others' own)
-_DECODED_BY_GGUF = QUANTIZED_AGAIN[3:]
 
 
 def conversion(kind: str) -> str:
@@ -72,7 +70,7 @@ def native_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> BlockQ
         raise RuntimeError("converting GGUF blocks needs loom's compiled gguf_blocks.cpp")
     native = SAME_CODES.get(kind, "Q8_0")
     rows, cols = shape
-    if kind not in _DECODED_BY_GGUF:
+    if kind not in QUANTIZED_AGAIN or kind in ops.kinds:  # the kernel reads the bytes
         return BlockQuantWeight(torch.from_numpy(ops.native_blocks(data, kind, cols)), native)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize

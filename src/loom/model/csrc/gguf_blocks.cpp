@@ -211,19 +211,19 @@ void q6_k_block(const uint8_t* src, uint8_t* dst) {
 template <bool Q3>
 void low_k_block(const uint8_t* src, uint8_t* dst) {
   const uint8_t* codes = src + (Q3 ? 32 : 16);
-  const float d = fp16_value(src + (Q3 ? 108 : 80));
+  const uint8_t* packed = src + 96;  // Q3_K's scales
+  const float d = fp16_value(src + (Q3 ? 108 : 80)), dmin = Q3 ? 0.0f : fp16_value(src + 82);
   for (int b = 0; b < 8; ++b) {
     float scale[2], offset[2] = {0.0f, 0.0f};
     for (int half = 0; half < 2; ++half) {
       const int k = 2 * b + half;  // the scale of weights 16k ..
       if (Q3) {
-        const uint8_t* packed = src + 96;
         const int six = ((packed[k % 8] >> (4 * (k / 8))) & 0x0F) |
                         (((packed[8 + k % 4] >> (2 * (k / 4))) & 3) << 4);
         scale[half] = d * static_cast<float>(six - 32);
       } else {
         scale[half] = d * static_cast<float>(src[k] & 0x0F);
-        offset[half] = fp16_value(src + 82) * static_cast<float>(src[k] >> 4);
+        offset[half] = dmin * static_cast<float>(src[k] >> 4);
       }
     }
     float w[kGroup];
@@ -288,12 +288,14 @@ Bytes native_blocks(const Bytes& data, const std::string& kind, int64_t cols) {
 }
 
 // weights: float32 [rows, cols] -> Q8_0 blocks uint8 [rows, cols / 32, 34], as Q6_K's above.
-Bytes requantized_q8_0(const py::array_t<float, py::array::c_style | py::array::forcecast>& weights) {
+using Floats = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+Bytes requantized_q8_0(const Floats& weights) {
   if (weights.ndim() != 2 || weights.shape(1) % kGroup != 0)
     throw std::invalid_argument("weights must be float32 [rows, cols], cols a multiple of 32");
-  const int64_t groups = weights.size() / kGroup, out_bytes = native_bytes(Native::Q8_0);
-  Bytes out({static_cast<int64_t>(weights.shape(0)), static_cast<int64_t>(weights.shape(1)) / kGroup,
-             out_bytes});
+  const int64_t rows = weights.shape(0), cols = weights.shape(1);
+  const int64_t groups = rows * cols / kGroup, out_bytes = native_bytes(Native::Q8_0);
+  Bytes out({rows, cols / kGroup, out_bytes});
   const float* src = weights.data();
   uint8_t* dst = out.mutable_data();
   {
@@ -309,4 +311,7 @@ Bytes requantized_q8_0(const py::array_t<float, py::array::c_style | py::array::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("native_blocks", &native_blocks);
   m.def("requantized_q8_0", &requantized_q8_0);
+  py::list kinds;  // the GGUF types native_blocks reads
+  for (const SourceKind& kind : kSourceKinds) kinds.append(kind.name);
+  m.attr("kinds") = py::tuple(kinds);
 }
