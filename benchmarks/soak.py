@@ -40,6 +40,7 @@ WORDS = ("river", "lamp", "orbit", "seven", "quiet", "garden", "copper", "window
 class SoakReport:
     sent: int = 0
     outcomes: Counter = field(default_factory=Counter)  # ok / rejected / cancelled / error
+    details: Counter = field(default_factory=Counter)  # "behaviour -> outcome (why)"
     errors: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     rss_kib: list[int] = field(default_factory=list)  # after warm-up, at the end
@@ -56,6 +57,13 @@ def counted(m: dict[str, float]) -> float:
     return sum(m.get(f'loom:request_success_total{{finished_reason="{r}"}}', 0.0)
                for r in ("stop", "length", "abort", "error")) + m.get(
         "loom:request_rejected_total", 0.0) + m.get("loom:http_requests_abandoned_total", 0.0)
+
+
+def counted_parts(m: dict[str, float]) -> dict[str, float]:
+    """What `counted` adds up, by series: where a miscount is, for a failure to say."""
+    return {k: v for k, v in m.items() if k.startswith((
+        "loom:request_success_total", "loom:request_rejected_total",
+        "loom:http_requests_abandoned_total", "loom:num_requests_"))}
 
 
 def _metrics(text: str) -> dict[str, float]:
@@ -105,13 +113,14 @@ async def _one(http: httpx.AsyncClient, path: str, body: dict, behaviour: str) -
                 if not line.startswith("data: "):
                     continue
                 if behaviour == "disconnect":
-                    return "cancelled"  # leaving the block closes the connection
+                    return "cancelled: left the stream"  # leaving the block closes it
                 if '"error"' in line[:20]:
                     return f"error: stream error event {line[:200]}"
                 last = line
             return "ok" if last == "data: [DONE]" else "error: stream ended without [DONE]"
-    except httpx.TimeoutException:
-        return "cancelled" if behaviour == "timeout" else "error: client timed out"
+    except httpx.TimeoutException as e:  # which phase: a request never written never arrived
+        return (f"cancelled: {type(e).__name__}" if behaviour == "timeout"
+                else "error: client timed out")
     except httpx.HTTPError as e:
         return f"error: {e!r}"
 
@@ -139,8 +148,9 @@ async def soak(url: str, num_requests: int, server_pid: int | None = None,
             wave = [_request(rng) for _ in range(min(BURST, num_requests - report.sent))]
             results = await asyncio.gather(*(_one(http, *r) for r in wave))
             report.sent += len(wave)
-            for outcome in results:
+            for (_, _, behaviour), outcome in zip(wave, results, strict=True):
                 report.outcomes[outcome.split(":")[0]] += 1
+                report.details[f"{behaviour} -> {outcome[:60]}"] += 1
                 if outcome.startswith("error"):
                     report.errors.append(outcome)
             if server_pid is not None and not report.rss_kib and report.sent >= warm_up:
