@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from model_fixtures import TINY_SPECS, build_tiny_model, save_hf_folder, write_gguf
 
 from loom import LLM, SamplingParams
-from loom.model.huge_pages import Arena, thp_eligible, thp_enabled
 from loom.model.kernels import block_quant_linear_ops, fused_ops
 from loom.model.linear import (
     BF16_ABOVE_ROWS,
@@ -34,7 +33,7 @@ from loom.model.loader import (
     _unpermute_rope,
     load_model,
 )
-from loom.model.weights import BLOCK_LAYOUT, FOUR_BIT_KINDS, BlockQuantWeight
+from loom.model.weights import FOUR_BIT_KINDS, BlockQuantWeight
 
 ops = block_quant_linear_ops()
 needs_kernel = pytest.mark.skipif(ops is None or not ops.supported(),
@@ -192,13 +191,6 @@ def test_panels_are_made_from_the_files_blocks(quant: str) -> None:
         bq = random_block_quant(48, 96, seed=4, quant=quant)
         assert bq.kind == quant
     torch.testing.assert_close(to_panels(bq, ops), reference_panels(bq), rtol=0, atol=0)
-    arena = Arena()
-    arena.take(7)  # so the panels do not start the mapping
-    on_huge_pages = to_panels(bq, ops, arena)
-    torch.testing.assert_close(on_huge_pages, reference_panels(bq), rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match="out must be"):
-        ops.panels_from_blocks(bq.blocks, BLOCK_LAYOUT[bq.kind][0], False,
-                               torch.empty(1, dtype=torch.uint8))
 
 
 @pytest.mark.unit
@@ -462,11 +454,8 @@ def test_engine_predicts_the_same_on_the_native_kernel(llm: LLM) -> None:
     path, within what int16-precision activations cost on the int8 path (decode steps; the
     bound is about twice the largest teacher-forced difference benchmarks/native_accuracy.py
     has measured on any host, BENCHMARKS.md)."""
-    model = llm.engine.runner.model
-    assert model.layers[0].qkv.panels is not None  # auto picks native
-    assert model.lm_head.panels is not None  # Q8_0 embedding
-    if thp_enabled():  # every step streams them whole
-        assert all(thp_eligible(lin.panels) for lin in [model.lm_head, model.layers[-1].down])
+    assert llm.engine.runner.model.layers[0].qkv.panels is not None  # auto picks native
+    assert llm.engine.runner.model.lm_head.panels is not None  # Q8_0 embedding
     onednn = LLM(kv_cache_memory="64MiB", max_model_len=1024, dtype="float32",
                  linear_backend="onednn")
     assert onednn.engine.runner.model.layers[0].qkv.panels is None

@@ -19,12 +19,13 @@ CPUs with AMX), where one long chunk and several short ones round apart.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from loom.model import huge_pages
 from loom.model.kernels import paged_attention_ops
 
 
@@ -77,6 +78,9 @@ class AttentionMetadata:
 BF16_PREFILL_MIN_POSITIONS = 1 << 17
 
 
+_HUGE_PAGE = 2 << 20
+
+
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's K and V caches, both indexed [block, position in block, kv head, dim].
@@ -93,14 +97,21 @@ def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: 
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor, on a CPU in huge-page memory the OS zeroes on first touch
-    (loom.model.huge_pages): memory is taken as blocks are used, and touched 4 KB at a time, a
-    prefill's first pass through fresh blocks spent more in page faults than in RoPE and the KV
-    writes (benchmarks/prefill_attention.py). (Masked attention reads unused slots, so they
-    must hold zeros, not whatever the allocator last kept there.)"""
+    """A zero tensor whose CPU pages are zeroed by the OS on first touch rather than written
+    now: a cache of gigabytes then costs nothing at start-up, and memory is taken as blocks are
+    used. (Masked attention reads unused slots, so they must hold zeros, not whatever the
+    allocator last kept there.) The mapping asks for transparent huge pages: touched 4 KB at a
+    time, a prefill's first pass through fresh blocks spent more in page faults than in
+    RoPE and the KV writes (benchmarks/prefill_attention.py)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return huge_pages.zeroed(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; a no-op where THP is off
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    raw = np.frombuffer(mapping, dtype=np.uint8)  # keeps the mapping alive
+    start = -raw.ctypes.data % _HUGE_PAGE  # whole huge pages from the first block on
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

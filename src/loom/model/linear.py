@@ -30,13 +30,11 @@ oneDNN's matmul on oneDNN-packed slices of the output columns, one per thread
 
 from __future__ import annotations
 
-import math
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from loom.model import huge_pages
 from loom.model.kernels import fused_ops
 from loom.model.weights import BLOCK_LAYOUT, FOUR_BIT_KINDS, BlockQuantWeight
 
@@ -75,19 +73,12 @@ def onednn_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def to_panels(bq: BlockQuantWeight, block_quant_ops: ModuleType,
-              memory: huge_pages.Arena | None = None) -> torch.Tensor:
+def to_panels(bq: BlockQuantWeight, block_quant_ops: ModuleType) -> torch.Tensor:
     """The native kernel's layout of a [N, K] block-quantized weight (uint8 [N/8, K/32,
     record]; see csrc/block_quant_linear.cpp), made by the kernel's own module in one pass
-    over the file's blocks, into `memory` if given (every decode step streams the panels
-    whole: on huge pages that stream runs faster, loom.model.huge_pages)."""
-    header, code_bytes = BLOCK_LAYOUT[bq.kind]
-    rows, blocks = bq.blocks.shape[:2]
-    shape = (rows // PANEL_CHANNELS, blocks, block_quant_ops.record_bytes(code_bytes))
-    out = (torch.empty(shape, dtype=torch.uint8) if memory is None
-           else memory.take(math.prod(shape)).view(shape))
-    return block_quant_ops.panels_from_blocks(bq.blocks.contiguous(), header, bq.kind == "Q4_0",
-                                              out)
+    over the file's blocks."""
+    header, _ = BLOCK_LAYOUT[bq.kind]
+    return block_quant_ops.panels_from_blocks(bq.blocks.contiguous(), header, bq.kind == "Q4_0")
 
 
 def bf16_slices(weight: torch.Tensor, count: int) -> list[torch.Tensor]:
@@ -139,20 +130,18 @@ class Linear:
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
                  prepack: bool = False, block_quant: BlockQuantWeight | None = None,
                  block_quant_ops: ModuleType | None = None,
-                 bf16_above_rows: int | None = None,
-                 panel_memory: huge_pages.Arena | None = None) -> None:
+                 bf16_above_rows: int | None = None) -> None:
         """block_quant (with the compiled block_quant_ops): the same weight in the GGUF's
-        format; when `uses_panels` says so, every matmul uses it, laid out in panels (in
-        `panel_memory` if given), and `weight` is not kept (it may then be None).
-        bf16_above_rows: calls of more rows than this run in bf16 on a copy of that weight
-        instead (module docstring)."""
+        format; when `uses_panels` says so, every matmul uses it and `weight` is not kept
+        (it may then be None). bf16_above_rows: calls of more rows than this run in
+        bf16 on a copy of that weight instead (module docstring)."""
         self.bias = bias
         self.panels: torch.Tensor | None = None
         self.batched_slices: list[torch.Tensor] | None = None  # oneDNN's, or:
         self.batched_tiles: torch.Tensor | None = None  # the AMX kernel's
         if self.uses_panels(block_quant, block_quant_ops):
             self.out_features, self.in_features = block_quant.shape
-            self.panels = to_panels(block_quant, block_quant_ops, panel_memory)
+            self.panels = to_panels(block_quant, block_quant_ops)
             self._block_quant_ops = block_quant_ops
             self._code_bits = 4 if block_quant.kind in FOUR_BIT_KINDS else 8
             self.weight, self.prepacked = None, False

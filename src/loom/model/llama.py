@@ -8,14 +8,13 @@ through the paged KV cache. Q/K/V and gate/up projections are fused to cut per-s
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from loom.model import huge_pages
 from loom.model.arch import ModelArch, ModelLoadError
 from loom.model.attention import (
     AttentionMetadata,
@@ -30,10 +29,12 @@ from loom.model.weights import BlockQuantWeight, LazyWeights
 
 class LlamaLayer:
     def __init__(self, w: Mapping[str, torch.Tensor], prefix: str, bias: bool,
-                 linear: Callable[[list[str], torch.Tensor | None], Linear]) -> None:
-        """linear(weight names, bias): one projection (_linear, with the model's settings)."""
+                 prepack: bool, block_quant: dict[str, BlockQuantWeight],
+                 bf16_above_rows: int | None) -> None:
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         qkv_bias = torch.cat([w[attn + f"{x}_proj.bias"] for x in "qkv"]) if bias else None
+        linear = partial(_linear, w, prepack=prepack, block_quant=block_quant,
+                         bf16_above_rows=bf16_above_rows)
         self.qkv = linear([attn + f"{x}_proj.weight" for x in "qkv"], qkv_bias)
         # Llama's attention_bias also puts a bias on o_proj, and mlp_bias on all three MLP
         # projections (Qwen2 has q/k/v biases only): use whichever the checkpoint has.
@@ -46,19 +47,19 @@ class LlamaLayer:
         self.post_attn_norm = w[prefix + "post_attention_layernorm.weight"]
 
 
-def _linear(names: list[str], bias: torch.Tensor | None, w: Mapping[str, torch.Tensor],
+def _linear(w: Mapping[str, torch.Tensor], names: list[str], bias: torch.Tensor | None,
             prepack: bool, block_quant: dict[str, BlockQuantWeight],
-            bf16_above_rows: int | None, panel_memory: huge_pages.Arena) -> Linear:
+            bf16_above_rows: int | None) -> Linear:
     """One projection from the named weights, stacked along the output rows; with the GGUF's
-    block-quantized form too when every part has one, laid out in panels in `panel_memory`
-    (and then, with bf16_above_rows, a bf16 copy for wide calls: model/linear.py). The fp32
-    parts are stacked only when the layer will use them."""
+    block-quantized form too when every part has one (and then, with bf16_above_rows, a
+    bf16 copy for wide calls: model/linear.py). The fp32 parts are stacked only when the layer
+    will use them."""
     quant, ops = None, None
     if all(n in block_quant for n in names):
         quant = BlockQuantWeight.cat([block_quant[n] for n in names])
         ops = block_quant_linear_ops()
     if Linear.uses_panels(quant, ops):
-        return Linear(None, bias, prepack, quant, ops, bf16_above_rows, panel_memory)
+        return Linear(None, bias, prepack, quant, ops, bf16_above_rows)
     weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
     return Linear(weight, bias, prepack, quant, ops)
 
@@ -93,12 +94,10 @@ class LlamaModel:
                              else None)
         self.dtype = dtype
         head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
-        # every layer's panels in a few huge-page mappings (panels are only made on a CPU)
-        linear = partial(_linear, w=w, prepack=prepack, block_quant=block_quant,
-                         bf16_above_rows=bf16_above_rows, panel_memory=huge_pages.Arena())
-        self.lm_head = linear([head], None)
+        self.lm_head = _linear(w, [head], None, prepack, block_quant, bf16_above_rows)
         self.final_norm = w["model.norm.weight"]
-        self.layers = [LlamaLayer(w, f"model.layers.{i}.", arch.attention_bias, linear)
+        self.layers = [LlamaLayer(w, f"model.layers.{i}.", arch.attention_bias, prepack,
+                                  block_quant, bf16_above_rows)
                        for i in range(arch.num_layers)]
         inv_freq = rope_inv_freq(arch).to(device)
         positions = torch.arange(arch.max_position_embeddings, device=device, dtype=torch.float32)

@@ -488,26 +488,17 @@ static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
 // then fp16 m if header is 4, then 16 bytes of 4-bit codes, byte j = input j low nibble and
 // input j + 16 high, or 32 signed bytes). q4_0: the 4-bit codes count from 8, so m = -8d. One
 // pass over the bytes at load time; numpy's byte shuffles made this most of the start-up.
-// Written into `out`, uint8 [N / 8, K / 32, record_bytes(code bytes)]: memory the caller chose
-// (loom puts the panels on huge pages).
-int64_t record_bytes(int64_t code_bytes) {
-  TORCH_CHECK(code_bytes == 16 || code_bytes == 32, "a block holds 16 or 32 bytes of codes");
-  return code_bytes == 16 ? kRecord4 : kRecord8;
-}
-
-torch::Tensor panels_from_blocks(torch::Tensor blocks, int64_t header, bool q4_0,
-                                 torch::Tensor out) {
+torch::Tensor panels_from_blocks(torch::Tensor blocks, int64_t header, bool q4_0) {
   TORCH_CHECK(supported(), "panels_from_blocks needs a CPU with AVX2, FMA and F16C");
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   blocks.size(0) % kPanel == 0 && (header == 2 || header == 4),
               "blocks must be contiguous uint8 [N, K / 32, block bytes], N a multiple of 8");
-  const int64_t code_bytes = blocks.size(2) - header, record = record_bytes(code_bytes);
+  const int64_t code_bytes = blocks.size(2) - header;
+  TORCH_CHECK(code_bytes == 16 || code_bytes == 32, "a block holds 16 or 32 bytes of codes");
   const bool four = code_bytes == 16;
   const int64_t P = blocks.size(0) / kPanel, nb = blocks.size(1), bytes = blocks.size(2);
-  const int64_t codes_end = record - kScaleBytes;
-  TORCH_CHECK(out.dim() == 3 && out.scalar_type() == at::kByte && out.is_contiguous() &&
-                  out.size(0) == P && out.size(1) == nb && out.size(2) == record,
-              "out must be contiguous uint8 [N / 8, K / 32, record_bytes(code bytes)]");
+  const int64_t record = four ? kRecord4 : kRecord8, codes_end = record - kScaleBytes;
+  auto out = torch::empty({P, nb, record}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
@@ -581,7 +572,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: the HTTP server's event loop runs on while a step's matmuls do.
   m.def("block_quant_linear", &block_quant_linear, py::call_guard<py::gil_scoped_release>());
   m.def("panels_from_blocks", &panels_from_blocks, py::call_guard<py::gil_scoped_release>());
-  m.def("record_bytes", &record_bytes);
   m.def("supported", &supported);
   LOOM_POOL_BINDINGS(m);
 }
