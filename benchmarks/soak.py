@@ -99,8 +99,12 @@ def _request(rng: random.Random) -> tuple[str, dict, str]:
 
 
 async def _one(http: httpx.AsyncClient, path: str, body: dict, behaviour: str) -> str:
-    """The outcome of one request; what went wrong, for an error."""
-    timeout = CLIENT_TIMEOUT_S if behaviour == "timeout" else 600.0
+    """The outcome of one request; what went wrong, for an error. A client that times out
+    gives up waiting for the answer, after sending its request: with a short connect timeout
+    as well, a busy machine's client gave up on connecting, now and then, before the server
+    had anything to count."""
+    timeout = (httpx.Timeout(600.0, read=CLIENT_TIMEOUT_S) if behaviour == "timeout"
+               else 600.0)
     try:
         if not body["stream"]:
             response = await http.post(path, json=body, timeout=timeout)
