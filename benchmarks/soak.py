@@ -51,19 +51,20 @@ class SoakReport:
         return counted(self.metrics)
 
 
+# The series that count each request once as it ends: finished for any reason, rejected, or
+# left by its client before the server read it (a timed-out client on a busy server).
+COUNTED_SERIES = ("loom:request_success_total", "loom:request_rejected_total",
+                  "loom:http_requests_abandoned_total")
+
+
 def counted(m: dict[str, float]) -> float:
-    """Requests /metrics has seen end, each once: finished for any reason, rejected, or left by
-    their client before the server read them (a timed-out client on a busy server)."""
-    return sum(m.get(f'loom:request_success_total{{finished_reason="{r}"}}', 0.0)
-               for r in ("stop", "length", "abort", "error")) + m.get(
-        "loom:request_rejected_total", 0.0) + m.get("loom:http_requests_abandoned_total", 0.0)
+    """Requests /metrics has seen end, each once."""
+    return sum(counted_parts(m).values())
 
 
 def counted_parts(m: dict[str, float]) -> dict[str, float]:
     """What `counted` adds up, by series: where a miscount is, for a failure to say."""
-    return {k: v for k, v in m.items() if k.startswith((
-        "loom:request_success_total", "loom:request_rejected_total",
-        "loom:http_requests_abandoned_total", "loom:num_requests_"))}
+    return {k: v for k, v in m.items() if k.startswith(COUNTED_SERIES)}
 
 
 def _metrics(text: str) -> dict[str, float]:

@@ -40,7 +40,9 @@ def _miscount(report: soak.SoakReport, log: str) -> str:
     statuses = Counter(re.findall(r'HTTP/1\.1" (\d{3})', log))
     warnings = [line for line in log.splitlines() if " WARNING " in line or " ERROR " in line]
     return (f"counted {report.counted:.0f} of {report.sent}\n"
-            f"client: {dict(report.details)}\nmetrics: {soak.counted_parts(report.metrics)}\n"
+            f"client: {dict(report.details)}\nmetrics: {soak.counted_parts(report.metrics)}, "
+            f"running {report.metrics.get('loom:num_requests_running')}, "
+            f"waiting {report.metrics.get('loom:num_requests_waiting')}\n"
             f"access log statuses: {dict(statuses)}\n"
             f"warnings and errors other than rejections (last 20): "
             f"{[w for w in warnings if 'Rejected request' not in w][-20:]}")
