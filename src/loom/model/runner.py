@@ -54,6 +54,7 @@ def _return_freed_heap() -> None:
     trim.argtypes = [ctypes.c_size_t]
     trim(0)
 
+
 _MAX_PADDING = 1.25  # padded KV a decode group may gather, relative to what it needs
 
 _CPU_KV_SHARE, _CPU_KV_CAP = 0.25, 4 * 2**30
