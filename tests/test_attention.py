@@ -70,6 +70,37 @@ def test_rows_over_one_block_table_attend_in_tiles_each_over_its_own_context(
                                 tolerance, (num_heads, num_kv_heads, head_dim))
 
 
+def test_decode_rows_do_not_depend_on_how_threads_split_the_batch() -> None:
+    """With tiles enough for every thread, a thread takes a whole tile and all its kv heads;
+    with few (one request alone), (tile, kv head) pairs. Each row must come out bit for bit the
+    same either way: 64 requests in one call against each request in a call of its own."""
+    rng = random.Random(1)
+    torch.manual_seed(1)
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    k_cache, v_cache = new_kv_cache(900, block_size, num_kv_heads, head_dim, torch.float16,
+                                    torch.device("cpu"))
+    k_cache.copy_(torch.randn(k_cache.shape))
+    v_cache.copy_(torch.randn(v_cache.shape))
+    lens = sorted(rng.randint(1, 200) for _ in range(64))
+    free = rng.sample(range(900), 900)
+    tables = []
+    for length in lens:
+        tables.append(free[:-(-length // block_size)])
+        free = free[len(tables[-1]):]
+    q = torch.randn(len(lens), num_heads, head_dim)
+    ops = paged_attention_ops()
+
+    def attend(rows: list[int]) -> torch.Tensor:
+        decodes = decode_metadata([tables[i] for i in rows], [lens[i] for i in rows],
+                                  block_size, True).paged_decodes
+        return ops.paged_decode_attention(q[rows], k_cache, v_cache, decodes.block_tables,
+                                          decodes.context_lens, head_dim ** -0.5)
+
+    together = attend(list(range(len(lens))))
+    alone = torch.cat([attend([i]) for i in range(len(lens))])
+    assert torch.equal(together, alone)
+
+
 def assert_kernel_matches_torch(both_ways: Callable[..., tuple[torch.Tensor, torch.Tensor]],
                                 ops: ModuleType, dtype: torch.dtype, cache_dtype: torch.dtype,
                                 tolerance: float, shape: tuple[int, int, int]) -> None:

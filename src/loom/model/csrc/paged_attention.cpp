@@ -50,6 +50,9 @@ static void parallel_if(bool worth_it, int64_t n, const Worker& worker) {
   worker(next);
 }
 
+// Tiles per thread from which a thread takes whole tiles, all their kv heads (for_each_item).
+constexpr int64_t kTilesPerThread = 4;
+
 static bool worth_threads(const int64_t* lens, int64_t n, int64_t KVH) {
   int64_t work = 0;
   for (int64_t i = 0; i < n && work < kParallelWork; ++i) work += lens[i] * KVH;
@@ -130,14 +133,31 @@ static std::vector<Tile> tile_rows(const DecodeArgs<T, C>& a, int tokens) {
 
 // item(tile, kh, scores) for every (tile, kv head) pair, on the threads parallel_if picks,
 // longest first; scores is the thread's buffer, reused across its items.
+//
+// Where there are tiles enough to keep every thread busy (kTilesPerThread each), a thread
+// takes a whole tile and runs its kv heads one after the other, instead of taking (tile, kv
+// head) pairs. A block's kv heads lie side by side in the cache ([block, kv head, ...]), and
+// one kv head's share of a block is a short run (2 KB for SmolLM2 at fp16): taken by
+// different threads at different times, each was a random read of its own, and memory streams
+// short runs at random places much slower than longer ones (benchmarks/random_reads.py; the
+// kernel before and after: decode_kernel.py --layers 30 --against). Fewer tiles (one long
+// request) keep the pairs, so that its kv heads run in parallel.
 template <typename T, typename C, typename Item>
 static void for_each_item(const DecodeArgs<T, C>& a, const std::vector<Tile>& tiles,
                           const Item& item) {
-  const int64_t n = static_cast<int64_t>(tiles.size()) * a.KVH;
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  const bool by_tile = num_tiles >= kTilesPerThread * at::get_num_threads();
+  const int64_t n = by_tile ? num_tiles : num_tiles * a.KVH;
   parallel_if(worth_threads(a.lens, a.n, a.KVH), n, [&](std::atomic<int64_t>& next) {
     std::vector<float> scores;
-    for (int64_t idx; (idx = next++) < n;)
-      item(tiles[longest_first(idx / a.KVH, tiles.size())], idx % a.KVH, scores);
+    for (int64_t idx; (idx = next++) < n;) {
+      if (!by_tile) {
+        item(tiles[longest_first(idx / a.KVH, num_tiles)], idx % a.KVH, scores);
+        continue;
+      }
+      for (int64_t kh = 0; kh < a.KVH; ++kh)
+        item(tiles[longest_first(idx, num_tiles)], kh, scores);
+    }
   });
 }
 
