@@ -1,9 +1,11 @@
 """Where the mixed workload's model time goes: the engine issue's 64 requests offline at the
 default settings, with wall-clock timers around the forward pass, the projection matmuls
 (every `Linear` call, lm_head included, split by whether the native block-quantized kernel or
-oneDNN/torch ran it), the native decode-attention kernel and the prefill SDPA calls. What is
-left of the forward pass is norms, RoPE, the MLP's elementwise ops, KV writes and dispatch
-(the torch profiler cannot see the native kernels, hence these timers). --max-num-seqs C
+oneDNN/torch ran it), the native attention call (RoPE, the KV writes and the attention of
+decode rows and of the prefill chunks that attend per token, one call a layer; or the decode
+kernel alone, where the model calls it so) and the prefill SDPA calls. What is left of the
+forward pass is norms, the MLP's elementwise ops, the torch path's RoPE and KV writes, and
+dispatch (the torch profiler cannot see the native kernels, hence these timers). --max-num-seqs C
 queues all 64 but runs at most C at once, like C closed-loop users. Run from the repository
 root:
 
@@ -27,7 +29,8 @@ from loom import LLM  # noqa: E402
 from loom.model.linear import Linear  # noqa: E402
 
 seconds: dict[str, float] = {"forward": 0.0, "matmuls, native kernel": 0.0,
-                             "matmuls, oneDNN/torch": 0.0, "decode kernel": 0.0,
+                             "matmuls, oneDNN/torch": 0.0,
+                             "RoPE + KV write + attention, native": 0.0, "decode kernel": 0.0,
                              "prefill SDPA": 0.0, "lm_head (outside forward)": 0.0}
 NOT_PARTS_OF_FORWARD = ("forward", "lm_head (outside forward)")
 
@@ -42,11 +45,13 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class TimedOps:
-    """The compiled kernel module with its decode call timed."""
+    """The compiled kernel module with its two attention entry points timed."""
 
     def __init__(self, ops: Any) -> None:
         self._ops = ops
         self.paged_decode_attention = timed("decode kernel", ops.paged_decode_attention)
+        self.rope_write_decode = timed("RoPE + KV write + attention, native",
+                                       ops.rope_write_decode)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ops, name)
