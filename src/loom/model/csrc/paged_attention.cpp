@@ -8,7 +8,8 @@
 // accumulators held in registers (new_kv_cache stores it [blocks, kv_heads, block_size, dim],
 // so that one kv head's block is one contiguous run). Both need the shape known at compile time, hence the
 // dispatch over (G query heads per kv head, head dim); other shapes use the torch path
-// (`supported`). Work is split over (tile, kv head) pairs. On AVX2 an intrinsics version
+// (`supported`). Work is split over tiles, or over (tile, kv head) pairs where the tiles are
+// too few for the threads (for_each_item). On AVX2 an intrinsics version
 // (below) reads each K block once for all the tile's query rows and prefetches the next block;
 // on AVX-512 the same plan runs 16 wide; elsewhere a portable version relies on the
 // compiler's vectorizer. The model calls it through rope_write_decode (at the end), which also
@@ -76,9 +77,9 @@ struct Tile {
   int tokens;
 };
 
-// Requests arrive sorted by context length, shortest first. Threads take (tile, kv head)
-// items one at a time (parallel_dynamic.h), longest first, so the short ones at the end even
-// out the threads' finishing times.
+// Requests arrive sorted by context length, shortest first. Threads take their items (tiles,
+// or (tile, kv head) pairs: for_each_item) one at a time (parallel_dynamic.h), longest first,
+// so the short ones at the end even out the threads' finishing times.
 static inline int64_t longest_first(int64_t k, int64_t n) { return n - 1 - k; }
 
 // One decode-attention call: query i's head h is at q + i * q_row + h * D and its output at
