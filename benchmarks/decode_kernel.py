@@ -11,6 +11,7 @@ alternate rounds. Run from the repository root:
     python benchmarks/decode_kernel.py
     python benchmarks/decode_kernel.py --against 1207948
     python benchmarks/decode_kernel.py --contexts 20-60    # short contexts: per-request costs
+    python benchmarks/decode_kernel.py --decodes 1 2 4 --contexts 4000-4000   # one user, long
     python benchmarks/decode_kernel.py --layers 30         # each layer its own caches, as in
                                                            # the model: read from memory, not cache
     python benchmarks/decode_kernel.py --layers 30 --v-layouts   # V stored kv head before
@@ -104,6 +105,8 @@ def main() -> None:
     parser.add_argument("--against", help="also time the kernel of this git revision")
     parser.add_argument("--contexts", default="50-1100",
                         help="context lengths drawn uniformly from LO-HI (default 50-1100)")
+    parser.add_argument("--decodes", type=int, nargs="+", default=[8, 32, 64],
+                        help="requests a call, one table row each (default 8 32 64)")
     parser.add_argument("--layers", type=int, default=1,
                         help="layers of caches the timed calls cycle through (default 1: the "
                              "caches stay in the CPU's caches; the model's 30 do not)")
@@ -124,7 +127,7 @@ def main() -> None:
     runner.block_size, runner.device = BLOCK, torch.device("cpu")
     for dtype, cache_dtype in ((torch.float32, torch.float32), (torch.float32, torch.float16),
                                (torch.bfloat16, torch.bfloat16)):
-        for n in (8, 32, 64):
+        for n in args.decodes:
             rng = random.Random(n)
             lens = [rng.randint(low, high) for _ in range(n)]
             num_blocks = sum(-(-length // BLOCK) for length in lens) + 1

@@ -101,6 +101,46 @@ def test_decode_rows_do_not_depend_on_how_threads_split_the_batch() -> None:
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("dtype,cache_dtype,tolerance", DTYPES)
+def test_few_long_contexts_attend_in_spans_merged_by_their_log_sum_exp(
+        dtype, cache_dtype, tolerance) -> None:
+    """Too few requests for every thread: each long context is cut into spans of blocks,
+    attended apart and merged by their log-sum-exp. On two threads (or more) that must match
+    the torch path; on one nothing is cut, so the two results differing shows the spans ran."""
+    rng = random.Random(2)
+    torch.manual_seed(2)
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    k_cache, v_cache = new_kv_cache(400, block_size, num_kv_heads, head_dim, cache_dtype,
+                                    torch.device("cpu"))
+    k_cache.copy_(torch.randn(k_cache.shape))
+    v_cache.copy_(torch.randn(v_cache.shape))
+    lens = [700, 1500, 2900]  # the last ends 4 positions into its block
+    free = rng.sample(range(400), 400)
+    tables = []
+    for length in lens:
+        tables.append(free[:-(-length // block_size)])
+        free = free[len(tables[-1]):]
+    q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
+    unused = torch.zeros(len(lens), num_kv_heads, head_dim, dtype=dtype)
+    expected = paged_attention(q, unused, unused, k_cache, v_cache,
+                               decode_metadata(tables, lens, block_size, False))
+    decodes = decode_metadata(tables, lens, block_size, True).paged_decodes
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(paged_attention_ops().paged_decode_attention(
+                q, k_cache, v_cache, decodes.block_tables, decodes.context_lens,
+                head_dim ** -0.5))
+    finally:
+        torch.set_num_threads(threads)
+    whole, spans = (r.view_as(expected) for r in results)
+    torch.testing.assert_close(spans.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(whole.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert not torch.equal(whole, spans)
+
+
 def assert_kernel_matches_torch(both_ways: Callable[..., tuple[torch.Tensor, torch.Tensor]],
                                 ops: ModuleType, dtype: torch.dtype, cache_dtype: torch.dtype,
                                 tolerance: float, shape: tuple[int, int, int]) -> None:

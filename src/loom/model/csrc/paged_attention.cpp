@@ -98,6 +98,7 @@ struct DecodeArgs {
   const int64_t* lens;
   int64_t n, KVH, max_blocks;
   float scale;
+  float* lse = nullptr;  // if set: each row's log-sum-exp of its scores, [n, KVH * G]
 
   const int64_t* table(int64_t i) const { return bt + i * max_blocks; }
   // kv head kh's K rows ([dim, position]) and V rows ([position, dim]) in cache block `block`
@@ -184,16 +185,17 @@ static inline void store_output(const float (&acc)[R][D], const DecodeArgs<T, C>
       a.out[row_of<G>(t, r) * a.out_row + (kh * G + r % G) * D + d] = static_cast<T>(acc[r][d]);
 }
 
-static inline void softmax(float* s, int64_t L);
+static inline float softmax(float* s, int64_t L);
 
 // Each of the R score rows (row stride `row`, scores up to the tile's length `len`) to
 // probabilities over its own row's context, zero past it.
 template <int G, int R, typename T, typename C>
-static inline void normalize_rows(const DecodeArgs<T, C>& a, const Tile& t, float* scores,
-                                  int64_t row, int64_t len) {
+static inline void normalize_rows(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
+                                  float* scores, int64_t row, int64_t len) {
   for (int r = 0; r < R; ++r) {
     const int64_t own = a.lens[row_of<G>(t, r)];
-    softmax(scores + r * row, own);
+    const float lse = softmax(scores + r * row, own);
+    if (a.lse != nullptr) a.lse[row_of<G>(t, r) * a.KVH * G + kh * G + r % G] = lse;
     std::fill(scores + r * row + own, scores + r * row + len, 0.f);
   }
 }
@@ -249,9 +251,10 @@ static inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
 }
 
-// Scores of L positions -> probabilities, in place, 8 positions a vector: at short contexts
-// std::exp one position at a time was most of a request's attention.
-static inline void softmax(float* s, int64_t L) {
+// Scores of L positions -> probabilities, in place, 8 positions a vector (at short contexts
+// std::exp one position at a time was most of a request's attention); returns the scores'
+// log-sum-exp.
+static inline float softmax(float* s, int64_t L) {
   const int64_t L8 = L / 8 * 8;
   __m256 mv = _mm256_set1_ps(s[0]);  // L >= 1
   for (int64_t p = 0; p < L8; p += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + p));
@@ -270,6 +273,7 @@ static inline void softmax(float* s, int64_t L) {
   for (int64_t p = 0; p < L8; p += 8)
     _mm256_storeu_ps(s + p, _mm256_mul_ps(_mm256_set1_ps(inv), _mm256_loadu_ps(s + p)));
   for (int64_t p = L8; p < L; ++p) s[p] *= inv;
+  return m + std::log(sum);
 }
 
 // Block tables scatter a request's context, so the hardware prefetcher stalls at every block:
@@ -411,7 +415,7 @@ static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
   }
   for (int64_t ahead = 0; ahead < std::min(kPrefetchBlocks, num_blocks); ++ahead)
     prefetch_v<D>(a, table[ahead], kh);
-  normalize_rows<G, R>(a, t, scores.data(), Lp, L);
+  normalize_rows<G, R>(a, t, kh, scores.data(), Lp, L);
   float acc[R][D] = {};
   weighted_values<Lanes16, DC, kPrefetchBlocks>(a, table, num_blocks, L, kh, scores.data(), Lp,
                                                 acc);
@@ -450,20 +454,21 @@ static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
       _mm256_storeu_ps(&scores[r * Lp + b * BS + 8], s[r][1]);
     }
   }
-  normalize_rows<G, R>(a, t, scores.data(), Lp, L);
+  normalize_rows<G, R>(a, t, kh, scores.data(), Lp, L);
   float acc[R][D] = {};
   weighted_values<Lanes8, DC, 1>(a, table, num_blocks, L, kh, scores.data(), Lp, acc);
   store_output<G>(acc, a, t, kh);
 }
 #endif  // __AVX512F__
 #else
-// Scores of L positions -> probabilities, in place.
-static inline void softmax(float* s, int64_t L) {
+// Scores of L positions -> probabilities, in place; returns the scores' log-sum-exp.
+static inline float softmax(float* s, int64_t L) {
   const float m = *std::max_element(s, s + L);
   float sum = 0.f;
   for (int64_t p = 0; p < L; ++p) { s[p] = std::exp(s[p] - m); sum += s[p]; }
   const float inv = 1.f / sum;
   for (int64_t p = 0; p < L; ++p) s[p] *= inv;
+  return m + std::log(sum);
 }
 
 template <typename T, typename C, int G, int D, int QT>
@@ -488,7 +493,7 @@ static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
       std::copy_n(s, BS, &scores[r * (L + BS) + b * BS]);  // row padded: whole blocks
     }
   }
-  normalize_rows<G, R>(a, t, scores.data(), L + BS, L);
+  normalize_rows<G, R>(a, t, kh, scores.data(), L + BS, L);
   float acc[R][D] = {};
   for (int64_t p = 0; p < L; ++p) {
     const C* v = a.v_block(table[p / BS], kh) + (p % BS) * a.vs[1];
@@ -570,6 +575,85 @@ static void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_ca
               "block_tables: contiguous int64 [n, max_blocks]");
 }
 
+// Rows too few for every thread to take kTilesPerThread tiles leave threads idle, and read
+// each kv head's share of a block as a run of its own (for_each_item). So a long context
+// among them is cut into spans of blocks, each span attended as a row of its own that also
+// gives the log-sum-exp (lse) of its scores, and the spans' outputs are merged after, as
+// flash-decoding does:
+//
+//   row i, 40 blocks, 3 spans:   [ b0 .. b13 ][ b14 .. b27 ][ b28 .. b39 ]
+//                                 out_0, lse_0  out_1, lse_1   out_2, lse_2
+//   out_i = sum_s w_s out_s / sum_s w_s,   w_s = exp(lse_s - max_s lse_s)
+//
+// Spans are at least kMinSpanBlocks blocks, and as many as bring the rows to about
+// kTilesPerThread per thread, in proportion to each row's blocks; contexts too short to make
+// that many are not cut (fewer spans than that measured slower than none: the threads then
+// take (span, kv head) pairs, and the copies and the merge cost more than they save).
+constexpr int64_t kMinSpanBlocks = 8;
+
+struct Spans {
+  std::vector<int64_t> first;          // row i's spans are first[i] .. first[i + 1] - 1
+  std::vector<int64_t> tables, lens;   // the spans as rows: [spans, max_blocks], [spans]
+  int64_t max_blocks = 0;
+};
+
+static Spans spans_of(const int64_t* bt, const int64_t* lens, int64_t n, int64_t max_blocks,
+                      int64_t target) {
+  std::vector<int64_t> blocks(n), per(n);
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) total += blocks[i] = (lens[i] + kBlockSize - 1) / kBlockSize;
+  Spans sp;
+  sp.first.push_back(0);
+  if (total < target * kMinSpanBlocks) return sp;  // no spans: first.back() is 0
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t wanted = (blocks[i] * target + total - 1) / std::max<int64_t>(total, 1);
+    const int64_t count = std::clamp<int64_t>(wanted, 1,
+                                              std::max<int64_t>(1, blocks[i] / kMinSpanBlocks));
+    per[i] = (blocks[i] + count - 1) / count;
+    sp.max_blocks = std::max(sp.max_blocks, per[i]);
+    sp.first.push_back(sp.first.back() + (blocks[i] + per[i] - 1) / per[i]);
+  }
+  sp.tables.assign(sp.first.back() * sp.max_blocks, 0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t s = sp.first[i], b0 = 0; s < sp.first[i + 1]; ++s, b0 += per[i]) {
+      const int64_t b1 = std::min(blocks[i], b0 + per[i]);
+      std::copy(bt + i * max_blocks + b0, bt + i * max_blocks + b1,
+                sp.tables.begin() + s * sp.max_blocks);
+      sp.lens.push_back(std::min(lens[i], b1 * kBlockSize) - b0 * kBlockSize);
+    }
+  return sp;
+}
+
+// The spans' rows attended (a: the caller's arguments, its rows cut into sp), then merged
+// into the caller's rows.
+template <typename T, typename C>
+static void attend_spans(const DecodeArgs<T, C>& a, Spans& sp, int64_t H, int64_t D) {
+  const int64_t spans = sp.first.back(), row = H * D;
+  std::vector<T> q(spans * row), out(spans * row);
+  std::vector<float> lse(spans * H);
+  for (int64_t i = 0; i < a.n; ++i)
+    for (int64_t s = sp.first[i]; s < sp.first[i + 1]; ++s)
+      std::copy(a.q + i * a.q_row, a.q + i * a.q_row + row, q.begin() + s * row);
+  DecodeArgs<T, C> b = a;
+  b.q = q.data(), b.q_row = row, b.out = out.data(), b.out_row = row;
+  b.bt = sp.tables.data(), b.lens = sp.lens.data(), b.n = spans, b.max_blocks = sp.max_blocks;
+  b.lse = lse.data();
+  decode_shape<T, C>(b, H / a.KVH, D);
+  std::vector<float> acc(D);
+  for (int64_t i = 0; i < a.n; ++i)
+    for (int64_t h = 0; h < H; ++h) {
+      float top = -INFINITY, total = 0.f;
+      for (int64_t s = sp.first[i]; s < sp.first[i + 1]; ++s) top = std::max(top, lse[s * H + h]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t s = sp.first[i]; s < sp.first[i + 1]; ++s) {
+        const float w = std::exp(lse[s * H + h] - top);
+        total += w;
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * static_cast<float>(out[s * row + h * D + d]);
+      }
+      for (int64_t d = 0; d < D; ++d) a.out[i * a.out_row + h * D + d] = static_cast<T>(acc[d] / total);
+    }
+}
+
 // Decode attention over the caches for the n = context_lens.size(0) queries at q (rows of
 // q_row elements), into out (rows of out_row).
 template <typename T, typename C>
@@ -585,6 +669,11 @@ static void attend(const T* q, int64_t q_row, T* out, int64_t out_row, int64_t H
   for (int j = 0; j < 4; ++j) {
     a.ks[j] = k_cache.stride(j);
     a.vs[j] = v_cache.stride(j);
+  }
+  const int64_t target = kTilesPerThread * at::get_num_threads();
+  if (a.n < target && at::get_num_threads() > 1) {
+    Spans sp = spans_of(a.bt, a.lens, a.n, a.max_blocks, target);
+    if (sp.first.back() >= target) return attend_spans<T, C>(a, sp, H, D);
   }
   decode_shape<T, C>(a, H / KVH, D);
 }
