@@ -6,10 +6,11 @@
 // vector FMA across its positions per dim, with the block's scores held in registers; V must
 // have dim stride 1 so that p.V is a vector FMA across dims, with the tile's query rows'
 // accumulators held in registers (new_kv_cache stores it [blocks, kv_heads, block_size, dim],
-// so that one kv head's block is one contiguous run). Both need the shape known at compile time, hence the
-// dispatch over (G query heads per kv head, head dim); other shapes use the torch path
-// (`supported`). Work is split over tiles, or over (tile, kv head) pairs where the tiles are
-// too few for the threads (for_each_item). On AVX2 an intrinsics version
+// so that one kv head's block is one contiguous run). Both need the shape known at compile
+// time, hence the dispatch over (G query heads per kv head, head dim); other shapes use the
+// torch path (`supported`). Work is split over tiles, or over (tile, kv head) pairs where the
+// tiles are too few for the threads (for_each_item); a few long contexts are first cut into
+// spans merged after (attend_spans). On AVX2 an intrinsics version
 // (below) reads each K block once for all the tile's query rows and prefetches the next block;
 // on AVX-512 the same plan runs 16 wide; elsewhere a portable version relies on the
 // compiler's vectorizer. The model calls it through rope_write_decode (at the end), which also
@@ -642,15 +643,18 @@ static void attend_spans(const DecodeArgs<T, C>& a, Spans& sp, int64_t H, int64_
   std::vector<float> acc(D);
   for (int64_t i = 0; i < a.n; ++i)
     for (int64_t h = 0; h < H; ++h) {
+      const int64_t first = sp.first[i], last = sp.first[i + 1];
       float top = -INFINITY, total = 0.f;
-      for (int64_t s = sp.first[i]; s < sp.first[i + 1]; ++s) top = std::max(top, lse[s * H + h]);
+      for (int64_t s = first; s < last; ++s) top = std::max(top, lse[s * H + h]);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t s = sp.first[i]; s < sp.first[i + 1]; ++s) {
+      for (int64_t s = first; s < last; ++s) {
         const float w = std::exp(lse[s * H + h] - top);
+        const T* span_out = out.data() + s * row + h * D;
         total += w;
-        for (int64_t d = 0; d < D; ++d) acc[d] += w * static_cast<float>(out[s * row + h * D + d]);
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * static_cast<float>(span_out[d]);
       }
-      for (int64_t d = 0; d < D; ++d) a.out[i * a.out_row + h * D + d] = static_cast<T>(acc[d] / total);
+      T* row_out = a.out + i * a.out_row + h * D;
+      for (int64_t d = 0; d < D; ++d) row_out[d] = static_cast<T>(acc[d] / total);
     }
 }
 
