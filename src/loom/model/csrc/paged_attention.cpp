@@ -55,6 +55,10 @@ static void parallel_if(bool worth_it, int64_t n, const Worker& worker) {
 // Tiles per thread from which a thread takes whole tiles, all their kv heads (for_each_item).
 constexpr int64_t kTilesPerThread = 4;
 
+// The tiles a call needs for its threads to take whole ones (for_each_item); calls with fewer
+// rows have their long contexts cut into spans up to about that many (attend).
+static int64_t tiles_for_threads() { return kTilesPerThread * at::get_num_threads(); }
+
 static bool worth_threads(const int64_t* lens, int64_t n, int64_t KVH) {
   int64_t work = 0;
   for (int64_t i = 0; i < n && work < kParallelWork; ++i) work += lens[i] * KVH;
@@ -149,7 +153,7 @@ template <typename T, typename C, typename Item>
 static void for_each_item(const DecodeArgs<T, C>& a, const std::vector<Tile>& tiles,
                           const Item& item) {
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
-  const bool by_tile = num_tiles >= kTilesPerThread * at::get_num_threads();
+  const bool by_tile = num_tiles >= tiles_for_threads();
   const int64_t n = by_tile ? num_tiles : num_tiles * a.KVH;
   parallel_if(worth_threads(a.lens, a.n, a.KVH), n, [&](std::atomic<int64_t>& next) {
     std::vector<float> scores;
@@ -607,7 +611,7 @@ static Spans spans_of(const int64_t* bt, const int64_t* lens, int64_t n, int64_t
   sp.first.push_back(0);
   if (total < target * kMinSpanBlocks) return sp;  // no spans: first.back() is 0
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t wanted = (blocks[i] * target + total - 1) / std::max<int64_t>(total, 1);
+    const int64_t wanted = (blocks[i] * target + total - 1) / total;
     const int64_t count = std::clamp<int64_t>(wanted, 1,
                                               std::max<int64_t>(1, blocks[i] / kMinSpanBlocks));
     per[i] = (blocks[i] + count - 1) / count;
@@ -628,7 +632,7 @@ static Spans spans_of(const int64_t* bt, const int64_t* lens, int64_t n, int64_t
 // The spans' rows attended (a: the caller's arguments, its rows cut into sp), then merged
 // into the caller's rows.
 template <typename T, typename C>
-static void attend_spans(const DecodeArgs<T, C>& a, Spans& sp, int64_t H, int64_t D) {
+static void attend_spans(const DecodeArgs<T, C>& a, const Spans& sp, int64_t H, int64_t D) {
   const int64_t spans = sp.first.back(), row = H * D;
   std::vector<T> q(spans * row), out(spans * row);
   std::vector<float> lse(spans * H);
@@ -674,9 +678,9 @@ static void attend(const T* q, int64_t q_row, T* out, int64_t out_row, int64_t H
     a.ks[j] = k_cache.stride(j);
     a.vs[j] = v_cache.stride(j);
   }
-  const int64_t target = kTilesPerThread * at::get_num_threads();
+  const int64_t target = tiles_for_threads();
   if (a.n < target && at::get_num_threads() > 1) {
-    Spans sp = spans_of(a.bt, a.lens, a.n, a.max_blocks, target);
+    const Spans sp = spans_of(a.bt, a.lens, a.n, a.max_blocks, target);
     if (sp.first.back() >= target) return attend_spans<T, C>(a, sp, H, D);
   }
   decode_shape<T, C>(a, H / KVH, D);
