@@ -58,6 +58,15 @@ class ModelArch:
     tie_word_embeddings: bool
     attention_bias: bool
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    # Per layer, "full_attention" or "sliding_attention" (transformers' names); None: all full.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None  # positions a sliding layer attends to, its own included
+    # A mixture-of-experts MLP where num_experts > 0 (else the dense one above)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
 
     @property
     def num_parameters(self) -> int:

@@ -29,6 +29,16 @@ import torch.nn.functional as F
 from loom.model.kernels import paged_attention_ops
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention does beyond causal softmax(q.k * head_dim ** -0.5) v: the
+    model builds one per layer from its ModelArch, attention reads it."""
+
+    scale: float  # score multiplier: head_dim ** -0.5, or query_pre_attn_scalar ** -0.5 (Gemma)
+    sliding_window: int | None = None  # attends to its last W positions, its own included
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+
+
 @dataclass
 class PrefillSpan:
     query_start: int  # offset of this request's first query token in the flat batch
