@@ -60,16 +60,19 @@ def converts_here() -> bool:
     return gguf_blocks_ops() is not None
 
 
-def native_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> BlockQuantWeight:
-    """A 2-D tensor of GGUF type `kind` (one of CONVERTED_KINDS; `data` uint8 [rows, bytes per
-    row]) as blocks the native matmul reads. The compiled kernel reads the bytes of every
+def native_blocks(kind: str, data: np.ndarray, shape: tuple[int, ...]) -> BlockQuantWeight:
+    """A tensor of GGUF type `kind` (one of CONVERTED_KINDS; `data` uint8 [*shape[:-1], bytes
+    per row]) as blocks the native matmul reads. The compiled kernel reads the bytes of every
     same-code type and of the K types; the IQ and TQ types quantized again are decoded by gguf
-    first, a chunk of rows at a time, and their float weights quantized again by the kernel."""
+    first, a chunk of rows at a time, and their float weights quantized again by the kernel.
+    Blocks never cross a row, so a 3-D tensor (a mixture of experts' [E, N, K]) converts as
+    its E * N rows: the result is [E * N, K], expert e's rows the e-th N."""
     ops = gguf_blocks_ops()
     if ops is None:
         raise RuntimeError("converting GGUF blocks needs loom's compiled gguf_blocks.cpp")
     native = SAME_CODES.get(kind, "Q8_0")
-    rows, cols = shape
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    data = data.reshape(rows, -1)
     if kind not in QUANTIZED_AGAIN or kind in ops.kinds:  # the kernel reads the bytes
         return BlockQuantWeight(torch.from_numpy(ops.native_blocks(data, kind, cols)), native)
     from gguf import GGMLQuantizationType

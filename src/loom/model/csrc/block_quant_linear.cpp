@@ -568,10 +568,469 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor panels,
   return out;
 }
 
+// ---- Mixture-of-experts layers (loom.model.moe) ---------------------------------------------
+//
+// One call per MoE layer and step: routing, then every expert that has tokens, then the
+// weighted sum, with the tiles above on the same panel records, so each token reads only its
+// chosen experts' weights, in their quantized blocks. Steps of the call:
+// 1. Route (a loop over tokens): per token the top_k experts by router logit, ties to the lower
+//    expert id, each weighted by the softmax over all the logits at its own, divided by the
+//    sum of the chosen ones' where `normalize` (Mixtral, Qwen3-MoE; Mixtral's softmax over the
+//    top-k logits is the same weights). The tokens are then grouped by expert, in token order:
+//    an expert's rows.
+// 2. Its rows' inputs (a loop over tokens): each token's x quantized once per code width the
+//    int8 tiles need (quantize_row), then copied to its experts' rows; the shared expert's
+//    gate, sigmoid(x . g), where there is one.
+// 3. gate_up -> SiLU(gate) * up (a loop over units of one expert's panel pairs): an expert's
+//    gate_up panels come interleaved, gate panel p then up panel p, so a pair's 16 outputs are
+//    8 gate and the same channels' 8 up, and only SiLU * up is stored ([rows, I]). Its unit
+//    also quantizes the blocks it wrote, where the expert's down runs on the int8 path.
+// 4. down and the weighted sum (a loop over runs of output pairs): a unit takes its pairs of
+//    every expert in turn, so one thread sums each output, in expert order (routed by id, the
+//    shared one last): the same result whatever the thread count.
+// An expert of n rows takes the int8 path where n <= the int8 row limit of its code width (as
+// a dense layer does, by each matrix's code width), else the fp32 one. The shared expert
+// (Qwen2-MoE's) is one more expert every token takes, with its own sizes and weight.
+#ifdef LOOM_HAVE_AVX2
+namespace moe {
+
+constexpr int64_t record_bytes(int bits) { return bits == 4 ? kRecord4 : kRecord8; }
+
+// Rows of activations as quantize_row leaves them, for int_tile.
+struct QuantRows {
+  int8_t* q = nullptr;  // [rows, 2K]
+  float* scale = nullptr;  // [rows, K / 32], likewise sum and centre
+  float* sum = nullptr;
+  float* centre = nullptr;
+};
+
+// One expert's part of a call.
+struct Job {
+  const uint8_t* gate_up;  // its interleaved pairs: I / 8 of them, K = H
+  const uint8_t* down;     // its H / 16 pairs, K = I
+  int gu_bits, down_bits;
+  int64_t inter, rows;
+  const int64_t* token;  // [rows]: each row's token
+  const float* weight;   // [rows]: each row's weight in its token's sum
+  bool gu_int8, down_int8;
+  const float* x = nullptr;  // [rows, H]: fp32 gate_up inputs (x itself for the shared one)
+  float* x_rows = nullptr;   // a routed expert's copy of them
+  QuantRows qx;              // int8 gate_up inputs
+  float* act = nullptr;      // [rows, I]
+  QuantRows qa;              // int8 down inputs
+};
+
+// Bump allocation from one buffer per element type, sized by a first pass that only counts.
+template <typename T>
+struct Arena {
+  std::vector<T> data;
+  int64_t used = 0;
+  T* take(int64_t n) {
+    T* p = data.empty() ? nullptr : data.data() + used;
+    used += n;
+    return p;
+  }
+  void allocate() {
+    data.assign(used, T());
+    used = 0;
+  }
+};
+
+template <int Bits>
+static void quantize_rows(const float* x, int64_t rows, int64_t K, const QuantRows& q) {
+  const int64_t nb = K / kQuantBlock;
+  for (int64_t r = 0; r < rows; ++r)
+    quantize_row<Bits>(x + r * K, K, q.q + r * 2 * K, q.scale + r * nb, q.sum + r * nb,
+                       q.centre + r * nb);
+}
+
+static QuantRows take_quant_rows(Arena<int8_t>& bytes, Arena<float>& floats, int64_t rows,
+                                 int64_t K) {
+  const int64_t nb = K / kQuantBlock;
+  return {bytes.take(rows * 2 * K), floats.take(rows * nb), floats.take(rows * nb),
+          floats.take(rows * nb)};
+}
+
+static void copy_quant_row(const QuantRows& from, int64_t i, const QuantRows& to, int64_t j,
+                           int64_t K) {
+  const int64_t nb = K / kQuantBlock;
+  std::memcpy(to.q + j * 2 * K, from.q + i * 2 * K, 2 * K);
+  std::memcpy(to.scale + j * nb, from.scale + i * nb, nb * 4);
+  std::memcpy(to.sum + j * nb, from.sum + i * nb, nb * 4);
+  std::memcpy(to.centre + j * nb, from.centre + i * nb, nb * 4);
+}
+
+// Rows [0, n) of one panel pair (16 channels, K inputs) in tiles, each into tile [rows, 16]
+// and handed to emit(first row, rows, tile): int8 tiles from q, or fp32 ones from x, which
+// decode the pair into w [K, 16] as fp32_path does. `ahead`: the pair a thread computes
+// next, prefetched by the first int8 tile (as int8_path does).
+template <int Bits, typename Emit>
+static void pair_rows(const uint8_t* pair, int64_t nb, int64_t K, int64_t n, bool int8,
+                      const float* x, const QuantRows& q, float* w, const uint8_t* ahead,
+                      const Emit& emit) {
+  constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
+  alignas(32) float tile[kTileRows * 16];
+  if (int8) {
+    for (int64_t r = 0; r < n; r += kIntTileRows) {
+      const int64_t i = r * nb, rows = std::min<int64_t>(kIntTileRows, n - r);
+      const int8_t* qx = q.q + r * 2 * K;
+      for (int64_t half = 0; half < 2; ++half) {
+        const uint8_t* prefetch =
+            r == 0 && ahead != nullptr ? ahead + half * nb * record : nullptr;
+#define LOOM_TILE(R)                                                                    \
+  int_tile<Bits, R>(pair + half * nb * record, nb, qx, q.scale + i, q.sum + i, q.centre + i, \
+                    K, tile + 8 * half, 16, nullptr, prefetch)
+        switch (rows) {
+          case 4: LOOM_TILE(4); break;
+          case 3: LOOM_TILE(3); break;
+          case 2: LOOM_TILE(2); break;
+          default: LOOM_TILE(1); break;
+        }
+#undef LOOM_TILE
+      }
+      emit(r, rows, tile);
+    }
+    return;
+  }
+  int64_t r = n % kTileRows;
+  if (r > 0) {
+    decoding_rows<Bits>(r, pair, nb, w, x, K, tile, 16, nullptr);
+    emit(0, r, tile);
+  } else {
+    decode_panel<Bits>(pair, nb, 0, w);
+    decode_panel<Bits>(pair + nb * record, nb, 1, w);
+  }
+  for (; r < n; r += kTileRows) {
+    panel_tile<kTileRows>(x + r * K, K, w, tile, 16, nullptr);
+    emit(r, kTileRows, tile);
+  }
+}
+
+template <typename Emit>
+static void pair_rows_of(int bits, const uint8_t* pair, int64_t nb, int64_t K, int64_t n,
+                         bool int8, const float* x, const QuantRows& q, float* w,
+                         const uint8_t* ahead, const Emit& emit) {
+  if (bits == 4)
+    pair_rows<4>(pair, nb, K, n, int8, x, q, w, ahead, emit);
+  else
+    pair_rows<8>(pair, nb, K, n, int8, x, q, w, ahead, emit);
+}
+
+static void quantize_rows_of(int bits, const float* x, int64_t rows, int64_t K,
+                             const QuantRows& q) {
+  if (bits == 4)
+    quantize_rows<4>(x, rows, K, q);
+  else
+    quantize_rows<8>(x, rows, K, q);
+}
+
+// Past this e^-g overflows float32: -ffast-math assumes no infinities, so silu and the
+// sigmoid gate take the limit (0) there instead of dividing by one.
+constexpr float kExpLimit = 87.0f;
+
+static inline float silu(float g) { return g < -kExpLimit ? 0.0f : g / (1.0f + std::exp(-g)); }
+
+// The top k of E logits, highest first, ties to the lower id; their softmax weights.
+static void route(const float* logits, int64_t E, int64_t k, bool normalize, int64_t* ids,
+                  float* weights) {
+  int64_t n = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const float v = logits[e];
+    if (n == k && !(v > logits[ids[k - 1]])) continue;  // not above the last: it stays
+    if (n < k) ++n;
+    int64_t i = n - 1;
+    for (; i > 0 && v > logits[ids[i - 1]]; --i) ids[i] = ids[i - 1];
+    ids[i] = e;
+  }
+  float top = logits[ids[0]], total = 0.0f;
+  for (int64_t e = 0; e < E; ++e) total += std::exp(logits[e] - top);
+  float chosen = 0.0f;
+  for (int64_t j = 0; j < k; ++j) chosen += weights[j] = std::exp(logits[ids[j]] - top) / total;
+  if (normalize)
+    for (int64_t j = 0; j < k; ++j) weights[j] /= chosen;
+}
+
+struct Matrices {  // one expert's panels, or E experts' stacked
+  const uint8_t* gate_up;
+  const uint8_t* down;
+  int gu_bits, down_bits;
+  int64_t inter;
+  int64_t gu_stride, down_stride;  // bytes from one expert to the next
+};
+
+static Matrices matrices(const torch::Tensor& gate_up, const torch::Tensor& down) {
+  const int64_t d = gate_up.dim();
+  const int gu_bits = gate_up.size(d - 1) == kRecord4 ? 4 : 8;
+  const int down_bits = down.size(d - 1) == kRecord4 ? 4 : 8;
+  const int64_t inter = gate_up.size(d - 3) * kPanel / 2;
+  return {gate_up.data_ptr<uint8_t>(), down.data_ptr<uint8_t>(), gu_bits, down_bits, inter,
+          inter / kPanel * 2 * gate_up.size(d - 2) * record_bytes(gu_bits),
+          down.size(d - 3) * down.size(d - 2) * record_bytes(down_bits)};
+}
+
+static void run(const float* xp, int64_t T, int64_t H, const float* logits, int64_t E,
+                int64_t k, bool normalize, const Matrices& routed, const Matrices* shared,
+                const float* shared_gate, int64_t int8_rows_4bit, int64_t int8_rows_8bit,
+                float* out) {
+  const auto int8_rows = [&](int bits) { return bits == 4 ? int8_rows_4bit : int8_rows_8bit; };
+  const int64_t nbH = H / kQuantBlock;
+  // 1. routing
+  std::vector<int64_t> ids(T * k);
+  std::vector<float> weights(T * k);
+  parallel_dynamic(T, [&](std::atomic<int64_t>& next) {
+    for (int64_t t; (t = next++) < T;)
+      route(logits + t * E, E, k, normalize, ids.data() + t * k, weights.data() + t * k);
+  });
+  std::vector<int64_t> count(E, 0), first(E + 1, 0), local(T * k);
+  for (int64_t i = 0; i < T * k; ++i) local[i] = count[ids[i]]++;
+  for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + count[e];
+  std::vector<int64_t> token(T * k + (shared ? T : 0));
+  std::vector<float> weight(token.size());
+  for (int64_t i = 0; i < T * k; ++i) {
+    token[first[ids[i]] + local[i]] = i / k;
+    weight[first[ids[i]] + local[i]] = weights[i];
+  }
+  std::vector<Job> jobs;
+  std::vector<int64_t> job_of(E, -1);
+  for (int64_t e = 0; e < E; ++e) {
+    if (count[e] == 0) continue;
+    job_of[e] = static_cast<int64_t>(jobs.size());
+    jobs.push_back({routed.gate_up + e * routed.gu_stride, routed.down + e * routed.down_stride,
+                    routed.gu_bits, routed.down_bits, routed.inter, count[e],
+                    token.data() + first[e], weight.data() + first[e],
+                    count[e] <= int8_rows(routed.gu_bits),
+                    count[e] <= int8_rows(routed.down_bits)});
+  }
+  if (shared) {
+    for (int64_t t = 0; t < T; ++t) token[T * k + t] = t;
+    jobs.push_back({shared->gate_up, shared->down, shared->gu_bits, shared->down_bits,
+                    shared->inter, T, token.data() + T * k, weight.data() + T * k,
+                    T <= int8_rows(shared->gu_bits), T <= int8_rows(shared->down_bits)});
+  }
+  // Buffers: each token's quantized x per code width the int8 gate_up tiles need, the
+  // routed experts' rows of x (fp32 or quantized), every expert's SiLU * up (and its
+  // quantized rows for int8 down tiles).
+  bool quantized_tokens[2] = {false, false};  // 4-bit, 8-bit layouts
+  for (const Job& job : jobs)
+    if (job.gu_int8) quantized_tokens[job.gu_bits == 8] = true;
+  Arena<int8_t> bytes;
+  Arena<float> floats;
+  QuantRows tokens_q[2];
+  int64_t inter_max = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int b = 0; b < 2; ++b)
+      if (quantized_tokens[b]) tokens_q[b] = take_quant_rows(bytes, floats, T, H);
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      Job& job = jobs[j];
+      const bool is_shared = shared && j + 1 == jobs.size();
+      if (job.gu_int8)
+        job.qx = is_shared ? tokens_q[job.gu_bits == 8]
+                           : take_quant_rows(bytes, floats, job.rows, H);
+      else if (is_shared)
+        job.x = xp;
+      else
+        job.x = job.x_rows = floats.take(job.rows * H);
+      job.act = floats.take(job.rows * job.inter);
+      if (job.down_int8) job.qa = take_quant_rows(bytes, floats, job.rows, job.inter);
+      inter_max = std::max(inter_max, job.inter);
+    }
+    if (pass == 0) {
+      bytes.allocate();
+      floats.allocate();
+    }
+  }
+  // 2. the rows' inputs
+  parallel_dynamic(T, [&](std::atomic<int64_t>& next) {
+    for (int64_t t; (t = next++) < T;) {
+      const float* xt = xp + t * H;
+      for (int b = 0; b < 2; ++b)
+        if (quantized_tokens[b]) {
+          const QuantRows& q = tokens_q[b];
+          (b == 0 ? quantize_row<4> : quantize_row<8>)(
+              xt, H, q.q + t * 2 * H, q.scale + t * nbH, q.sum + t * nbH, q.centre + t * nbH);
+        }
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t i = t * k + j;
+        const Job& job = jobs[job_of[ids[i]]];
+        if (job.gu_int8)
+          copy_quant_row(tokens_q[job.gu_bits == 8], t, job.qx, local[i], H);
+        else
+          std::memcpy(job.x_rows + local[i] * H, xt, H * 4);
+      }
+      if (shared) {
+        float gate = 1.0f;
+        if (shared_gate != nullptr) {
+          float dot = 0.0f;
+          for (int64_t c = 0; c < H; ++c) dot += xt[c] * shared_gate[c];
+          gate = dot < -kExpLimit ? 0.0f : 1.0f / (1.0f + std::exp(-dot));
+        }
+        weight[T * k + t] = gate;
+      }
+    }
+  });
+  // 3. gate_up -> SiLU * up. Units: (job, a run of 32-channel blocks of its I), as long as
+  // the int8 path's units where the expert is on it, one block where it is on the fp32 one.
+  struct Unit {
+    int64_t job, begin, end;  // blocks of 32 intermediate channels: 4 pairs each
+  };
+  std::vector<Unit> units;
+  const int64_t int8_blocks = std::max<int64_t>(1, kUnitWeights / (2 * kQuantBlock * H));
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const int64_t blocks = jobs[j].inter / kQuantBlock, step = jobs[j].gu_int8 ? int8_blocks : 1;
+    for (int64_t b = 0; b < blocks; b += step)
+      units.push_back({static_cast<int64_t>(j), b, std::min(blocks, b + step)});
+  }
+  const int64_t num_units = static_cast<int64_t>(units.size());
+  const auto gu_pair = [&](const Unit& unit, int64_t i) {  // pair i of the unit
+    const Job& job = jobs[unit.job];
+    return job.gate_up + (4 * unit.begin + i) * 2 * nbH * record_bytes(job.gu_bits);
+  };
+  parallel_dynamic(num_units, [&](std::atomic<int64_t>& next) {
+    float* w = static_cast<float*>(std::aligned_alloc(64, H * 16 * 4));
+    for (int64_t u = next++, following; u < num_units; u = following) {
+      following = next++;
+      const Unit& unit = units[u];
+      const Job& job = jobs[unit.job];
+      const int64_t I = job.inter;
+      for (int64_t i = 0; i < 4 * (unit.end - unit.begin); ++i) {
+        const int64_t channel = 8 * (4 * unit.begin + i);
+        const uint8_t* ahead =
+            following < num_units && i < 4 * (units[following].end - units[following].begin)
+                ? gu_pair(units[following], i)
+                : nullptr;
+        pair_rows_of(job.gu_bits, gu_pair(unit, i), nbH, H, job.rows, job.gu_int8, job.x,
+                     job.qx, w, ahead, [&](int64_t r, int64_t rows, const float* tile) {
+                       for (int64_t j = 0; j < rows; ++j) {
+                         float* a = job.act + (r + j) * I + channel;
+                         const float* g = tile + 16 * j;
+                         for (int c = 0; c < 8; ++c) a[c] = silu(g[c]) * g[8 + c];
+                       }
+                     });
+      }
+      if (job.down_int8) {
+        const int64_t nbI = I / kQuantBlock, b = unit.begin;
+        const QuantRows& q = job.qa;
+        for (int64_t r = 0; r < job.rows; ++r)
+          quantize_rows_of(job.down_bits, job.act + r * I + b * kQuantBlock, 1,
+                           (unit.end - b) * kQuantBlock,
+                           {q.q + r * 2 * I + 2 * b * kQuantBlock, q.scale + r * nbI + b,
+                            q.sum + r * nbI + b, q.centre + r * nbI + b});
+      }
+    }
+    std::free(w);
+  });
+  // 4. down and the weighted sum. Units: runs of the output's H / 16 pairs, as long as the
+  // int8 path's, but at least kUnitsPerThread a thread.
+  const int64_t pairs = H / 16;
+  const int64_t per_unit = std::max<int64_t>(
+      1, std::min<int64_t>(kUnitWeights / (2 * kPanel * inter_max),
+                           pairs / (kUnitsPerThread * at::get_num_threads())));
+  const int64_t down_units = (pairs + per_unit - 1) / per_unit;
+  const auto down_pair = [&](const Job& job, int64_t p) {
+    return job.down + p * 2 * (job.inter / kQuantBlock) * record_bytes(job.down_bits);
+  };
+  parallel_dynamic(down_units, [&](std::atomic<int64_t>& next) {
+    float* w = static_cast<float*>(std::aligned_alloc(64, inter_max * 16 * 4));
+    for (int64_t u = next++, following; u < down_units; u = following) {
+      following = next++;
+      const int64_t begin = u * per_unit, end = std::min(pairs, begin + per_unit);
+      for (size_t j = 0; j < jobs.size(); ++j) {
+        const Job& job = jobs[j];
+        const Job* next_job = j + 1 < jobs.size() ? &jobs[j + 1] : nullptr;
+        for (int64_t p = begin; p < end; ++p) {
+          // prefetched: this pair of the next expert, or of the first in the next unit
+          const int64_t ahead_pair = next_job ? p : following * per_unit + (p - begin);
+          const uint8_t* ahead =
+              next_job ? down_pair(*next_job, ahead_pair)
+              : following < down_units && ahead_pair < pairs ? down_pair(jobs[0], ahead_pair)
+                                                             : nullptr;
+          pair_rows_of(job.down_bits, down_pair(job, p), job.inter / kQuantBlock, job.inter,
+                       job.rows, job.down_int8, job.act, job.qa, w, ahead,
+                       [&](int64_t r, int64_t rows, const float* tile) {
+                         for (int64_t i = 0; i < rows; ++i) {
+                           float* o = out + job.token[r + i] * H + 16 * p;
+                           const __m256 scale = _mm256_set1_ps(job.weight[r + i]);
+                           for (int half = 0; half < 2; ++half)
+                             _mm256_storeu_ps(o + 8 * half, _mm256_fmadd_ps(
+                                 scale, _mm256_loadu_ps(tile + 16 * i + 8 * half),
+                                 _mm256_loadu_ps(o + 8 * half)));
+                         }
+                       });
+        }
+      }
+    }
+    std::free(w);
+  });
+}
+
+}  // namespace moe
+#endif
+
+// x [T, H] float32, logits [T, E] float32; gate_up uint8 [E, I / 4, H / 32, record] (each
+// expert's gate and up panels interleaved: gate panel p, up panel p), down uint8 [E, H / 8,
+// I / 32, record]; the shared expert's the same without E, shared_gate float32 [H] (or none:
+// weight 1). The experts' SiLU-gated MLPs summed by their router weights -> [T, H].
+torch::Tensor moe_experts(torch::Tensor x, torch::Tensor logits, int64_t top_k, bool normalize,
+                          torch::Tensor gate_up, torch::Tensor down,
+                          c10::optional<torch::Tensor> shared_gate_up,
+                          c10::optional<torch::Tensor> shared_down,
+                          c10::optional<torch::Tensor> shared_gate, int64_t int8_rows_4bit,
+                          int64_t int8_rows_8bit) {
+  TORCH_CHECK(supported(), "moe_experts needs a CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 16 == 0,
+              "x must be [tokens, H] float32, H a multiple of 16");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(0) == T,
+              "logits must be [tokens, experts] float32");
+  const int64_t E = logits.size(1);
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k must be between 1 and the expert count");
+  const auto check = [&](const torch::Tensor& gu, const torch::Tensor& dn, int64_t dims,
+                         const char* what) {
+    const auto record_ok = [](const torch::Tensor& t) {
+      return t.size(-1) == kRecord4 || t.size(-1) == kRecord8;
+    };
+    TORCH_CHECK(gu.dim() == dims && dn.dim() == dims && gu.scalar_type() == at::kByte &&
+                    dn.scalar_type() == at::kByte && gu.is_contiguous() && dn.is_contiguous() &&
+                    record_ok(gu) && record_ok(dn),
+                what, " panels must be contiguous uint8 with 4-bit or 8-bit records");
+    const int64_t inter = gu.size(-3) * kPanel / 2;
+    TORCH_CHECK(gu.size(-3) % 8 == 0 && gu.size(-2) * kQuantBlock == H &&
+                    dn.size(-3) * kPanel == H && dn.size(-2) * kQuantBlock == inter,
+                what, " panels must be gate_up [I / 4, H / 32, record] and down [H / 8, I / 32, "
+                "record], I a multiple of 32");
+    if (dims == 4)
+      TORCH_CHECK(gu.size(0) == E && dn.size(0) == E, what, " panels must hold every expert");
+  };
+  check(gate_up, down, 4, "the experts'");
+  TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value(),
+              "a shared expert needs both its gate_up and down panels");
+  if (shared_gate_up.has_value()) check(*shared_gate_up, *shared_down, 3, "the shared expert's");
+  TORCH_CHECK(!shared_gate.has_value() ||
+                  (shared_gate_up.has_value() && shared_gate->numel() == H &&
+                   shared_gate->scalar_type() == at::kFloat),
+              "shared_gate must be float32 [H], with a shared expert");
+  auto out = torch::zeros({T, H}, x.options());
+  if (T == 0) return out;
+#ifdef LOOM_HAVE_AVX2
+  x = x.contiguous();
+  logits = logits.contiguous();
+  const torch::Tensor gate = shared_gate.has_value() ? shared_gate->contiguous() : torch::Tensor();
+  const moe::Matrices routed = moe::matrices(gate_up, down);
+  moe::Matrices shared_matrices{};
+  if (shared_gate_up.has_value()) shared_matrices = moe::matrices(*shared_gate_up, *shared_down);
+  moe::run(x.data_ptr<float>(), T, H, logits.data_ptr<float>(), E, top_k, normalize, routed,
+           shared_gate_up.has_value() ? &shared_matrices : nullptr,
+           shared_gate.has_value() ? gate.data_ptr<float>() : nullptr, int8_rows_4bit,
+           int8_rows_8bit, out.data_ptr<float>());
+#endif
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: the HTTP server's event loop runs on while a step's matmuls do.
   m.def("block_quant_linear", &block_quant_linear, py::call_guard<py::gil_scoped_release>());
   m.def("panels_from_blocks", &panels_from_blocks, py::call_guard<py::gil_scoped_release>());
+  m.def("moe_experts", &moe_experts, py::call_guard<py::gil_scoped_release>());
   m.def("supported", &supported);
   LOOM_POOL_BINDINGS(m);
 }
