@@ -6,6 +6,7 @@ read back as the per-expert weights they were written from."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import gguf
@@ -33,6 +34,9 @@ from loom.model.moe import (
 )
 from loom.model.requant import SAME_CODES, converts_here, native_blocks
 from loom.model.weights import BlockQuantWeight
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import synthetic_gguf  # noqa: E402 - the benchmark's writer of model-shaped files
 
 pytestmark = pytest.mark.unit
 
@@ -466,3 +470,65 @@ def test_a_gguf_layer_without_experts_is_named(tmp_path: Path) -> None:
     del tensors["blk.0.ffn_down_exps.weight"]
     with pytest.raises(ValueError, match="ffn_down_exps"):
         moe_from_gguf(tensors, 0, Routing(4, 2, False), ops)
+
+
+# -- benchmarks/synthetic_gguf.py's mixtures of experts ---------------------------------------
+
+def write_reference(path: Path) -> None:
+    """A Llama GGUF with a 40-token vocabulary and no weights: what the synthetic file takes
+    its tokenizer and settings from."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.context_length", 512)
+    writer.add_uint32("llama.embedding_length", 8)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(40)])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "llama"])
+def test_synthetic_gguf_writes_the_architectures_tensors(arch: str, tmp_path: Path) -> None:
+    """The file names its keys after its architecture (the reference's taken over, the sizes
+    its own), holds the tensors llama.cpp's loader of the architecture asks for, and loom
+    builds each layer's experts from them."""
+    write_reference(tmp_path / "ref.gguf")
+    moe = arch != "llama"
+    shape = synthetic_gguf.Shape(arch, hidden=64, ffn=32 if arch == "olmoe" else 96, layers=2,
+                            heads=4, kv_heads=2, head_dim=32 if arch == "qwen3moe" else 16,
+                            experts=8 if moe else 0, experts_used=2 if moe else 0,
+                            expert_ffn=32 if moe else 0)
+    synthetic_gguf.write(shape, str(tmp_path / "ref.gguf"), str(tmp_path / "out.gguf"))
+    out = read_gguf(tmp_path / "out.gguf")
+    meta, tensors = out.metadata, {t.name: t for t in out.tensors}
+    assert meta["general.architecture"] == arch and len(meta["tokenizer.ggml.tokens"]) == 40
+    assert meta[f"{arch}.context_length"] == 512 and meta[f"{arch}.embedding_length"] == 64
+    assert arch == "llama" or not any(key.startswith("llama.") for key in meta)
+    q = shape.heads * shape.head_dim
+    assert tensors["blk.1.attn_q.weight"].shape == (q, 64)
+    assert tensors["token_embd.weight"].shape == (40, 64)
+    assert ("output.weight" in tensors) == moe
+    if not moe:
+        assert tensors["blk.1.ffn_down.weight"].shape == (64, 96)
+        return
+    assert meta[f"{arch}.expert_count"] == 8 and meta[f"{arch}.expert_used_count"] == 2
+    assert meta[f"{arch}.expert_feed_forward_length"] == 32
+    norm = (32,) if arch == "qwen3moe" else (q,)  # per head, or over the whole projection
+    assert tensors["blk.0.attn_q_norm.weight"].shape == norm
+    assert tensors["blk.1.ffn_gate_exps.weight"].shape == (8, 32, 64)
+    assert tensors["blk.1.ffn_down_exps.weight"].kind == "F16"
+    for layer in range(2):
+        block = moe_from_gguf(tensors, layer, Routing(8, 2, True), ops)
+        assert block(torch.randn(3, 64)).isfinite().all()
+
+
+def test_synthetic_gguf_refuses_shapes_llama_cpp_would_not_load() -> None:
+    with pytest.raises(ValueError, match="--expert-ffn"):
+        synthetic_gguf.Shape("olmoe", 64, 64, 1, 4, 4, 16, experts=8, experts_used=2, expert_ffn=32)
+    with pytest.raises(ValueError, match="--experts-used"):
+        synthetic_gguf.Shape("qwen3moe", 64, 64, 1, 4, 4, 16, experts=8, experts_used=9,
+                        expert_ffn=32)
+    with pytest.raises(ValueError, match="no experts"):
+        synthetic_gguf.Shape("llama", 64, 64, 1, 4, 4, 16, experts=8)
