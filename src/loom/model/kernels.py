@@ -8,7 +8,9 @@ Three places where torch has no good CPU primitive:
   AVX2 path (far slower than fp32 here), and its dynamic int8 matmul quantizes activations per
   tensor, which cost this model half its top-1 agreement. `csrc/block_quant_linear.cpp`
   computes with the file's own codes: decode-sized steps with activations split into two int8
-  parts per block of 32 (integer dot products), larger ones in fp32.
+  parts per block of 32 (integer dot products), larger ones in fp32. The same extension
+  runs a mixture-of-experts layer's chosen experts in one call (model/moe.py), on the same
+  tiles.
 - the elementwise glue between matmuls (residual add + RMSNorm, SiLU * up): torch runs an
   RMSNorm as about eight ops. `csrc/fused_ops.cpp` makes each one pass.
 And one at load: `csrc/gguf_blocks.cpp` converts the GGUF types the block-quantized matmul does

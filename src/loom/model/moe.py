@@ -8,20 +8,20 @@ expert that every token takes, scaled by sigmoid(x . g).
     w      = softmax(logits)[ids]                      (/ their sum where `normalize`)
     y      = sum_j w_j * down_e(silu(gate_e x) * up_e x), e = ids_j   (+ shared expert)
 
-The families differ only in `normalize`: Mixtral divides by the chosen weights' sum (its
-transformers code takes softmax over all E, top-k, then divides, which is the softmax over the
-top-k logits), Qwen3-MoE, OLMoE and Qwen2-MoE iff their config's norm_topk_prob. transformers
+The families' routing differs only in `normalize`: Mixtral divides by the chosen weights' sum
+(its transformers code takes softmax over all E, top-k, then divides, which is the softmax over
+the top-k logits), Qwen3-MoE, OLMoE and Qwen2-MoE iff their config's norm_topk_prob. transformers
 picks with torch.topk, whose order among equal scores is unspecified (on a CPU it returned the
 higher ids first); here ties go to the lower expert id, in both paths below.
 
-Two ways to compute, one result:
+Two ways to compute the same sums:
 - **native** (csrc/block_quant_linear.cpp `moe_experts`, a GGUF's block-quantized experts on an
   AVX2 CPU): one call per layer and step does the routing, every chosen expert's gate_up ->
   SiLU * up -> down on its panels (the dense kernel's layout and tiles) and the weighted sum.
   Tokens are grouped by expert, so a decode step reads only its tokens' chosen experts, and a
   prefill step each chosen expert once for all its tokens; an expert with few tokens runs on
   the int8 path, one with many on the fp32 one, by the dense layers' rule (INT8_MAX_ROWS).
-- **torch** (`reference`): the same sums with torch ops, a loop over the chosen experts: for
+- **torch** (`reference`): torch ops, a loop over the chosen experts: for
   machines without the compiled kernel, for fp32 weights (a Hugging Face folder, an F16
   GGUF), and the tests' oracle.
 
