@@ -22,7 +22,7 @@ from model_fixtures import (
 )
 
 from loom.model.arch import ModelLoadError
-from loom.model.llama import LlamaModel, rope_inv_freq
+from loom.model.decoder import DecoderModel, rope_inv_freq
 from loom.model.loader import load_model
 from loom.model.weights import LazyWeights
 
@@ -184,7 +184,7 @@ def test_missing_weights_are_named(tmp_path, hf_folder):
     save_file(weights, str(folder / "model.safetensors"))
     loaded = load_model(str(folder))
     with pytest.raises(ModelLoadError, match=r"missing 1 tensors.*layers\.1\.mlp\.up_proj"):
-        LlamaModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"))
+        DecoderModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.integration
@@ -194,7 +194,7 @@ def test_unsupported_rope_scaling_is_named(tmp_path, hf_folder):
                                          "factor": 4.0})
     loaded = load_model(str(folder))
     with pytest.raises(ModelLoadError, match=r"unsupported rope_scaling type 'yarn'"):
-        LlamaModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"))
+        DecoderModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"))
 
 
 # -- what the loader reads --------------------------------------------------------------------
