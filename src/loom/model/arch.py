@@ -248,13 +248,15 @@ def _gguf_sliding(meta: Mapping[str, Any], p: str, arch_name: str, num_layers: i
     else:
         every = pattern or _GGUF_FULL_EVERY.get(arch_name)
         sliding = [every is None or i % every < every - 1 for i in range(num_layers)]
-    return _layer_types(sliding), window
+    return _layer_types(sliding, window)
 
 
-def _layer_types(sliding: list[bool]) -> tuple[str, ...] | None:
+def _layer_types(sliding: list[bool], window: int
+                 ) -> tuple[tuple[str, ...] | None, int | None]:
+    """(layer_types, sliding_window), both None where no layer slides."""
     if not any(sliding):
-        return None
-    return tuple("sliding_attention" if s else "full_attention" for s in sliding)
+        return None, None
+    return tuple("sliding_attention" if s else "full_attention" for s in sliding), window
 
 
 def _gguf_rope_scaling(tensors: Mapping[str, GGUFTensor], meta: Mapping[str, Any], p: str
@@ -444,7 +446,7 @@ def _hf_sliding(config: Mapping[str, Any], family: str, num_layers: int
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ModelLoadError(f"config.json: sliding_window must be a positive integer, got "
                              f"{window!r}")
-    return _layer_types(sliding), window
+    return _layer_types(sliding, window)
 
 
 def _hf_nope_layers(config: Mapping[str, Any], family: str, num_layers: int) -> tuple[int, ...]:
