@@ -380,7 +380,7 @@ def _hf_rope(config: Mapping[str, Any], family: str) -> _HFRope:
         if "rope_local_base_freq" in config:
             local = {"rope_theta": config["rope_local_base_freq"]}
     kind = full.get("rope_type", full.get("type", "default"))
-    if kind in ("su", "yarn") and family == "phi3":  # transformers reads Phi-3's old names so
+    if kind in ("su", "yarn") and family == "phi3":  # Phi-3's old names, as transformers reads them
         kind = "longrope"
     if local.get("rope_type", "default") != "default":
         raise ModelLoadError(f"unsupported rope type {local['rope_type']!r} on sliding layers")
