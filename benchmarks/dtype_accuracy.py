@@ -2,7 +2,7 @@
 activations, as `--dtype bfloat16` does).
 
 Teacher-forced: six fixed passages (prose, code, a list, a chat exchange in the model's chat
-template, science, a dialogue) go through loom's own model (`LlamaModel.forward` over the
+template, science, a dialogue) go through loom's own model (`DecoderModel.forward` over the
 flat batch, as the engine's prefill runs it, then `compute_logits`) in both dtypes; over
 every position it reports top-1 agreement, mean and max KL(fp32 || bf16) of the next-token
 distributions, and the perplexity of the passage under each dtype.
@@ -31,7 +31,7 @@ import torch
 
 from loom import LLM, SamplingParams
 from loom.model.attention import AttentionMetadata, PrefillSpan, new_kv_cache
-from loom.model.llama import LlamaModel
+from loom.model.decoder import DecoderModel
 from loom.model.tokenizer import Tokenizer
 
 DTYPES = ("float32", "bfloat16")
@@ -186,7 +186,7 @@ def encode(tokenizer: Tokenizer, item: str | list[dict[str, str]], generation: b
 
 
 @torch.inference_mode()
-def passage_logits(model: LlamaModel, token_ids: list[int],
+def passage_logits(model: DecoderModel, token_ids: list[int],
                    kv_dtype: torch.dtype | None = None, prefill_bf16: bool = False
                    ) -> torch.Tensor:
     """[n, vocab] fp32 logits of every position, from one prefill of the whole passage into a

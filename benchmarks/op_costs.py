@@ -32,7 +32,7 @@ sys.path.insert(0, "benchmarks")
 from linear_layout import best_ms  # noqa: E402
 
 from loom.engine.output_delta import DeltaDecoder, DeltaEncoder  # noqa: E402
-from loom.model.attention import _chunk_causal_mask  # noqa: E402
+from loom.model.attention import _chunk_mask  # noqa: E402
 from loom.model.sampler import row_argmax  # noqa: E402
 from loom.outputs import CompletionOutput, RequestOutput, TokenLogprob  # noqa: E402
 
@@ -47,7 +47,7 @@ def ms(fn: Callable[[], object], repeats: int = 10) -> float:
 
 def prefill_attention() -> None:
     query_len, context_len, heads, kv_heads, dim = 512, 1024, 9, 3, 64
-    mask = _chunk_causal_mask(query_len, context_len, torch.device("cpu"))
+    mask = _chunk_mask(query_len, context_len, 0, None, torch.device("cpu"))
     print(f"prefill attention, {query_len} queries over {context_len} keys, one layer:")
     for dtype in (torch.float32, torch.bfloat16):
         q = torch.randn(1, heads, query_len, dim).to(dtype)

@@ -56,8 +56,8 @@ import torch
 
 from loom import LLM, SamplingParams
 from loom.bench.sysinfo import hardware
+from loom.model.decoder import DecoderModel
 from loom.model.linear import Linear, onednn_prepack_supported
-from loom.model.llama import LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # "auto": the engine's own choice on this CPU; on one with native bf16 that is float32 with the
@@ -146,7 +146,7 @@ def measure_matmuls(shapes: dict[str, tuple[int, int]], ms: list[int], square: i
 
 # -- the model --------------------------------------------------------------------------------
 
-def model_shapes(model: LlamaModel) -> dict[str, tuple[int, int]]:
+def model_shapes(model: DecoderModel) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection a decode step runs."""
     layer = model.layers[0]
     linears = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down,
@@ -154,7 +154,7 @@ def model_shapes(model: LlamaModel) -> dict[str, tuple[int, int]]:
     return {name: (lin.in_features, lin.out_features) for name, lin in linears.items()}
 
 
-def model_figures(model: LlamaModel, kv_dtype: torch.dtype) -> dict[str, Any]:
+def model_figures(model: DecoderModel, kv_dtype: torch.dtype) -> dict[str, Any]:
     """Parameters and bytes one decode step reads, independent of the batch; the KV cache's
     bytes at its own dtype (float16 by default on a CPU, whatever the model's)."""
     arch = model.arch
@@ -190,7 +190,7 @@ def model_figures(model: LlamaModel, kv_dtype: torch.dtype) -> dict[str, Any]:
 
 
 @torch.inference_mode()
-def measure_matmul_step(model: LlamaModel, batch: int, repeats: int) -> float:
+def measure_matmul_step(model: DecoderModel, batch: int, repeats: int) -> float:
     """Median seconds of just the matmuls of one decode step at batch B, on the model's own
     weights (so they stream from memory as in a real step): per layer qkv, o, gate_up, down,
     then lm_head."""

@@ -27,7 +27,7 @@ from loom.bench.server import LOOM_SERVE, LocalServer
 BUCKETS = [
     ("model: attention", "attention.py"),
     ("model: logits (lm_head)", "compute_logits"),
-    ("model: layers (matmuls, norms, rope)", "llama.py"),
+    ("model: layers (matmuls, norms, rope)", "decoder.py"),
     ("sampling", "sampling.py"),
     ("input preparation", "_prepare"),
     ("input preparation", "_paged_decodes"),

@@ -1,6 +1,7 @@
 """Shared helpers for the model-layer tests: tiny random-weight models of each supported family
-(saved as a Hugging Face folder and written as a GGUF file the way llama.cpp's converter does),
-and a way to run loom's model on hand-built steps and read back every token's logits.
+(saved as a Hugging Face folder and written as a GGUF file the way llama.cpp's converter does,
+or by the converter itself), and a way to run loom's model on hand-built steps and read back
+every token's logits.
 
 Nothing here downloads anything; the only real model is the bundled SmolLM2 GGUF.
 """
@@ -11,6 +12,8 @@ import contextlib
 import functools
 import json
 import math
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +25,8 @@ import torch
 from loom.core.batch import ScheduledRequest
 from loom.model.arch import default_model_path
 from loom.model.backends import Backends
+from loom.model.decoder import DecoderModel
 from loom.model.kernels import fused_ops
-from loom.model.llama import LlamaModel
 from loom.model.runner import ModelRunner
 from loom.model.weights import LoadedModel
 from loom.sampling import SamplingParams
@@ -63,10 +66,14 @@ class TinySpec:
     """One tiny random-weight model: a transformers config plus how to perturb its weights."""
 
     name: str
-    model_type: str  # llama | qwen2 | mistral
+    model_type: str  # a key of _CONFIG_CLASSES
     config: dict[str, Any] = field(hash=False)
     seed: int = 0
     extra_vocab: int = 0  # embedding rows beyond the tokenizer's vocabulary (padded, as Qwen2)
+    # the folder's tokenizer: "tiny" (tiny_tokenizer), "smollm" (the bundled model's vocabulary,
+    # one llama.cpp's converter recognises) or "spm" (tiny_tokenizer, plus a SentencePiece
+    # tokenizer.model for converters that read nothing else: Gemma 2's)
+    tokenizer: str = "tiny"
 
 
 _BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -97,6 +104,51 @@ TINY_SPECS = {
 }
 
 
+# The dense families beyond Llama's, each with what sets it apart switched on (and head_dim 64
+# where the native decode kernel could run it). Their converters accept only a vocabulary they
+# recognise, hence the "smollm" tokenizer (Gemma 2's only a SentencePiece one: "spm").
+_FAMILY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2,
+               num_key_value_heads=1, max_position_embeddings=256, rms_norm_eps=1e-5,
+               bos_token_id=0, eos_token_id=EOS_ID, pad_token_id=None)
+_WINDOW = 8  # Gemma's sliding window: the tests' contexts are a few windows long
+# Phi-3.5/4-mini style LongRoPE over a rotary 3/4 of a 64-dim head (24 frequencies)
+_LONG_FACTORS = [1.0 + 0.3 * i for i in range(24)]
+_SHORT_FACTORS = [1.0 + 0.02 * i for i in range(24)]
+
+FAMILY_SPECS = {
+    # q/k RMSNorm per head before RoPE, no bias
+    "qwen3": TinySpec("qwen3", "qwen3", dict(_FAMILY, head_dim=64, num_hidden_layers=2,
+                                             rope_theta=1e6, tie_word_embeddings=True),
+                      seed=11, tokenizer="smollm"),
+    # layer 3 of 4 without RoPE (no_rope_layer_interval 4); untied
+    "smollm3": TinySpec("smollm3", "smollm3", dict(_FAMILY, hidden_size=128, num_hidden_layers=4,
+                                                   rope_theta=2e6, tie_word_embeddings=False),
+                        seed=12, tokenizer="smollm"),
+    # fused qkv_proj and gate_up_proj, partial rotary, LongRoPE: original context 32 of 256,
+    # so loom (serving 256) and transformers (past 32 tokens) take the long factors
+    "phi3": TinySpec("phi3", "phi3", dict(
+        _FAMILY, hidden_size=128, num_key_value_heads=2, num_hidden_layers=2,
+        original_max_position_embeddings=32, tie_word_embeddings=False, sliding_window=None,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.75, "long_factor": _LONG_FACTORS,
+                         "short_factor": _SHORT_FACTORS}), seed=13, tokenizer="smollm"),
+    # sliding layer 0, global layer 1; attention and final softcaps small enough to bite
+    "gemma2": TinySpec("gemma2", "gemma2", dict(
+        _FAMILY, head_dim=32, num_hidden_layers=2, sliding_window=_WINDOW,
+        query_pre_attn_scalar=32, attn_logit_softcapping=3.0, final_logit_softcapping=5.0),
+        seed=14, tokenizer="spm"),
+    # five sliding layers (local RoPE base 1e4) and a global one (base 1e6, linear scaling 8);
+    # q/k norms
+    "gemma3": TinySpec("gemma3", "gemma3_text", dict(
+        _FAMILY, head_dim=32, num_hidden_layers=6, sliding_window=_WINDOW,
+        query_pre_attn_scalar=32,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                            "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        seed=15, tokenizer="smollm"),
+}
+
+
 @functools.lru_cache(maxsize=1)
 def tiny_tokenizer() -> Any:
     """A byte-level BPE (`tokenizers`) trained on a few lines: ~320 tokens, specials first."""
@@ -112,36 +164,103 @@ def tiny_tokenizer() -> Any:
     return tok
 
 
-def build_tiny_model(spec: TinySpec) -> Any:
-    """transformers' model for `spec`, fp32, eval mode, with weights large enough (and norms and
-    biases non-trivial) that a wrong permutation, bias or scale shows in the logits."""
+@functools.lru_cache(maxsize=1)
+def smollm_vocab_tokenizer() -> Any:
+    """The bundled SmolLM2 GGUF's byte-level BPE (49,152 tokens, specials 0-2 as
+    SPECIAL_TOKENS), rebuilt as a `tokenizers` tokenizer: llama.cpp's converter accepts a BPE
+    only if its pre-tokenizer's output hashes to one it knows, and this one does ("smollm")."""
+    from loom.model.gguf_file import read_gguf
+    from loom.model.tokenizer import bpe_from_gguf_metadata
+
+    return bpe_from_gguf_metadata(read_gguf(default_model_path()).metadata)
+
+
+def spm_model(vocab_size: int) -> bytes:
+    """A SentencePiece BPE model trained on the tiny corpus (deterministic: one thread)."""
+    import io
+
+    import sentencepiece
+
+    out = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(_CORPUS * 4), model_writer=out, vocab_size=vocab_size,
+        model_type="bpe", num_threads=1, minloglevel=2, hard_vocab_limit=False,
+        user_defined_symbols=SPECIAL_TOKENS[1:], bos_id=-1, eos_id=-1, unk_id=0, pad_id=-1,
+        unk_piece=SPECIAL_TOKENS[0])
+    return out.getvalue()
+
+
+_TOKENIZERS = {"tiny": tiny_tokenizer, "smollm": smollm_vocab_tokenizer, "spm": tiny_tokenizer}
+
+
+def _config_classes() -> dict[str, Any]:
     import transformers
 
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "mistral": transformers.MistralConfig}[spec.model_type]
-    vocab = tiny_tokenizer().get_vocab_size() + spec.extra_vocab
+    return {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+            "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
+            "smollm3": transformers.SmolLM3Config, "phi3": transformers.Phi3Config,
+            "gemma2": transformers.Gemma2Config, "gemma3_text": transformers.Gemma3TextConfig}
+
+
+def build_tiny_model(spec: TinySpec) -> Any:
+    """transformers' model for `spec`, fp32, eval mode, with weights large enough (and norms and
+    biases non-trivial) that a wrong permutation, bias or scale shows in the logits. Gemma's
+    norms scale by 1 + w, so theirs are drawn around 0."""
+    import transformers
+
+    cls = _config_classes()[spec.model_type]
+    vocab = _TOKENIZERS[spec.tokenizer]().get_vocab_size() + spec.extra_vocab
     config = cls(vocab_size=vocab, **spec.config)
     torch.manual_seed(spec.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     model = model.float().eval()
+    gemma = spec.model_type.startswith("gemma")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
+                param.uniform_(-0.5, 0.5) if gemma else param.uniform_(0.5, 1.5)
             else:
                 param.normal_(0.0, 0.15)
     return model
 
 
-def save_hf_folder(model: Any, path: Path) -> Path:
-    """save_pretrained (safetensors) + tokenizer.json + tokenizer_config.json."""
+def save_hf_folder(model: Any, path: Path, tokenizer: str = "tiny") -> Path:
+    """save_pretrained (safetensors) + tokenizer.json + tokenizer_config.json (+ tokenizer.model
+    for "spm")."""
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
-    tiny_tokenizer().save(str(path / "tokenizer.json"))
+    _TOKENIZERS[tokenizer]().save(str(path / "tokenizer.json"))
+    if tokenizer == "spm":
+        (path / "tokenizer.model").write_bytes(spm_model(200))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False,
-        "chat_template": CHAT_TEMPLATE}))
+        "chat_template": CHAT_TEMPLATE,
+        # Phi-3's converter reads a BPE only for this class (else it wants tokenizer.model)
+        "tokenizer_class": "GPT2Tokenizer" if model.config.model_type == "phi3"
+        else "PreTrainedTokenizerFast"}))
     return path
+
+
+_CONVERT = """
+import sys
+import convert_hf_to_gguf
+for job in sys.stdin.read().split("\\n"):
+    if job:
+        folder, out, outtype = job.split("\\t")
+        sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", outtype]
+        convert_hf_to_gguf.main()
+"""
+
+
+def convert_with_llama_cpp(tree: Path, jobs: list[tuple[Path, Path, str]]) -> None:
+    """Run llama.cpp's own convert_hf_to_gguf.py (from its unpacked tree) on each (HF folder,
+    output .gguf, outtype) job: one Python process for all of them, since each start imports
+    torch and transformers. Raises with the converter's log if any fails."""
+    lines = "\n".join(f"{folder}\t{out}\t{outtype}" for folder, out, outtype in jobs)
+    run = subprocess.run([sys.executable, "-c", _CONVERT], input=lines, text=True,
+                         capture_output=True, cwd=tree, timeout=600)
+    if run.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{run.stderr[-4000:]}")
 
 
 def rope_theta(config: Any) -> float:
@@ -281,8 +400,8 @@ def make_runner(loaded: LoadedModel, num_blocks: int = 64, block_size: int = 4,
     (which test_attention checks against this path). fused: the add + RMSNorm and SiLU * up
     kernels, as the engine runs float32 on CPU (test_fused_ops checks them against torch)."""
     ops = fused_ops() if fused else None
-    model = LlamaModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"),
-                       fused_ops=ops)
+    model = DecoderModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"),
+                         fused_ops=ops)
     backends = Backends(device=torch.device("cpu"), dtype=torch.float32, kv_dtype=torch.float32,
                         num_threads=0, native_decode=False, linear="torch", fused_ops=ops)
     runner = ModelRunner(model, backends, block_size)

@@ -22,7 +22,7 @@ FORBIDDEN = {
     "model": ["loom.core.scheduler", "loom.core.static", "loom.core.kv_cache",
               "loom.core.block_pool", "loom.engine", "loom.entrypoints", "loom.bench"],
     "engine": ["loom.entrypoints", "loom.bench", "loom.sim", "loom.plan"],
-    "bench": ["loom.engine", "loom.entrypoints", "loom.model.runner", "loom.model.llama",
+    "bench": ["loom.engine", "loom.entrypoints", "loom.model.runner", "loom.model.decoder",
               "loom.model.loader", "loom.model.linear", "loom.model.attention",
               "loom.model.kernels", "loom.model.backends", "loom.model.weights"],
     "cluster": ["loom.entrypoints", "loom.bench", "loom.sim", "loom.plan"],

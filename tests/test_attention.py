@@ -24,8 +24,8 @@ from loom.model.attention import (
     zeros,
 )
 from loom.model.backends import PER_TOKEN_PREFILL_MAX_POSITIONS_BF16
+from loom.model.decoder import _rope
 from loom.model.kernels import paged_attention_ops
-from loom.model.llama import _rope
 from loom.model.runner import ModelRunner
 from loom.sampling import SamplingParams
 
@@ -257,7 +257,7 @@ def _step_metadata(items: list[ScheduledRequest], block_size: int, scratch_block
 
 def _rope_tables(head_dim: int, max_positions: int, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Laid out as LlamaModel's: cos over both halves, sin negated on the first half."""
+    """Laid out as DecoderModel's: cos over both halves, sin negated on the first half."""
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
     return (torch.cat([freqs.cos(), freqs.cos()], -1).to(dtype),
@@ -267,7 +267,7 @@ def _rope_tables(head_dim: int, max_positions: int, dtype: torch.dtype
 def _torch_path(qkv: torch.Tensor, positions: torch.Tensor, tables: tuple[torch.Tensor, ...],
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 num_heads: int) -> torch.Tensor:
-    """LlamaModel's torch path from qkv to the attention output."""
+    """DecoderModel's torch path from qkv to the attention output."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     q, k, v = qkv.view(-1, num_heads + 2 * num_kv_heads, head_dim).split(
         [num_heads, num_kv_heads, num_kv_heads], dim=1)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from model_fixtures import TINY_SPECS, build_tiny_model, save_hf_folder, write_gguf
 
 from loom import LLM, SamplingParams
+from loom.model.decoder import DecoderModel
 from loom.model.kernels import block_quant_linear_ops, fused_ops
 from loom.model.linear import (
     BF16_ABOVE_ROWS,
@@ -26,7 +27,6 @@ from loom.model.linear import (
     Linear,
     to_panels,
 )
-from loom.model.llama import LlamaModel
 from loom.model.loader import (
     _hf_name,
     _permuted_heads,
@@ -435,14 +435,14 @@ def test_weights_the_kernel_takes_are_never_made_in_fp32() -> None:
     on the oneDNN path all are."""
     loaded = load_model(None)
     native, onednn = Recording(loaded.weights), Recording(loaded.weights)
-    model = LlamaModel(loaded.arch, native, torch.float32, torch.device("cpu"),
-                       block_quant=loaded.block_quant)
+    model = DecoderModel(loaded.arch, native, torch.float32, torch.device("cpu"),
+                         block_quant=loaded.block_quant)
     assert native.asked == {n for n in loaded.weights if "norm" in n}
     ids = torch.tensor([0, 7, 7, loaded.arch.vocab_size - 1])
     torch.testing.assert_close(model.embed(ids), F.embedding(
         ids, loaded.block_quant["model.embed_tokens.weight"].dequantize()), rtol=0, atol=0)
     assert all(layer.qkv.weight is None for layer in model.layers)
-    LlamaModel(loaded.arch, onednn, torch.float32, torch.device("cpu"), prepack=True)
+    DecoderModel(loaded.arch, onednn, torch.float32, torch.device("cpu"), prepack=True)
     assert onednn.asked == set(loaded.weights)
 
 

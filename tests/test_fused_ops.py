@@ -20,9 +20,9 @@ from model_fixtures import (
 )
 
 from loom.model.backends import Backends
+from loom.model.decoder import DecoderModel
 from loom.model.kernels import fused_ops, paged_attention_ops
 from loom.model.linear import amx_fits, amx_tiles, bf16_slices, from_amx_tiles
-from loom.model.llama import LlamaModel
 from loom.model.loader import load_model
 from loom.model.runner import ModelRunner
 
@@ -224,7 +224,7 @@ def test_bundled_model_logits_match_with_and_without_the_fused_attention_op(kv_d
     matmuls: the native ones quantize activations to int8, which turns rounding-level
     differences into whole steps of a code."""
     loaded, cpu = smollm_loaded(), torch.device("cpu")
-    model = LlamaModel(loaded.arch, loaded.weights, torch.float32, cpu, fused_ops=ops)
+    model = DecoderModel(loaded.arch, loaded.weights, torch.float32, cpu, fused_ops=ops)
     runners = []
     for native in (False, True):
         backends = Backends(device=cpu, dtype=torch.float32, kv_dtype=kv_dtype, num_threads=0,

@@ -22,7 +22,7 @@ from model_fixtures import (
 )
 
 from loom.model.arch import ModelLoadError
-from loom.model.llama import LlamaModel, rope_inv_freq
+from loom.model.decoder import DecoderModel, rope_inv_freq
 from loom.model.loader import load_model
 from loom.model.weights import LazyWeights
 
@@ -184,7 +184,7 @@ def test_missing_weights_are_named(tmp_path, hf_folder):
     save_file(weights, str(folder / "model.safetensors"))
     loaded = load_model(str(folder))
     with pytest.raises(ModelLoadError, match=r"missing 1 tensors.*layers\.1\.mlp\.up_proj"):
-        LlamaModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"))
+        DecoderModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.integration
@@ -194,7 +194,7 @@ def test_unsupported_rope_scaling_is_named(tmp_path, hf_folder):
                                          "factor": 4.0})
     loaded = load_model(str(folder))
     with pytest.raises(ModelLoadError, match=r"unsupported rope_scaling type 'yarn'"):
-        LlamaModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"))
+        DecoderModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"))
 
 
 # -- what the loader reads --------------------------------------------------------------------
@@ -314,15 +314,17 @@ def _chunk(ids):
 
 
 @pytest.mark.integration
-def test_sliding_window_caps_the_context_length(tmp_path):
-    """loom's attention is full attention, exact for sliding-window models only up to the window:
-    the loader caps the context there (Mistral v0.1 style), and within it the logits match."""
+def test_sliding_window_keeps_the_context_length(tmp_path):
+    """A Mistral window no longer caps the context: loom attends through it (every layer
+    slides, as transformers' Mistral), and past the window the logits still match."""
     spec = TinySpec("mistral-swa", "mistral", dict(TINY_SPECS["mistral"].config,
                                                    sliding_window=16), seed=5)
     model = build_tiny_model(spec)
     loaded = load_model(str(save_hf_folder(model, tmp_path / "swa")))
-    assert loaded.arch.max_position_embeddings == 16
-    ids = list(range(5, 21))
+    assert loaded.arch.max_position_embeddings == 256
+    assert loaded.arch.layer_types == ("sliding_attention",) * 2
+    assert loaded.arch.sliding_window == 16
+    ids = list(range(5, 45))
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0]
     got = step_logits(make_runner(loaded), [_chunk(ids)])["a"]
@@ -330,18 +332,21 @@ def test_sliding_window_caps_the_context_length(tmp_path):
 
 
 @pytest.mark.unit
-def test_unused_sliding_window_does_not_cap(tmp_path):
-    """Qwen2 configs carry sliding_window with use_sliding_window false: no cap."""
-    from loom.model.arch import _hf_context_length
+def test_sliding_window_layers_as_transformers_derives_them():
+    """Qwen2 configs carry sliding_window with use_sliding_window false: no window; with it,
+    layers from max_window_layers on slide; layer_types, where given, decides; Mistral slides
+    on every layer."""
+    from loom.model.arch import _hf_sliding
 
-    qwen = {"max_position_embeddings": 32768, "sliding_window": 4096, "num_hidden_layers": 24,
-            "use_sliding_window": False, "max_window_layers": 21}
-    assert _hf_context_length(qwen, "qwen2") == 32768
-    assert _hf_context_length({**qwen, "use_sliding_window": True}, "qwen2") == 4096
-    assert _hf_context_length({**qwen, "layer_types": ["full_attention"] * 24}, "qwen2") == 32768
-    mistral = {"max_position_embeddings": 32768, "sliding_window": 4096}
-    assert _hf_context_length(mistral, "mistral") == 4096
-    assert _hf_context_length({**mistral, "sliding_window": None}, "mistral") == 32768
+    qwen = {"sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 2}
+    assert _hf_sliding(qwen, "qwen2", 4) == (None, None)
+    full, sliding = "full_attention", "sliding_attention"
+    assert _hf_sliding({**qwen, "use_sliding_window": True}, "qwen2", 4) == (
+        (full, full, sliding, sliding), 4096)
+    assert _hf_sliding({**qwen, "use_sliding_window": True, "layer_types": [full] * 4},
+                       "qwen2", 4) == (None, None)
+    assert _hf_sliding({"sliding_window": 4096}, "mistral", 2) == ((sliding, sliding), 4096)
+    assert _hf_sliding({"sliding_window": None}, "mistral", 2) == (None, None)
 
 
 @pytest.mark.integration

@@ -27,7 +27,7 @@ from model_fixtures import (
 
 from loom.core.batch import ScheduledRequest, SchedulerOutput
 from loom.model.arch import ModelArch
-from loom.model.llama import rope_inv_freq
+from loom.model.decoder import rope_inv_freq
 from loom.model.loader import load_model
 from loom.sampling import SamplingParams
 

@@ -1,7 +1,9 @@
-"""A Llama-family model's shape, read from a GGUF header or a config.json without its weights.
+"""A decoder's shape, read from a GGUF header or a config.json without its weights.
 
-torch-free: the loader builds the model from it, and `loom plan` sizes memory from it for
-models whose weights are not on this machine.
+loom runs one decoder (model/decoder.py) for every family it supports; what a family changes
+(q/k norms, Gemma's norms and embedding scale, sliding-window layers, partial or no RoPE...)
+is data here, read from either file format. torch-free: the loader builds the model from it,
+and `loom plan` sizes memory from it for models whose weights are not on this machine.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +24,20 @@ from loom.model.tokenizer import Tokenizer, bpe_from_gguf_metadata
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
+# What loom runs, by the name each format gives it: a GGUF's general.architecture (llama.cpp
+# converts Mistral to "llama") and a config.json's model_type.
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2",
+                  "gemma3_text")
 # Llama-3 style RoPE scaling in a GGUF: per-frequency divisors stored as a tensor.
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+# LongRoPE (Phi-3) in a GGUF: the per-frequency factors for long and short contexts.
+ROPE_LONG_TENSOR, ROPE_SHORT_TENSOR = "rope_factors_long.weight", "rope_factors_short.weight"
+ROPE_TENSORS = (ROPE_FREQS_TENSOR, ROPE_LONG_TENSOR, ROPE_SHORT_TENSOR)
+
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's: SwiGLU, GeGLU with tanh-approximated GELU
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
+_GEMMA = ("gemma2", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -42,7 +56,8 @@ class ModelLoadError(ValueError):
 
 @dataclass(frozen=True)
 class ModelArch:
-    """Hyperparameters of a Llama-family decoder."""
+    """Hyperparameters of a decoder. The fields after `shared_expert_intermediate_size` are
+    what the dense families change; their defaults are Llama's."""
 
     architecture: str
     hidden_size: int
@@ -67,6 +82,42 @@ class ModelArch:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # every RMSNorm scales by norm_offset + w (Gemma: 1)
+    embedding_scale: float = 1.0  # embeddings times this, in the model dtype (Gemma: sqrt(hidden))
+    activation: str = "silu"  # one of ACTIVATIONS
+    # a norm on the attention output and on the MLP output too, before each joins the residual:
+    # four a layer (Gemma 2/3: input, post-attention, pre-feedforward, post-feedforward)
+    sandwich_norms: bool = False
+    attention_scale: float | None = None  # q.k multiplier; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # attention scores -> c * tanh(s / c) (Gemma 2)
+    final_softcap: float | None = None  # logits -> c * tanh(l / c) (Gemma 2)
+    rotary_dim: int | None = None  # leading dims of a head RoPE turns; None: all (Phi-4-mini: 3/4)
+    rope_local_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3)
+    nope_layers: tuple[int, ...] = ()  # layers that apply no RoPE at all (SmolLM3: every 4th)
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ModelLoadError(f"activation must be one of {list(ACTIVATIONS)}, "
+                                 f"got {self.activation!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or \
+                    any(t not in LAYER_TYPES for t in self.layer_types):
+                raise ModelLoadError(f"layer_types must name {self.num_layers} layers, each one of "
+                                     f"{list(LAYER_TYPES)}, got {list(self.layer_types)}")
+            if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+                raise ModelLoadError("sliding_window must be a positive integer where layers "
+                                     f"slide, got {self.sliding_window!r}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim < self.head_dim
+                                                and self.rotary_dim % 2 == 0):
+            raise ModelLoadError(f"rotary_dim must be even and below head_dim {self.head_dim}, "
+                                 f"got {self.rotary_dim}")
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise ModelLoadError(f"nope_layers must be layer indices, got {self.nope_layers}")
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether the layer attends to its last `sliding_window` positions only."""
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
 
     @property
     def num_parameters(self) -> int:
@@ -75,10 +126,19 @@ class ModelArch:
         q = self.num_heads * self.head_dim
         attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         mlp = 3 * h * self.intermediate_size
-        per_layer = attention + mlp + 2 * h
+        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
         embedding = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else embedding
-        return embedding + self.num_layers * per_layer + h + lm_head
+        return embedding + self.num_layers * (attention + mlp + norms) + h + lm_head
+
+
+def _family_traits(family: str, hidden_size: int) -> dict[str, Any]:
+    """The fields a family fixes whatever its file says: Gemma's norms, embedding scale and
+    GeGLU (transformers hard-codes them in the model, llama.cpp in its graph)."""
+    if family not in _GEMMA:
+        return {}
+    return {"norm_offset": 1.0, "embedding_scale": hidden_size ** 0.5,
+            "activation": "gelu_tanh", "sandwich_norms": True}
 
 
 def default_model_path() -> Path:
@@ -115,121 +175,292 @@ def read_arch(path: str | Path) -> ModelArch:
                          "config.json")
 
 
+# -- GGUF -------------------------------------------------------------------------------------
+
+# Layers llama.cpp's graph makes sliding where a GGUF names no pattern (llama-model.cpp's
+# set_swa_pattern): Gemma 2 every other layer from the first, Gemma 3 five in every six.
+_GGUF_FULL_EVERY = {"gemma2": 2, "gemma3": 6}
+# Gemma's 27B models scale q.k by (hidden / heads) ** -0.5, the others by head_dim ** -0.5: the
+# converter writes no attention scale and llama.cpp tells them apart by their layer count.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_NOPE_INTERVAL = 4  # SmolLM3: llama.cpp's n_no_rope_layer_step, transformers' default interval
+
+
 def arch_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, GGUFTensor],
                    file_name: str) -> ModelArch:
     arch_name = meta["general.architecture"]
-    if arch_name not in SUPPORTED_ARCHITECTURES:
+    if arch_name not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch_name!r} in {file_name}; "
-                             f"loom runs {sorted(SUPPORTED_ARCHITECTURES)}")
+                             f"loom runs GGUF architectures {list(GGUF_ARCHITECTURES)}")
     p = f"{arch_name}."
     num_heads = meta[p + "attention.head_count"]
     hidden = meta[p + "embedding_length"]
+    num_layers = meta[p + "block_count"]
+    head_dim = meta.get(p + "attention.key_length", hidden // num_heads)
+    rotary_dim = meta.get(p + "rope.dimension_count", head_dim)
+    layer_types, window = _gguf_sliding(meta, p, arch_name, num_layers)
+    scale = meta.get(p + "attention.scale")
+    if scale is None and arch_name in _GEMMA:
+        big = num_layers == _GEMMA_27B_LAYERS[arch_name]
+        scale = (hidden / num_heads if big else head_dim) ** -0.5
     return ModelArch(
         architecture=arch_name,
         hidden_size=hidden,
         intermediate_size=meta[p + "feed_forward_length"],
-        num_layers=meta[p + "block_count"],
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=meta.get(p + "attention.head_count_kv", num_heads),
-        head_dim=meta.get(p + "attention.key_length", hidden // num_heads),
+        head_dim=head_dim,
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
         rms_norm_eps=meta[p + "attention.layer_norm_rms_epsilon"],
         rope_theta=meta.get(p + "rope.freq_base", 10000.0),
         max_position_embeddings=meta.get(p + "context_length", 2048),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
-        rope_scaling=_gguf_rope_scaling(tensors.get(ROPE_FREQS_TENSOR), meta, p),
+        rope_scaling=_gguf_rope_scaling(tensors, meta, p),
+        layer_types=layer_types,
+        sliding_window=window,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        attention_scale=scale,
+        # Gemma 3 has no attention softcap (transformers ignores one in its config)
+        attn_softcap=meta.get(p + "attn_logit_softcapping") if arch_name == "gemma2" else None,
+        final_softcap=meta.get(p + "final_logit_softcapping"),
+        rotary_dim=rotary_dim if rotary_dim < head_dim else None,
+        rope_local_theta=(meta.get(p + "rope.freq_base_swa", 10000.0) if arch_name == "gemma3"
+                          else None),
+        nope_layers=(tuple(i for i in range(num_layers) if (i + 1) % _NOPE_INTERVAL == 0)
+                     if arch_name == "smollm3" else ()),
+        **_family_traits(arch_name, hidden),
     )
 
 
-def _gguf_rope_scaling(rope_freqs: GGUFTensor | None, meta: Mapping[str, Any], p: str
+def _gguf_sliding(meta: Mapping[str, Any], p: str, arch_name: str, num_layers: int
+                  ) -> tuple[tuple[str, ...] | None, int | None]:
+    """(layer_types, sliding_window) from a GGUF: the window's key (0 or absent: none), the
+    per-layer pattern where the file has one, else llama.cpp's pattern for the family (Phi-3:
+    every layer, as transformers runs it; llama.cpp switches Phi's window off)."""
+    window = meta.get(p + "attention.sliding_window") or None
+    if window is None:
+        return None, None
+    pattern = meta.get(p + "attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = [bool(x) for x in pattern]
+    else:
+        every = pattern or _GGUF_FULL_EVERY.get(arch_name)
+        sliding = [every is None or i % every < every - 1 for i in range(num_layers)]
+    return _layer_types(sliding, window)
+
+
+def _layer_types(sliding: list[bool], window: int
+                 ) -> tuple[tuple[str, ...] | None, int | None]:
+    """(layer_types, sliding_window), both None where no layer slides."""
+    if not any(sliding):
+        return None, None
+    return tuple("sliding_attention" if s else "full_attention" for s in sliding), window
+
+
+def _gguf_rope_scaling(tensors: Mapping[str, GGUFTensor], meta: Mapping[str, Any], p: str
                        ) -> dict[str, Any] | None:
     """RoPE scaling as llama.cpp stores it. Llama-3 style scaling has no metadata: the converter
-    writes a `rope_freqs` tensor of per-frequency divisors instead; linear scaling is metadata."""
-    if rope_freqs is not None:
-        factors = dequantize(rope_freqs).astype(np.float64).reshape(-1)
-        return {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+    writes a `rope_freqs` tensor of per-frequency divisors instead; LongRoPE (Phi-3) writes its
+    long and short factors as tensors and the attention factor as metadata; linear scaling is
+    metadata."""
+    def factors(name: str) -> list[float]:
+        return dequantize(tensors[name]).astype(np.float64).reshape(-1).tolist()
+
+    if ROPE_FREQS_TENSOR in tensors:
+        return {"rope_type": "freq_factors", "freq_factors": factors(ROPE_FREQS_TENSOR)}
+    if ROPE_LONG_TENSOR in tensors:
+        original = meta[p + "rope.scaling.original_context_length"]
+        return {"rope_type": "longrope", "long_factor": factors(ROPE_LONG_TENSOR),
+                "short_factor": factors(ROPE_SHORT_TENSOR),
+                "original_max_position_embeddings": original,
+                "attention_factor": meta.get(p + "rope.scaling.attn_factor", 1.0)}
     kind = meta.get(p + "rope.scaling.type")
     if kind in (None, "none"):
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": meta[p + "rope.scaling.factor"]}
-    raise ModelLoadError(f"unsupported GGUF rope scaling {kind!r}; loom runs none, linear and "
-                         "Llama-3 (rope_freqs) scaling")
+    raise ModelLoadError(f"unsupported GGUF rope scaling {kind!r}; loom runs none, linear, "
+                         "Llama-3 (rope_freqs) and LongRoPE (rope_factors_long/short) scaling")
 
+
+# -- config.json ------------------------------------------------------------------------------
 
 # config.json fields the model's shape is computed from: a string there ("32") failed deep in
 # the arithmetic as a TypeError (in loom serve, loom plan and loom simulate alike)
 _SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
                  "max_position_embeddings")
+_HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 def arch_from_hf_config(config: Mapping[str, Any]) -> ModelArch:
     model_type = config.get("model_type", "")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"unsupported model_type {model_type!r}; loom runs "
-                             f"{sorted(SUPPORTED_ARCHITECTURES)}")
+    if model_type not in HF_MODEL_TYPES:
+        raise ModelLoadError(f"unsupported model_type {model_type!r}; loom runs model_type "
+                             f"{list(HF_MODEL_TYPES)}")
+    family = "gemma3" if model_type == "gemma3_text" else model_type
     for key in _SHAPE_FIELDS:
         value = config.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                   or value < 1):
             raise ModelLoadError(f"config.json: {key} must be a positive integer, got {value!r}")
+    if config.get("use_bidirectional_attention"):
+        raise ModelLoadError("config.json: use_bidirectional_attention is set (an embedding "
+                             "model); loom runs causal decoders")
     try:
         num_heads = config["num_attention_heads"]
-        rope_theta, rope_scaling = _hf_rope(config)
+        hidden = config["hidden_size"]
+        num_layers = config["num_hidden_layers"]
+        head_dim = config.get("head_dim") or hidden // num_heads
+        rope = _hf_rope(config, family)
+        layer_types, window = _hf_sliding(config, family, num_layers)
+        activation = config.get("hidden_activation" if family in _GEMMA else "hidden_act",
+                                "gelu_pytorch_tanh" if family in _GEMMA else "silu")
+        if activation not in _HF_ACTIVATIONS:
+            raise ModelLoadError(f"config.json: unsupported activation {activation!r}; loom "
+                                 f"runs {sorted(_HF_ACTIVATIONS)}")
+        rotary_dim = int(head_dim * rope.partial_rotary_factor)
         return ModelArch(
-            architecture=model_type,
-            hidden_size=config["hidden_size"],
+            architecture=family,
+            hidden_size=hidden,
             intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads", num_heads),
-            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            head_dim=head_dim,
             vocab_size=config["vocab_size"],
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            max_position_embeddings=_hf_context_length(config, model_type),
-            tie_word_embeddings=config.get("tie_word_embeddings", False),
-            attention_bias=config.get("attention_bias", model_type == "qwen2"),
-            rope_scaling=rope_scaling,
+            rope_theta=rope.theta,
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=config.get("tie_word_embeddings", family in _GEMMA),
+            attention_bias=config.get("attention_bias", family == "qwen2"),
+            rope_scaling=rope.scaling,
+            layer_types=layer_types,
+            sliding_window=window,
+            qk_norm=family in ("qwen3", "gemma3"),
+            attention_scale=(config.get("query_pre_attn_scalar", head_dim) ** -0.5
+                             if family in _GEMMA else None),
+            attn_softcap=config.get("attn_logit_softcapping") if family == "gemma2" else None,
+            final_softcap=config.get("final_logit_softcapping") if family in _GEMMA else None,
+            rotary_dim=rotary_dim if rotary_dim < head_dim else None,
+            rope_local_theta=rope.local_theta,
+            nope_layers=_hf_nope_layers(config, family, num_layers),
+            **{**_family_traits(family, hidden), "activation": _HF_ACTIVATIONS[activation]},
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks {e.args[0]!r}") from e
 
 
-def _hf_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either config.json layout: transformers >= 5 writes
-    `rope_parameters` (theta inside, rope_type "default" when unscaled); older configs, and most
-    on the Hub, have top-level `rope_theta` and `rope_scaling`."""
+@dataclass(frozen=True)
+class _HFRope:
+    theta: float
+    scaling: dict[str, Any] | None
+    partial_rotary_factor: float
+    local_theta: float | None  # Gemma 3's sliding layers
+
+
+def _hf_rope(config: Mapping[str, Any], family: str) -> _HFRope:
+    """RoPE from either config.json layout: transformers >= 5 writes `rope_parameters` (theta
+    inside, rope_type "default" when unscaled; per layer type for Gemma 3, whose sliding
+    layers have their own base); older configs, and most on the Hub, have top-level
+    `rope_theta`, `rope_scaling`, `partial_rotary_factor` and `rope_local_base_freq`."""
     params = config.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        kind = params.get("rope_type", params.get("type", "default"))
-        return params["rope_theta"], (None if kind == "default" else params)
-    return config.get("rope_theta", 10000.0), config.get("rope_scaling")
-
-
-def _hf_context_length(config: Mapping[str, Any], model_type: str) -> int:
-    """max_position_embeddings, capped at the sliding window when the model uses one: loom's
-    attention is full attention, which equals sliding-window attention only for contexts no
-    longer than the window."""
-    length = config.get("max_position_embeddings", 2048)
-    window = config.get("sliding_window")
-    if not window:
-        return length
-    if "layer_types" in config:
-        used = "sliding_attention" in config["layer_types"]
-    elif model_type == "qwen2":
-        used = bool(config.get("use_sliding_window", False)) and \
-            config.get("max_window_layers", 0) < config["num_hidden_layers"]
+    local: dict[str, Any] = {}
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        full = dict(params.get("full_attention") or {})
+        local = params.get("sliding_attention") or {}
+    elif isinstance(params, dict) and "rope_theta" in params:
+        full = dict(params)
     else:
-        used = True
-    if used and window < length:
-        logger.warning("the model uses sliding-window attention (window %d tokens), which loom "
-                       "does not implement; capping its context length at %d (was %d)",
-                       window, window, length)
-        return window
-    return length
+        full = dict(config.get("rope_scaling") or {})
+        full.setdefault("rope_theta", config.get("rope_theta", 1e6 if family == "gemma3"
+                                                 else 10000.0))
+        if "rope_local_base_freq" in config:
+            local = {"rope_theta": config["rope_local_base_freq"]}
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind in ("su", "yarn") and family == "phi3":  # Phi-3's old names, as transformers reads them
+        kind = "longrope"
+    if local.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"unsupported rope type {local['rope_type']!r} on sliding layers")
+    scaling = None
+    if kind == "longrope":
+        scaling = _longrope(config, full)
+    elif kind != "default":
+        scaling = {**full, "rope_type": kind}
+    partial = full.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    local_theta = local.get("rope_theta", 10000.0) if family == "gemma3" else None
+    return _HFRope(full["rope_theta"], scaling, partial, local_theta)
+
+
+def _longrope(config: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """LongRoPE's factors with the attention factor worked out as transformers'
+    `_compute_longrope_parameters` does (from max_position_embeddings over the original
+    length where the config gives no factor)."""
+    original = config.get("original_max_position_embeddings",
+                          params.get("original_max_position_embeddings"))
+    if original is None:
+        raise ModelLoadError("config.json: longrope scaling needs "
+                             "original_max_position_embeddings")
+    factor = params.get("factor") or config.get("max_position_embeddings", original) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", "long_factor": list(params["long_factor"]),
+            "short_factor": list(params["short_factor"]),
+            "original_max_position_embeddings": original, "attention_factor": attention}
+
+
+def _hf_sliding(config: Mapping[str, Any], family: str, num_layers: int
+                ) -> tuple[tuple[str, ...] | None, int | None]:
+    """(layer_types, sliding_window) as transformers' config classes derive them: Mistral and
+    Phi-3 slide on every layer when a window is set; Qwen2/3 and SmolLM3 only with
+    use_sliding_window (Qwen from layer max_window_layers on, SmolLM3 on its no-RoPE layers);
+    Gemma 2 on every other layer from the first, Gemma 3 on five in every six
+    (`sliding_window_pattern`); `layer_types`, where the config has it, says it per layer.
+    Llama has no window."""
+    window = config.get("sliding_window")
+    if family in ("qwen2", "qwen3", "smollm3") and not config.get("use_sliding_window", False):
+        window = None
+    if not window or family == "llama":
+        return None, None
+    types = config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers or \
+                any(t not in LAYER_TYPES for t in types):
+            raise ModelLoadError(f"config.json: layer_types must list {num_layers} layers, each "
+                                 f"one of {list(LAYER_TYPES)}")
+        sliding = [t == "sliding_attention" for t in types]
+    elif family in ("qwen2", "qwen3"):
+        start = config.get("max_window_layers", num_layers)
+        sliding = [i >= start for i in range(num_layers)]
+    elif family in _GEMMA:
+        every = 2 if family == "gemma2" else config.get("sliding_window_pattern", 6)
+        sliding = [(i + 1) % every != 0 for i in range(num_layers)]
+    elif family == "smollm3":
+        nope = _hf_nope_layers(config, family, num_layers)
+        sliding = [i in nope for i in range(num_layers)]
+    else:
+        sliding = [True] * num_layers
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ModelLoadError(f"config.json: sliding_window must be a positive integer, got "
+                             f"{window!r}")
+    return _layer_types(sliding, window)
+
+
+def _hf_nope_layers(config: Mapping[str, Any], family: str, num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: `no_rope_layers` (1 = RoPE, per layer), else every
+    `no_rope_layer_interval`-th layer (transformers' SmolLM3Config)."""
+    if family != "smollm3":
+        return ()
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = config.get("no_rope_layer_interval", _NOPE_INTERVAL)
+        return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
+    if not isinstance(flags, list) or len(flags) != num_layers:
+        raise ModelLoadError(f"config.json: no_rope_layers must list {num_layers} layers")
+    return tuple(i for i, uses_rope in enumerate(flags) if not uses_rope)
 
 
 # -- the tokenizer alone ------------------------------------------------------------------------

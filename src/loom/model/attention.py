@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -55,6 +55,19 @@ class DecodeGroup:
     num_queries: int
     block_tables: torch.Tensor  # [num_queries, max_blocks], padded with block 0
     mask: torch.Tensor  # [num_queries, 1, 1, max_blocks * block_size], True = attend
+    # mask cut to each query's last W positions, by W: made once a step, for all its layers
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer with this window (None: the whole context): a query at
+        position p (its context p + 1 long) sees p - W + 1 .. p."""
+        if window is None:
+            return self.mask
+        if window not in self._window_masks:
+            lens = self.mask.sum(dim=-1, keepdim=True)
+            keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self._window_masks[window] = self.mask & (keys >= lens - window)
+        return self._window_masks[window]
 
 
 @dataclass
@@ -139,19 +152,22 @@ def _as_cached(x: torch.Tensor, cache: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata,
+                    layer: LayerAttention | None = None) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: this step's [tokens, kv_heads, head_dim], already
     written to the caches ([blocks, block_size, kv_heads, head_dim]). Returns [tokens, heads *
-    head_dim]."""
+    head_dim]. layer: the layer's variant (None: plain, scale head_dim ** -0.5); the native
+    kernel takes its scale only (backends.py keeps models with windows or softcaps off it)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    layer = layer or LayerAttention(head_dim ** -0.5)
     out = torch.empty_like(q)
     group = num_heads // num_kv_heads
     if meta.paged_decodes is not None and meta.paged_decodes.num_queries:
         n = meta.paged_decodes.num_queries
         out[:n] = paged_attention_ops().paged_decode_attention(
             q[:n], k_cache, v_cache, meta.paged_decodes.block_tables,
-            meta.paged_decodes.context_lens, head_dim ** -0.5)
+            meta.paged_decodes.context_lens, layer.scale)
     for dec in meta.decodes:
         rows = slice(dec.query_start, dec.query_start + dec.num_queries)
         n = dec.num_queries
@@ -160,11 +176,35 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             n, num_kv_heads, -1, head_dim).to(q.dtype)
         v_ctx = v_cache[dec.block_tables].permute(0, 3, 1, 2, 4).reshape(
             n, num_kv_heads, -1, head_dim).to(q.dtype)
+        # a query's group of heads is its "sequence": [n, kv_heads, group, D]
         q_dec = q[rows].view(n, num_kv_heads, group, head_dim)
-        out[rows] = F.scaled_dot_product_attention(
-            q_dec, k_ctx, v_ctx, attn_mask=dec.mask).reshape(n, num_heads, head_dim)
-    _attend_prefills(q, k, v, k_cache, v_cache, meta, out)
+        out[rows] = _attend(q_dec, k_ctx, v_ctx, dec.window_mask(layer.sliding_window),
+                            layer).reshape(n, num_heads, head_dim)
+    _attend_prefills(q, k, v, k_cache, v_cache, meta, out, layer=layer)
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            layer: LayerAttention, causal: bool = False, gqa: bool = False) -> torch.Tensor:
+    """softmax(q.k * scale, masked) v over [batch, heads, queries | keys, head_dim]; mask
+    (True = attend) broadcasts to [batch, heads, queries, keys]; gqa: k and v have fewer heads
+    than q, each shared by consecutive query heads. SDPA where there is no softcap; else the
+    scores are capped (c * tanh(s / c)) in an explicit masked softmax, as transformers' eager
+    attention does (SDPA has no softcap)."""
+    if layer.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=layer.scale, enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * layer.scale
+    scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    if causal:
+        queries, keys = scores.shape[-2:]
+        mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def rope_write_attend(qkv: torch.Tensor, num_heads: int, rope_cos: torch.Tensor,
@@ -188,32 +228,50 @@ def rope_write_attend(qkv: torch.Tensor, num_heads: int, rope_cos: torch.Tensor,
 
 
 def _attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
-    """One SDPA call per prefill chunk, into its rows of out ([tokens, heads, head_dim]), in
-    q's dtype or, for long chunks when meta.prefill_bf16, in bf16 (K/V rounded through the
-    cache's type first, as everywhere)."""
+                     v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor,
+                     layer: LayerAttention | None = None) -> None:
+    """One attention call per prefill chunk, into its rows of out ([tokens, heads, head_dim]),
+    in q's dtype or, for long chunks when meta.prefill_bf16, in bf16 (K/V rounded through the
+    cache's type first, as everywhere). layer: the layer's variant (None: plain). A sliding
+    layer's chunk reads the cached context from its first query's window on, and masks each
+    query to its own."""
+    head_dim = q.shape[-1]
+    layer = layer or LayerAttention(head_dim ** -0.5)
+    window = layer.sliding_window
+    block_size = k_cache.shape[1]
     for span in meta.prefills:
         rows = slice(span.query_start, span.query_start + span.query_len)
         dtype = (torch.bfloat16 if meta.prefill_bf16 and span.query_len * span.context_len
                  >= BF16_PREFILL_MIN_POSITIONS else q.dtype)
         q_span = q[rows].transpose(0, 1).unsqueeze(0).to(dtype)  # [1, heads, q, head_dim]
-        if span.context_len == span.query_len:  # nothing cached before: use this step's K/V
+        first_query = span.context_len - span.query_len
+        if first_query == 0:  # nothing cached before: use this step's K/V
             k_ctx, v_ctx = _as_cached(k[rows], k_cache, dtype), _as_cached(v[rows], v_cache,
                                                                          dtype)
-            mask, causal = None, True
+            first_key = 0
         else:
-            k_ctx = k_cache[span.block_ids].flatten(0, 1)[:span.context_len].to(dtype)
-            v_ctx = v_cache[span.block_ids].flatten(0, 1)[:span.context_len].to(dtype)
-            mask = _chunk_causal_mask(span.query_len, span.context_len, q.device)
-            causal = False
-        out[rows] = F.scaled_dot_product_attention(
-            q_span, k_ctx.transpose(0, 1).unsqueeze(0), v_ctx.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=causal, enable_gqa=True)[0].transpose(0, 1)
+            first_key = 0 if window is None else max(0, first_query - window + 1)
+            blocks = span.block_ids[first_key // block_size:]
+            keys = slice(first_key % block_size, span.context_len - first_key
+                         + first_key % block_size)
+            k_ctx = k_cache[blocks].flatten(0, 1)[keys].to(dtype)
+            v_ctx = v_cache[blocks].flatten(0, 1)[keys].to(dtype)
+        causal = first_query == 0 and window is None
+        mask = None if causal else _chunk_mask(span.query_len, span.context_len, first_key,
+                                               window, q.device)
+        out[rows] = _attend(q_span, k_ctx.transpose(0, 1).unsqueeze(0),
+                            v_ctx.transpose(0, 1).unsqueeze(0), mask, layer, causal=causal,
+                            gqa=True)[0].transpose(0, 1)
 
 
-def _chunk_causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:
-    """Query i (at position context_len - query_len + i) sees keys 0..its own position."""
-    offset = context_len - query_len
-    rows = torch.arange(query_len, device=device).unsqueeze(1)
-    cols = torch.arange(context_len, device=device).unsqueeze(0)
-    return cols <= rows + offset
+def _chunk_mask(query_len: int, context_len: int, first_key: int, window: int | None,
+                device: torch.device) -> torch.Tensor:
+    """[query_len, context_len - first_key]: query i, at position p = context_len - query_len
+    + i, sees the keys at positions first_key.. up to p, and with a window W only those after
+    p - W (its last W positions, its own included, as transformers' sliding mask)."""
+    positions = torch.arange(context_len - query_len, context_len, device=device).unsqueeze(1)
+    keys = torch.arange(first_key, context_len, device=device).unsqueeze(0)
+    mask = keys <= positions
+    if window is not None:
+        mask &= keys > positions - window
+    return mask

@@ -1,5 +1,6 @@
 """Load a model: a GGUF file or a Hugging Face folder -> architecture, weights (named as in
-transformers' Llama) and tokenizer. Nothing is ever downloaded.
+transformers, whatever the format: a GGUF's are renamed, and what llama.cpp's converter did to
+them undone) and tokenizer. Nothing is ever downloaded.
 
 A GGUF's weights are dequantized only when the model asks for them: with the native matmul,
 only the embedding and the norms are ever needed in fp32, a small part of the fp32 weights."""
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from loom.model.arch import (
-    ROPE_FREQS_TENSOR,
+    ROPE_TENSORS,
     ModelArch,
     ModelLoadError,
     arch_from_gguf,
@@ -67,10 +68,24 @@ def load_model(model: str | None) -> LoadedModel:
 _GGUF_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "attn_qkv": "self_attn.qkv_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Where a family's GGUF name means another of transformers' tensors: Gemma's ffn_norm is the
+# MLP's input norm (its post_attention_layernorm is the attention output's); Phi-3's ffn_up
+# holds gate and up stacked, as its checkpoint's gate_up_proj does.
+_GGUF_FAMILY_NAMES = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+}
+# GGUF architectures whose Q/K rows llama.cpp's converter permuted (LlamaModel.undo_permute:
+# interleaved RoPE in llama.cpp's graph)
+_PERMUTED_QK = ("llama", "smollm3")
 
 
 def _unpermute_rope(w: Array, num_heads: int) -> Array:
@@ -87,11 +102,14 @@ def _load_gguf(path: Path) -> LoadedModel:
     arch = arch_from_gguf(meta, tensors, path.name)
     makers, quant_makers, quant_shapes = {}, {}, {}
     conversions: Counter[str] = Counter()
+    names = {**_GGUF_NAMES, **_GGUF_FAMILY_NAMES.get(arch.architecture, {})}
     for tensor in gguf_file.tensors:
-        if tensor.name == ROPE_FREQS_TENSOR:
+        if tensor.name in ROPE_TENSORS:
             continue  # folded into arch.rope_scaling above
-        name, heads = _hf_name(tensor.name), _permuted_heads(tensor.name, arch)
-        makers[name] = lambda t=tensor, heads=heads: _dequantized(t, heads)
+        name, heads = _hf_name(tensor.name, names), _permuted_heads(tensor.name, arch)
+        # the converter stored Gemma's norm weights as 1 + w (llama.cpp's graph scales by w)
+        shift = arch.norm_offset if name.endswith("norm.weight") else 0.0
+        makers[name] = lambda t=tensor, heads=heads, shift=shift: _dequantized(t, heads, shift)
         if not _has_block_quant(tensor):
             continue
         quant_makers[name] = lambda t=tensor, heads=heads: _block_quant(t, heads)
@@ -109,21 +127,22 @@ def _load_gguf(path: Path) -> LoadedModel:
                        quant_shapes, dict(conversions))
 
 
-def _dequantized(tensor: GGUFTensor, heads: int | None) -> torch.Tensor:
-    """A GGUF tensor in fp32, Q/K rows un-permuted (heads given) to transformers' layout. A
-    vector (a norm's weight, a bias) is copied out of the file map: the model keeps it, and a
-    view would keep the whole file mapped, and every page loading touched resident."""
+def _dequantized(tensor: GGUFTensor, heads: int | None, shift: float = 0.0) -> torch.Tensor:
+    """A GGUF tensor in fp32, Q/K rows un-permuted (heads given) to transformers' layout, less
+    `shift` (what the converter added). A vector (a norm's weight, a bias) is copied out of the
+    file map: the model keeps it, and a view would keep the whole file mapped, and every page
+    loading touched resident."""
     array = dequantize(tensor)
     if array.ndim == 1:
-        array = array.copy()
+        array = array - shift if shift else array.copy()
     if heads is not None:
         array = _unpermute_rope(array, heads)
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
 def _permuted_heads(name: str, arch: ModelArch) -> int | None:
-    """The head count of a Q or K tensor whose rows llama.cpp permuted (Llama only)."""
-    if arch.architecture != "llama":
+    """The head count of a Q or K tensor whose rows llama.cpp permuted (_PERMUTED_QK)."""
+    if arch.architecture not in _PERMUTED_QK:
         return None
     if name.endswith(("attn_q.weight", "attn_q.bias")):
         return arch.num_heads
@@ -154,11 +173,11 @@ def _block_quant(tensor: GGUFTensor, heads: int | None) -> BlockQuantWeight:
     return BlockQuantWeight(_unpermute_rope(bq.blocks, heads).contiguous(), bq.kind)
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, names: dict[str, str] = _GGUF_NAMES) -> str:
     parts = gguf_name.split(".")
     if parts[0] == "blk":
-        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
-    return f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+    return f"{names[parts[0]]}.{parts[1]}"
 
 
 # -- Hugging Face folder -----------------------------------------------------------------------

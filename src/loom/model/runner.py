@@ -30,7 +30,7 @@ from loom.model.attention import (
     new_kv_cache,
 )
 from loom.model.backends import Backends, resolve_backends
-from loom.model.llama import LlamaModel
+from loom.model.decoder import DecoderModel
 from loom.model.loader import load_model
 from loom.model.memory import KVCacheSpec
 from loom.model.sampler import Sampler, adjust_logits, apply_token_bitmask, generator_seed
@@ -62,7 +62,7 @@ _GPU_KV_SHARE = 0.85
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, backends: Backends, block_size: int,
+    def __init__(self, model: DecoderModel, backends: Backends, block_size: int,
                  info: ModelInfo | None = None) -> None:
         self.model = model
         self.backends = backends
@@ -95,12 +95,13 @@ class ModelRunner:
         backends = resolve_backends(
             config.model, config.cache, loaded.arch, has_block_quant=bool(loaded.block_quant),
             bf16_copy_bytes=sum(2 * n * k for n, k in loaded.block_quant_shapes.values()))
-        model = LlamaModel(loaded.arch, loaded.weights, backends.dtype, backends.device,
-                           prepack=backends.prepack,
-                           block_quant=loaded.block_quant if backends.linear == "native"
-                           else None,
-                           fused_ops=backends.fused_ops,
-                           bf16_above_rows=backends.bf16_above_rows)
+        model = DecoderModel(loaded.arch, loaded.weights, backends.dtype, backends.device,
+                             prepack=backends.prepack,
+                             block_quant=loaded.block_quant if backends.linear == "native"
+                             else None,
+                             fused_ops=backends.fused_ops,
+                             bf16_above_rows=backends.bf16_above_rows,
+                             max_model_len=config.model.max_model_len)
         info = ModelInfo(loaded.name, loaded.tokenizer, loaded.arch.vocab_size,
                          loaded.arch.max_position_embeddings)
         logger.info("model %s on %s: %s%s", info.name, backends.device, backends.describe(),
