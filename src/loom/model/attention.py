@@ -100,7 +100,7 @@ def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: 
     kernel then scores a whole block with vector FMAs across its positions (no horizontal
     sums). V is stored [block, kv head, position, dim]: one kv head's block is one contiguous
     run, which the kernel's p.V pass streams faster than rows strided by the other heads
-    (BENCHMARKS.md has the A/B)."""
+    (docs/benchmark-log.md, "V stored head-major")."""
     k = zeros((num_blocks, num_kv_heads, head_dim, block_size), dtype, device)
     v = zeros((num_blocks, num_kv_heads, block_size, head_dim), dtype, device)
     return k.permute(0, 3, 1, 2), v.permute(0, 2, 1, 3)

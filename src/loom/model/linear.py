@@ -61,8 +61,9 @@ INT8_MAX_ROWS = {4: 12, 8: 20}
 # of the model's matmuls. On AVX-512 bf16 without AMX (oneDNN's packed slices on loom's pool)
 # the whole decode step measured faster on the copies from 2 rows, even with their larger
 # stream of weights (a Zen 5 EPYC); on AMX, with loom's tile kernel, whose cost stays near the
-# weights' stream up to tens of rows, from 4 (BENCHMARKS.md). One row stays on the int8 path:
-# a tie there, and a third of the bytes for a home server's one user.
+# weights' stream up to tens of rows, from 4 (docs/benchmark-log.md, "The AMX tile kernel").
+# One row stays on the int8 path: a tie there, and a third of the bytes for a home server's one
+# user.
 BF16_ABOVE_ROWS = 1
 BF16_ABOVE_ROWS_AMX = 3
 

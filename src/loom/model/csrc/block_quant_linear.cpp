@@ -272,7 +272,7 @@ static void int8_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
   // Units as long as kUnitWeights, but at least kUnitsPerThread a thread to balance (a busy
   // machine's descheduled thread holds up one unit): a unit is one run of memory, and long
   // runs stream faster (at decode sizes, on the bundled model and on a 1.7B-parameter one:
-  // BENCHMARKS.md, "Longer work units").
+  // docs/benchmark-log.md, "Longer work units").
   const int64_t per_unit = std::max<int64_t>(
       1, std::min<int64_t>(kUnitWeights / (kPanel * K),
                            P / (kUnitsPerThread * at::get_num_threads())));
