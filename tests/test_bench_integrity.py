@@ -194,10 +194,9 @@ def _check_in_browser(path: Path) -> None:
 
 
 def test_report_reads_an_old_result_file(tmp_path: Path) -> None:
-    """A compare directory from before repeats, bursts and client figures still reports."""
-    old = Path(__file__).parents[1] / "benchmarks" / "results" / "compare-mixed"
-    if not old.exists():
-        pytest.skip("no committed compare results")
+    """A compare directory from before repeats, bursts and client figures still reports (a
+    2026-11-29 `loom bench compare`'s JSONs, each run cut to its first requests)."""
+    old = Path(__file__).parent / "data" / "compare-before-repeats"
     shutil.copytree(old, tmp_path / "old")
     html_path, md_path = write_decision_report(tmp_path / "old")
     assert "not measured" in md_path.read_text() and html_path.exists()

@@ -452,8 +452,9 @@ def test_engine_predicts_the_same_on_the_native_kernel(llm: LLM) -> None:
     """The bundled Q4_1 model, prefills and decode steps on the kernel against the same engine
     with every matmul on oneDNN: same greedy tokens; logprobs within fp32 noise on the fp32
     path, within what int16-precision activations cost on the int8 path (decode steps; the
-    bound is about twice the largest teacher-forced difference benchmarks/native_accuracy.py
-    has measured on any host, BENCHMARKS.md)."""
+    bound is about twice the largest teacher-forced difference
+    benchmarks/kernels/native_accuracy.py has measured on any host: docs/benchmark-log.md,
+    "Activations as two int8 parts")."""
     assert llm.engine.runner.model.layers[0].qkv.panels is not None  # auto picks native
     assert llm.engine.runner.model.lm_head.panels is not None  # Q8_0 embedding
     onednn = LLM(kv_cache_memory="64MiB", max_model_len=1024, dtype="float32",

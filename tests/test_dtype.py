@@ -1,8 +1,8 @@
 """bf16 against float32: the same model must make (almost) the same predictions, as a bfloat16
 model and as a float32 one whose wide matmuls run in bf16 (the default on CPUs with native bf16
-instructions when the native kernel takes the weights). benchmarks/dtype_accuracy.py measures
-this at length; here one passage, teacher-forced, guards against a broken bf16 path. And which
-dtype and matmuls auto picks where."""
+instructions when the native kernel takes the weights). benchmarks/kernels/dtype_accuracy.py
+measures this at length; here one passage, teacher-forced, guards against a broken bf16 path.
+And which dtype and matmuls auto picks where."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ greedy `generate` on the same weights (transformers loads the same GGUF) and the
 token ids, both one request at a time and all requests in one continuous batch whose small token
 budget forces chunked prefills and decodes into the same steps. In float32 throughout, the KV
 cache included (transformers keeps its K/V in float32; loom's default fp16 cache on CPU is
-measured against an fp32 one in test_dtype.py and benchmarks/kv_dtype_accuracy.py).
+measured against an fp32 one in test_dtype.py and benchmarks/kernels/kv_dtype_accuracy.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A shortened soak of `loom serve` (benchmarks/soak.py runs the long one): a few hundred
+"""A shortened soak of `loom serve` (benchmarks/server/soak.py runs the long one): a few hundred
 requests over both endpoints, streamed and not, in bursts at five times capacity, with clients
 that disconnect or time out, against a KV cache small enough to preempt. Nothing may be lost,
 miscounted or leaked."""
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from server_helpers import serve_process
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import soak  # noqa: E402 - the soak driver lives with the benchmark that runs it long
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: benchmarks.*
+from benchmarks.server import soak  # noqa: E402 - the soak driver lives with the long benchmark
 
 pytestmark = pytest.mark.integration
 

@@ -5,8 +5,8 @@ barrier after every parallel op, hundreds of times per decode step. By default a
 arrives first spins, burning its core, until its peers arrive. On a quiet machine that saves a
 wake-up; on one busy with other programs a peer is often descheduled, and the spinning thread
 burns the very timeslice the peer needed: decode then slows by far more than the CPU share it
-lost (see benchmarks/busy_machine.py). With OMP_WAIT_POLICY=PASSIVE waiting threads sleep, and
-loom slows in proportion to the CPU it still gets.
+lost (see benchmarks/engine/busy_machine.py). With OMP_WAIT_POLICY=PASSIVE waiting threads
+sleep, and loom slows in proportion to the CPU it still gets.
 
 loom's own kernels (the block-quantized matmul, decode attention: most of a decode step's
 parallel calls) do not go through that pool: their helpers (csrc/parallel_dynamic.h) wait by

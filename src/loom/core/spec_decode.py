@@ -29,8 +29,8 @@ from loom.request import Request
 
 # A draft row's cost as a share of a decode step (on a 2-core AVX2 CPU the model's matmuls at
 # 1 + 4 rows took 2.0x their 1-row time, and each row past 8 about a tenth of the 8-row time;
-# BENCHMARKS.md): the k-th draft is proposed while the chance that it is reached and kept,
-# p^k, is at least this.
+# docs/benchmark-log.md, "Drafts sized by acceptance"): the k-th draft is proposed while the
+# chance that it is reached and kept, p^k, is at least this.
 DRAFT_ROW_COST = 0.15
 _ACCEPTANCE_DECAY = 0.5  # weight of the newest verification in a request's moving average
 _TRAFFIC_DECAY = 0.05  # the same for the traffic-wide acceptance, over many requests

@@ -97,7 +97,7 @@ class AttentionMetadata:
 # Query x context positions from which a prefill chunk's SDPA runs in bf16 when the metadata
 # asks for it: torch's bf16 kernel (AMX tiles where the CPU has them) overtakes its fp32 one
 # between causal chunks of 256 and 384 tokens and gains with length
-# (benchmarks/prefill_attention.py).
+# (benchmarks/kernels/prefill_attention.py).
 BF16_PREFILL_MIN_POSITIONS = 1 << 17
 
 
@@ -113,7 +113,7 @@ def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: 
     kernel then scores a whole block with vector FMAs across its positions (no horizontal
     sums). V is stored [block, kv head, position, dim]: one kv head's block is one contiguous
     run, which the kernel's p.V pass streams faster than rows strided by the other heads
-    (BENCHMARKS.md has the A/B)."""
+    (docs/benchmark-log.md, "V stored head-major")."""
     k = zeros((num_blocks, num_kv_heads, head_dim, block_size), dtype, device)
     v = zeros((num_blocks, num_kv_heads, block_size, head_dim), dtype, device)
     return k.permute(0, 3, 1, 2), v.permute(0, 2, 1, 3)
@@ -125,7 +125,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     used. (Masked attention reads unused slots, so they must hold zeros, not whatever the
     allocator last kept there.) The mapping asks for transparent huge pages: touched 4 KB at a
     time, a prefill's first pass through fresh blocks spent more in page faults than in
-    RoPE and the KV writes (benchmarks/prefill_attention.py)."""
+    RoPE and the KV writes (benchmarks/kernels/prefill_attention.py)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize

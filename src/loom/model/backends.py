@@ -30,7 +30,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # position) instead of an SDPA call: a chat prompt's or a follow-up turn's chunk is too small
 # for SDPA's fixed cost and its gather of the cached context. The kernel reads the context
 # once per tile of a few tokens, SDPA once per chunk, so SDPA can win back long chunks, the
-# sooner the faster it is (`benchmarks/prefill_attention.py --parts per-token`): against
+# sooner the faster it is (`benchmarks/kernels/prefill_attention.py --parts per-token`): against
 # torch's bf16 SDPA on AMX per-token rows (then read once per token) took under 0.6x its time
 # below 2^16 positions and lost from about twice that; against fp32 SDPA (an AVX2 EPYC) the
 # tiles took 0.10-0.79x its time at every chunk measured, up to 2,048 tokens after 6,144

@@ -2,7 +2,7 @@
 
 gguf's own `GGUFReader` builds a numpy view for every part of every metadata value; on a
 vocabulary of tens of thousands of tokens and its merges that was most of the model load
-(BENCHMARKS.md, start-up). Here a string array is one Python loop over the mapped bytes.
+(docs/benchmark-log.md, "Start-up"). Here a string array is one Python loop over the mapped bytes.
 Layout: the GGUF v2/v3 specification (little-endian; llama.cpp's docs/gguf.md).
 """
 

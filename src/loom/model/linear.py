@@ -4,7 +4,7 @@ On CPU, torch's `F.linear` hands an fp32 matmul to MKL, which re-packs the weigh
 own panel layout on every call. At the narrow batches of decode steps (1-64 rows) that
 re-pack costs about as much as the arithmetic. oneDNN can take the weight packed once, at
 load time, as vLLM's CPU backend and inductor's freezing pass do (how much that buys at each
-batch size: `benchmarks/linear_layout.py`).
+batch size: `benchmarks/kernels/linear_layout.py`).
 
 When the weight came from a GGUF in a block-quantized format, every batch goes to loom's
 native kernel instead (csrc/block_quant_linear.cpp), on the file's own codes at the file's own
@@ -13,8 +13,8 @@ fp32 weight is kept. Up to INT8_MAX_ROWS rows (decode steps) it quantizes the ac
 block of 32 into two int8 parts (int16 precision; one part, as llama.cpp does, changed this
 model's greedy tokens) and streams the weight through integer dot products; above that
 (prefill) it decodes each panel to fp32 once and computes the fp32 product with the file's
-weights. `benchmarks/linear_layout.py --native-only` times both paths and
-`benchmarks/native_accuracy.py` measures what the int8 one costs in accuracy.
+weights. `benchmarks/kernels/linear_layout.py --native-only` times both paths and
+`benchmarks/kernels/native_accuracy.py` measures what the int8 one costs in accuracy.
 
 On a CPU with native bf16 instructions (avx512_bf16, AMX) a layer can also keep a bf16 copy of
 the weight for calls of more than a few rows (BF16_ABOVE_ROWS, BF16_ABOVE_ROWS_AMX): oneDNN's
@@ -40,7 +40,7 @@ from loom.model.weights import BLOCK_LAYOUT, FOUR_BIT_KINDS, BlockQuantWeight
 
 # oneDNN picks its packed layout for a typical batch; one layout serves every batch size. A
 # 512-row hint was as fast as small ones at decode sizes and, unlike them, does not lose to
-# F.linear on prefill-sized batches (benchmarks/linear_layout.py).
+# F.linear on prefill-sized batches (benchmarks/kernels/linear_layout.py).
 _PACK_BATCH_HINT = 512
 
 # Output channels per panel of the native kernel's weight layout; the kernel's fp32 path takes
@@ -51,8 +51,8 @@ PANEL_CHANNELS = 8
 # weight's code width; above it, in fp32 (prefill), where its register tile beats the integer
 # one. 8-bit codes cross over later: their integer product is one int16 multiply per code
 # against two byte products for 4-bit codes (measured over the bundled model's Q4_1 layers and
-# Q8_0 lm_head; benchmarks/linear_layout.py times both paths). Both paths read the same panels,
-# so the choice is per call. Not batch-invariant: a decode row in a step of more rows takes
+# Q8_0 lm_head; benchmarks/kernels/linear_layout.py times both paths). Both paths read the same
+# panels, so the choice is per call. Not batch-invariant: a decode row in a step of more rows takes
 # the fp32 path and can round differently.
 INT8_MAX_ROWS = {4: 12, 8: 20}
 
@@ -61,8 +61,9 @@ INT8_MAX_ROWS = {4: 12, 8: 20}
 # of the model's matmuls. On AVX-512 bf16 without AMX (oneDNN's packed slices on loom's pool)
 # the whole decode step measured faster on the copies from 2 rows, even with their larger
 # stream of weights (a Zen 5 EPYC); on AMX, with loom's tile kernel, whose cost stays near the
-# weights' stream up to tens of rows, from 4 (BENCHMARKS.md). One row stays on the int8 path:
-# a tie there, and a third of the bytes for a home server's one user.
+# weights' stream up to tens of rows, from 4 (docs/benchmark-log.md, "The AMX tile kernel").
+# One row stays on the int8 path: a tie there, and a third of the bytes for a home server's one
+# user.
 BF16_ABOVE_ROWS = 1
 BF16_ABOVE_ROWS_AMX = 3
 

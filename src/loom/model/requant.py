@@ -26,8 +26,8 @@ Two ways, by type:
   Their exact weights are quantized again per 32, to 8-bit codes and one scale,
   max |w| / 127 (Q8_0), which moves each weight by at most half that step.
 
-`benchmarks/native_accuracy.py --reference F16.gguf --model X.gguf` measures what either costs
-on a model's logits (docs/gguf-types.md has the figures).
+`benchmarks/kernels/native_accuracy.py --reference F16.gguf --model X.gguf` measures what either
+costs on a model's logits (docs/gguf-types.md has the figures).
 """
 
 from __future__ import annotations

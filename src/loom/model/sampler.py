@@ -38,7 +38,7 @@ class Sampler:
     near the boundary between two tokens. (The
     exponential-race trick needs a random number per vocabulary entry; torch's CPU
     `exponential_` made that 25 ms for 32 rows of a 49k vocabulary, against 1.5 ms here:
-    benchmarks/op_costs.py.)
+    benchmarks/kernels/op_costs.py.)
     """
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
@@ -65,7 +65,7 @@ class Sampler:
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     """The first index of each row's largest value, as `argmax(dim=-1)`. On a CPU, numpy's
     vectorised argmax: torch's scalar one was a visible part of a batched decode step
-    (benchmarks/op_costs.py times both)."""
+    (benchmarks/kernels/op_costs.py times both)."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32:
         return logits.argmax(dim=-1)
     return torch.from_numpy(np.argmax(logits.contiguous().numpy(), axis=1))
@@ -139,7 +139,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tens
     """`logits` with -inf wherever the row's bitmask (int32 [rows, ceil(vocab / 32)], bit j of
     word w for token 32 w + j) disallows the token (structured outputs). Unpacked by numpy and
     added as a 0 / -inf bias: on a CPU that took half the time of torch's masked_fill, and a
-    third of unpacking the bits with torch shifts (benchmarks/structured.py's apply)."""
+    third of unpacking the bits with torch shifts (benchmarks/engine/structured.py's apply)."""
     bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1,
                          bitorder="little")
     vocab = logits.shape[-1]

@@ -16,10 +16,10 @@
 // - up to `int8_rows` rows (decode steps): x is quantized once per call, per block of 32, into
 //   two int8 parts, x ~ dx * (q1 + q2 / 256) with dx = max|x| / 127 (llama.cpp's Q8_1 is q1
 //   alone: on the bundled model that changed most greedy completions; with q2 they stay
-//   fp32's, benchmarks/native_accuracy.py), and every code group is an integer dot product, with
-//   no decode of the weight to floats; per block, in fp32, y += d * dx * sum(q * qx) + m *
-//   sum(x), with the exact sum of x, so that the offset term carries no rounding of x. The
-//   weight streams at its packed size. 4-bit codes take the two parts as bytes
+//   fp32's, benchmarks/kernels/native_accuracy.py), and every code group is an integer dot
+//   product, with no decode of the weight to floats; per block, in fp32, y += d * dx *
+//   sum(q * qx) + m * sum(x), with the exact sum of x, so that the offset term carries no
+//   rounding of x. The weight streams at its packed size. 4-bit codes take the two parts as bytes
 //   (_mm256_maddubs_epi16, unsigned codes); 8-bit codes take them joined, as the int16
 //   256 q1 + q2 (_mm256_madd_epi16 on the codes widened): the same integer sums in half the
 //   instructions of two signed byte products.
@@ -272,7 +272,7 @@ static void int8_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
   // Units as long as kUnitWeights, but at least kUnitsPerThread a thread to balance (a busy
   // machine's descheduled thread holds up one unit): a unit is one run of memory, and long
   // runs stream faster (at decode sizes, on the bundled model and on a 1.7B-parameter one:
-  // BENCHMARKS.md, "Longer work units").
+  // docs/benchmark-log.md, "Longer work units").
   const int64_t per_unit = std::max<int64_t>(
       1, std::min<int64_t>(kUnitWeights / (kPanel * K),
                            P / (kUnitsPerThread * at::get_num_threads())));

@@ -225,7 +225,8 @@ torch::Tensor bf16_linear(torch::Tensor x, std::vector<torch::Tensor> slices,
 // bf16, widened, bias added in fp32. Why a kernel of loom's own: at decode row counts a step's
 // matmuls are bound by streaming the weights from memory, and oneDNN's calls on these small
 // shapes took far longer than the stream; the loop below reads each weight block once per call
-// and keeps up with the stream to a few tens of rows (BENCHMARKS.md has the A/B). Threads
+// and keeps up with the stream to a few tens of rows (docs/benchmark-log.md, "The AMX tile
+// kernel"). Threads
 // take (panel of rows, block of 32 channels) items one at a time from parallel_dynamic's
 // counter, panel by panel: a prefill's x (megabytes) would otherwise be read from memory once
 // per block, while a panel of kAmxPanelRows rows stays in L2 across the blocks and only the

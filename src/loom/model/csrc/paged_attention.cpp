@@ -33,15 +33,16 @@
 constexpr int64_t kBlockSize = 16;
 
 // How many blocks ahead the AVX-512 kernel prefetches K (and V in the p.V pass): one ahead
-// left it waiting on memory, four evicted what it was about to read (benchmarks/decode_kernel.py
-// --layers 30 times them over caches too big to stay cached, as in the model).
+// left it waiting on memory, four evicted what it was about to read
+// (benchmarks/kernels/decode_kernel.py --layers 30 times them over caches too big to stay
+// cached, as in the model).
 constexpr int64_t kPrefetchBlocks = 2;
 
 // Below this much work (context positions x kv heads, summed over the requests) a decode call
 // runs on the calling thread: handing it to other threads cost more than splitting saved for a
 // single short request. Measured when parallel_dynamic ran on torch's sleeping OpenMP threads;
 // its own helpers (parallel_dynamic.h) wake faster, and the threshold was not re-tuned for them
-// (benchmarks/decode_step_ops.py times the step).
+// (benchmarks/engine/decode_step_ops.py times the step).
 constexpr int64_t kParallelWork = 2048;
 
 // parallel_dynamic when the work is worth the other threads, else the worker on this thread.
@@ -146,8 +147,8 @@ static std::vector<Tile> tile_rows(const DecodeArgs<T, C>& a, int tokens) {
 // head) pairs. A block's kv heads lie side by side in the cache ([block, kv head, ...]), and
 // one kv head's share of a block is a short run (2 KB for SmolLM2 at fp16): taken by
 // different threads at different times, each was a random read of its own, and memory streams
-// short runs at random places much slower than longer ones (benchmarks/random_reads.py; the
-// kernel before and after: decode_kernel.py --layers 30 --against). Fewer tiles (one long
+// short runs at random places much slower than longer ones (benchmarks/kernels/random_reads.py;
+// the kernel before and after: decode_kernel.py --layers 30 --against). Fewer tiles (one long
 // request) keep the pairs, so that its kv heads run in parallel.
 template <typename T, typename C, typename Item>
 static void for_each_item(const DecodeArgs<T, C>& a, const std::vector<Tile>& tiles,

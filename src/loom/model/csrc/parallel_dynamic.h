@@ -28,9 +28,9 @@
 // One pool for all the extensions. Each compiles this header, so each would have a pool of its
 // own, and a step alternates between them (matmul, attention, matmul): their helpers, one per
 // extension per spare core, took turns on the cores, and a helper asleep by the time its
-// extension's next call came had to be woken for it (BENCHMARKS.md has the A/B). So the first
-// extension kernels.py loads makes the pool and the others adopt it (LOOM_POOL_BINDINGS)
-// before any job.
+// extension's next call came had to be woken for it (docs/benchmark-log.md, "One helper pool
+// for every extension"). So the first extension kernels.py loads makes the pool and the others
+// adopt it (LOOM_POOL_BINDINGS) before any job.
 #pragma once
 #include <ATen/Parallel.h>
 #include <linux/futex.h>

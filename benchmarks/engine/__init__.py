@@ -1,0 +1,1 @@
+"""The offline engine: decode steps, the roofline, dtypes, speculative decoding."""

@@ -1,0 +1,1 @@
+"""Single kernels and ops: decode and prefill attention, the native matmul, accuracy."""

@@ -1,0 +1,1 @@
+"""`loom simulate`: its accuracy against the served engine, fleets of replicas."""

@@ -1,0 +1,152 @@
+"""Fleets of 10 / 100 / 1,000 simulated replicas under prefix-aware and load-only routing.
+
+Traffic with many shared prefixes (agents' system prompts, RAG documents): each request is one
+of `--documents` prefixes, drawn Zipf-like (a few popular, a long tail), followed by its own
+question. Per-replica load is held constant while the fleet grows, so the figures show what the
+router alone changes: prefix-cache hit rate, TTFT, and how many replicas each policy needs to
+meet a TTFT SLO at one total rate.
+
+It is a simulation: the real scheduler and KV cache manager of every replica on a roofline step
+model of the GPU (`loom simulate --gpus`), routed by the cluster's own policy code
+(`loom.cluster.routing`). Nothing here was run on GPUs.
+
+    python benchmarks/planning/fleet_sim.py --sizes 10,100,1000 --slo-size 100 --output-len 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any
+
+from loom.bench.replay import Load
+from loom.bench.trace import Trace, TraceRequest
+from loom.entrypoints.cli import build_parser
+from loom.host import describe
+from loom.sim.result import simulate_run
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="10,100,1000", help="fleet sizes (replicas)")
+    p.add_argument("--routers", default="prefix,pow2")
+    p.add_argument("--per-replica-rate", type=float, default=8.0, help="req/s per replica")
+    p.add_argument("--requests-per-replica", type=int, default=60)
+    p.add_argument("--documents-per-replica", type=float, default=2.0,
+                   help="distinct prefixes in the traffic, per replica of the fleet")
+    p.add_argument("--prefix-len", type=int, default=2048, help="tokens of each shared prefix")
+    p.add_argument("--question-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--slo-size", type=int, default=100,
+                   help="fleet size whose total rate the replicas-for-an-SLO search uses")
+    p.add_argument("--slo-ttft-p95", type=float, default=0.5, help="seconds")
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--gpu", default="h100-sxm")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def _traffic(args: argparse.Namespace, num_requests: int, num_documents: int
+             ) -> tuple[Trace, list[list[int]]]:
+    """Requests over Zipf-popular prefixes; token ids drawn directly (the scheduler needs only
+    equality), the prefix's id list shared, not copied, between its requests' prompts."""
+    rng = random.Random(args.seed)
+    weights = [1 / (rank + 1) for rank in range(num_documents)]
+    prefixes = [[rng.randrange(2**31) for _ in range(args.prefix_len)]
+                for _ in range(num_documents)]
+    requests, token_ids = [], []
+    for i in range(num_requests):
+        doc = rng.choices(range(num_documents), weights)[0]
+        question = [rng.randrange(2**31, 2**32) for _ in range(args.question_len)]
+        token_ids.append(prefixes[doc] + question)
+        requests.append(TraceRequest(max_tokens=args.output_len,
+                                     prompt_len=args.prefix_len + args.question_len,
+                                     cls="shared-prefix", id=str(i)))
+    return Trace(requests, {"tokenizer": "synthetic"}, sha256="0" * 64), token_ids
+
+
+def _config(args: argparse.Namespace) -> Any:
+    """The roofline configuration of one replica, from `loom simulate`'s own flags."""
+    from loom.sim.cli import _configs
+
+    cli = build_parser().parse_args(
+        ["simulate", "--model", args.model, "--gpus", args.gpu, "--max-model-len", "8192"])
+    cli.replicas, cli.router = [1], ["prefix"]
+    return _configs(cli)[0][0]
+
+
+def _run(config: Any, trace: Trace, ids: list[list[int]], replicas: int, router: str,
+         rate: float, seed: int) -> dict[str, Any]:
+    import dataclasses
+
+    fleet = dataclasses.replace(config, name=f"x{replicas}-{router}", replicas=replicas,
+                                router=router)
+    wall = time.perf_counter()
+    result = simulate_run(fleet, trace, ids, Load(rate=rate, seed=seed))
+    result["wall_s"] = time.perf_counter() - wall
+    return result
+
+
+def _row(result: dict[str, Any], replicas: int, router: str) -> str:
+    sim = result["simulation"]
+    per = sim["requests_per_replica"]
+    return (f"| {replicas:,} | {router} | {result['request_rate']:.0f} | "
+            f"{result['prefix_cache_hit_rate']:.1%} | {result['mean_ttft_ms']:.0f} | "
+            f"{result['p95_ttft_ms']:.0f} | {result['completed']:,} | {max(per)} / {min(per)} | "
+            f"{result['duration']:.0f} s in {result['wall_s']:.0f} s |")
+
+
+def main() -> None:
+    args = _args()
+    config = _config(args)
+    print(f"# host: {describe()}; model {args.model} on {args.gpu} (roofline), "
+          f"{config.num_kv_blocks} KV blocks per replica")
+    print("\n| replicas | router | offered req/s | prefix hit rate | mean TTFT ms | p95 TTFT ms "
+          "| completed | requests per replica max / min | simulated in wall |")
+    print("|--:|---|--:|--:|--:|--:|--:|--|--|")
+    routers = args.routers.split(",")
+    for size in (int(x) for x in args.sizes.split(",")):
+        trace, ids = _traffic(args, size * args.requests_per_replica,
+                              max(1, round(size * args.documents_per_replica)))
+        for router in routers:
+            result = _run(config, trace, ids, size, router, size * args.per_replica_rate,
+                          args.seed)
+            print(_row(result, size, router), flush=True)
+    _replicas_for_slo(args, config, routers)
+
+
+def _replicas_for_slo(args: argparse.Namespace, config: Any, routers: list[str]) -> None:
+    """At the total rate of `--slo-size` replicas, the fewest replicas whose p95 TTFT meets
+    the SLO, per router: bisection between a tenth and four times that size, to within a
+    twentieth of it."""
+    size = args.slo_size
+    rate = size * args.per_replica_rate
+    trace, ids = _traffic(args, size * args.requests_per_replica,
+                          max(1, round(size * args.documents_per_replica)))
+    print(f"\nReplicas needed for p95 TTFT <= {args.slo_ttft_p95:g} s at {rate:.0f} req/s "
+          f"(the traffic of {size} replicas above):\n")
+    print("| router | replicas tried: p95 TTFT ms | fewest meeting the SLO |")
+    print("|---|---|--:|")
+    for router in routers:
+        tried: dict[int, float] = {}
+
+        def meets(replicas: int, router: str = router, tried: dict[int, float] = tried) -> bool:
+            result = _run(config, trace, ids, replicas, router, rate, args.seed)
+            tried[replicas] = result["p95_ttft_ms"]
+            return result["p95_ttft_ms"] <= args.slo_ttft_p95 * 1000
+
+        low, high = max(1, size // 10), 4 * size
+        if not meets(high):
+            fewest: int | str = f"more than {high}"
+        else:
+            while high - low > max(1, size // 20):
+                middle = (low + high) // 2
+                low, high = (low, middle) if meets(middle) else (middle, high)
+            fewest = high
+        steps = ", ".join(f"{n}: {ms:.0f}" for n, ms in sorted(tried.items()))
+        print(f"| {router} | {steps} | {fewest} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

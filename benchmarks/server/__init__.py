@@ -1,0 +1,1 @@
+"""`loom serve`: start-up, what HTTP costs, long answers, the soak, Ray replicas."""
