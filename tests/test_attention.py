@@ -3,7 +3,7 @@ op built on it, against the torch path (RoPE, index_put, gather + SDPA), on rand
 scattered block tables, ragged context lengths and grouped-query heads; prefill chunks in bf16
 from BF16_PREFILL_MIN_POSITIONS; the KV cache's lazily zeroed, huge-page memory. A layer's
 variants (sliding window, softcap, attention sinks) against a plain dense reference, at the
-window's edges, in tiles and in spans."""
+window's edges, in tiles, in spans, and through the runner's sliding KV group."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
-from loom.core.batch import ScheduledRequest
+from loom.core.batch import ScheduledRequest, SlidingKVGroup
 from loom.model.attention import (
     BF16_PREFILL_MIN_POSITIONS,
     AttentionMetadata,
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.unit
 def decode_metadata(tables: list[list[int]], lens: list[int], block_size: int,
                     native: bool) -> AttentionMetadata:
     runner = ModelRunner.__new__(ModelRunner)  # only the metadata builders are needed
-    runner.block_size, runner.device = block_size, torch.device("cpu")
+    runner.block_size, runner.device, runner.sliding_kv = block_size, torch.device("cpu"), None
     slots = (torch.zeros(0, dtype=torch.long),) * 2  # decodes only: nothing is written
     if native:
         return AttentionMetadata(slots, [], [], runner._paged_decodes(tables, lens))
@@ -241,13 +241,14 @@ def _scheduled(request_id: str, tokens: int, start: int, blocks: list[int],
 
 
 def _step_metadata(items: list[ScheduledRequest], block_size: int, scratch_block: int,
-                   native: bool) -> tuple[list[tuple[str, int] | None], torch.Tensor,
-                                          AttentionMetadata]:
+                   native: bool, sliding: SlidingKVGroup | None = None
+                   ) -> tuple[list[tuple[str, int] | None], torch.Tensor, AttentionMetadata]:
     """(each row's (request id, position), None for padding rows; positions; metadata) from
     the runner's own input preparation, which orders the rows its own way per path."""
     runner = ModelRunner.__new__(ModelRunner)
     runner.block_size, runner.device, runner.scratch_block = block_size, torch.device("cpu"), \
         scratch_block
+    runner.sliding_kv = sliding
     # the smaller per-token bound, so that MIXED_STEP's long chunks stay SDPA spans
     runner.backends = SimpleNamespace(
         native_decode=native, bf16_prefill_attention=False,
@@ -666,3 +667,46 @@ def test_variant_arguments_are_checked() -> None:
     with pytest.raises(RuntimeError, match="sinks"):
         ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125,
                                    sinks=torch.zeros(3))
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("window", [5, 20, 47])
+def test_a_step_through_the_sliding_group_matches_the_reference(native: bool,
+                                                                window: int) -> None:
+    """One step of decodes, short chunks (per-token rows on the native path) and long chunks
+    (SDPA) through the runner's sliding KV group: tables whose slid-out blocks are the null
+    block (NaN here), trimmed by the runner to start at each item's window, on both paths,
+    against reference_attention over each request's whole context."""
+    bs, num_blocks, heads, kv_heads, dim = 16, 200, 9, 3, 64
+    group = SlidingKVGroup(window, num_blocks)
+    k_cache, v_cache, null = _windowed_cache(num_blocks, kv_heads, dim, torch.float32, window)
+    assert null == group.null_block
+    layer = LayerAttention(dim ** -0.5, window)
+    chosen = [("d0", 1, 0), ("d1", 1, window - 1), ("d2", 1, window), ("d3", 1, window + 1),
+              ("d4", 1, 300), ("p0", 20, 0), ("p1", 25, 40), ("p2", 260, 0), ("p3", 100, 600)]
+    free, items, contexts = list(range(num_blocks)), [], {}
+    for request_id, tokens, start in chosen:
+        count = -(-(start + tokens) // bs)
+        blocks, free = free[:count], free[count:]
+        kept = max(0, start - window + 1) // bs  # the group frees the blocks before
+        items.append(ScheduledRequest(request_id, [1] * tokens, start, [1000 + b for b in blocks],
+                                      SamplingParams(), True, [],
+                                      sliding_block_ids=[null] * kept + blocks[kept:]))
+        contexts[request_id] = blocks
+    keys, positions, meta = _step_metadata(items, bs, 1000 + num_blocks, native, group)
+    meta = meta.for_layer(layer)
+    rows = len(keys)
+    q = torch.randn(rows, heads, dim)
+    k_new, v_new = torch.randn(rows, kv_heads, dim), torch.randn(rows, kv_heads, dim)
+    write_kv(k_cache, v_cache, k_new, v_new, meta.slots)
+    assert torch.isfinite(k_cache[:num_blocks]).all()  # nothing was written to the null block
+    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, layer=layer)
+    for request_id, _, _ in chosen:
+        at = [row for row in range(rows) if keys[row][0] == request_id]
+        context = contexts[request_id]
+        end = keys[at[-1]][1] + 1
+        k = k_cache[context].flatten(0, 1)[:end]
+        v = v_cache[context].flatten(0, 1)[:end]
+        expected = reference_attention(q[at], k, v, [keys[row][1] for row in at], layer)
+        torch.testing.assert_close(out[at].view(len(at), heads, dim).double(), expected,
+                                   atol=2e-5, rtol=2e-5)

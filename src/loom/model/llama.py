@@ -18,12 +18,14 @@ import torch.nn.functional as F
 from loom.model.arch import ModelArch, ModelLoadError
 from loom.model.attention import (
     AttentionMetadata,
+    LayerAttention,
     paged_attention,
     rope_write_attend,
     write_kv,
 )
 from loom.model.kernels import block_quant_linear_ops
 from loom.model.linear import Linear
+from loom.model.memory import sliding_layers
 from loom.model.weights import BlockQuantWeight, LazyWeights
 
 
@@ -99,6 +101,9 @@ class LlamaModel:
         self.layers = [LlamaLayer(w, f"model.layers.{i}.", arch.attention_bias, prepack,
                                   block_quant, bf16_above_rows)
                        for i in range(arch.num_layers)]
+        self.layer_attention = [
+            LayerAttention(arch.head_dim ** -0.5, arch.sliding_window if sliding else None)
+            for sliding in sliding_layers(arch)]
         inv_freq = rope_inv_freq(arch).to(device)
         positions = torch.arange(arch.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
@@ -121,16 +126,19 @@ class LlamaModel:
         rope = None if meta.paged_decodes is not None else (
             self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
         hidden, delta = self.embed(input_ids), None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for layer, variant, (k_cache, v_cache) in zip(self.layers, self.layer_attention,
+                                                      kv_caches):
             hidden, x = self._add_norm(hidden, delta, layer.input_norm)
-            attn = self._attention(layer.qkv(x), positions, rope, k_cache, v_cache, meta)
+            attn = self._attention(layer.qkv(x), positions, rope, k_cache, v_cache, meta,
+                                   variant)
             hidden, x = self._add_norm(hidden, layer.o(attn), layer.post_attn_norm)
             delta = layer.down(self._silu_mul(layer.gate_up(x)))
         return self._add_norm(hidden, delta, self.final_norm)[1]
 
     def _attention(self, qkv: torch.Tensor, positions: torch.Tensor,
                    rope: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                   v_cache: torch.Tensor, meta: AttentionMetadata,
+                   layer: LayerAttention) -> torch.Tensor:
         """[tokens, q + k + v heads] projections -> [tokens, heads * head_dim] attention
         output, with this step's K/V written to the caches. rope: this step's (cos, sin), for
         the torch path; None for the native one, one call from qkv to the decode rows' output
@@ -138,13 +146,13 @@ class LlamaModel:
         arch = self.arch
         if rope is None:
             return rope_write_attend(qkv, arch.num_heads, self.rope_cos, self.rope_sin,
-                                     positions, k_cache, v_cache, meta)
+                                     positions, k_cache, v_cache, meta, layer=layer)
         qk = _rope(qkv[:, :self.q_size + self.kv_size].view(
             -1, arch.num_heads + arch.num_kv_heads, arch.head_dim), *rope)
         q, k = qk[:, :arch.num_heads], qk[:, arch.num_heads:]  # rotated together: 3 ops
         v = qkv[:, self.q_size + self.kv_size:].reshape(-1, arch.num_kv_heads, arch.head_dim)
-        write_kv(k_cache, v_cache, k, v, meta.slots)
-        return paged_attention(q, k, v, k_cache, v_cache, meta)
+        write_kv(k_cache, v_cache, k, v, meta.for_layer(layer).slots)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, layer=layer)
 
     def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
