@@ -1,7 +1,8 @@
 """A sliding-window model end to end, against transformers' Mistral with `sliding_window` set
 (which applies the window on every layer): a tiny random-weight model, float32, through the
 real engine (chunked prefill, decodes, the sliding layers' own KV group), on the native
-kernel and on the torch path; preemption by recompute; the memory a long request holds."""
+kernel and on the torch path; preemption by recompute; the memory a long request holds; how
+the runner sizes the groups."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from model_fixtures import TinySpec, build_tiny_model, save_hf_folder
 
 from loom.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from loom.core.batch import SlidingKVGroup
 from loom.engine.core import EngineCore
 from loom.model.arch import ModelInfo
 from loom.model.backends import Backends
@@ -132,3 +134,20 @@ def test_a_preempted_sliding_request_gives_the_same_greedy_tokens(mistral,
                 == outputs[request_id].outputs[0].token_ids)
     sliding = engine.kv_cache.sliding_pool
     assert sliding.num_free_blocks == sliding.num_blocks
+
+
+def test_the_runner_sizes_both_groups_from_the_budget_and_says_so(mistral, caplog) -> None:
+    """Every layer sliding: the budget is the sliding pool's (the full group is bookkeeping),
+    the tensors are as large as the layout says, and the start-up log names both groups."""
+    _, loaded = mistral
+    runner = engine_for(loaded, native=False).runner
+    scheduler = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8)
+    with caplog.at_level("INFO", logger="loom.model.runner"):
+        num_blocks = runner.determine_num_kv_blocks(CacheConfig(kv_cache_memory="64MiB"), 512,
+                                                    scheduler)
+    group = runner.initialize_kv_cache(num_blocks)
+    assert num_blocks == 8 * 512 // 16  # max_num_seqs requests of max_model_len
+    assert group.window == WINDOW
+    assert group.num_blocks == SlidingKVGroup.blocks_needed(WINDOW, 16, 8, 64)  # all it needs
+    assert all(k.shape[0] == group.num_blocks + 1 for k, _ in runner.kv_caches)  # + null block
+    assert "sliding-window layers (window 24)" in caplog.text
