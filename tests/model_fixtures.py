@@ -134,14 +134,14 @@ FAMILY_SPECS = {
                          "short_factor": _SHORT_FACTORS}), seed=13, tokenizer="smollm"),
     # sliding layer 0, global layer 1; attention and final softcaps small enough to bite
     "gemma2": TinySpec("gemma2", "gemma2", dict(
-        _FAMILY, head_dim=32, num_hidden_layers=2, sliding_window=_WINDOW,
-        query_pre_attn_scalar=32, attn_logit_softcapping=3.0, final_logit_softcapping=5.0),
+        _FAMILY, head_dim=64, num_hidden_layers=2, sliding_window=_WINDOW,
+        query_pre_attn_scalar=64, attn_logit_softcapping=3.0, final_logit_softcapping=5.0),
         seed=14, tokenizer="spm"),
     # five sliding layers (local RoPE base 1e4) and a global one (base 1e6, linear scaling 8);
     # q/k norms
     "gemma3": TinySpec("gemma3", "gemma3_text", dict(
-        _FAMILY, head_dim=32, num_hidden_layers=6, sliding_window=_WINDOW,
-        query_pre_attn_scalar=32,
+        _FAMILY, head_dim=64, num_hidden_layers=6, sliding_window=_WINDOW,
+        query_pre_attn_scalar=64,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
                                             "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
@@ -405,7 +405,7 @@ def make_runner(loaded: LoadedModel, num_blocks: int = 64, block_size: int = 4,
     backends = Backends(device=torch.device("cpu"), dtype=torch.float32, kv_dtype=torch.float32,
                         num_threads=0, native_decode=False, linear="torch", fused_ops=ops)
     runner = ModelRunner(model, backends, block_size)
-    runner.initialize_kv_cache(num_blocks)
+    runner.initialize_kv_cache(num_blocks, num_sliding_blocks=num_blocks)
     return runner
 
 
@@ -421,9 +421,14 @@ class Chunk:
 
 def step_logits(runner: ModelRunner, chunks: list[Chunk]) -> dict[str, torch.Tensor]:
     """Run one step through the runner's real input preparation (slot mapping, block tables,
-    decode masks) and paged KV cache; return every fed token's logits, per request."""
+    decode masks) and paged KV cache; return every fed token's logits, per request. A model
+    with sliding-window layers gets the same block ids in their KV group (make_runner sizes
+    both groups alike): nothing is freed, but their attention reads through that group."""
+    sliding = runner.sliding_kv is not None
     items = [ScheduledRequest(c.request_id, c.tokens, c.start, c.block_ids,
-                              SamplingParams(temperature=0), True, c.tokens) for c in chunks]
+                              SamplingParams(temperature=0), True, c.tokens,
+                              sliding_block_ids=list(c.block_ids) if sliding else [])
+             for c in chunks]
     items, input_ids, positions, meta = runner._prepare(items)
     with torch.inference_mode():
         hidden = runner.model.forward(input_ids, positions, runner.kv_caches, meta)

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
 from loom.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from loom.core.batch import ModelRunnerOutput, SchedulerOutput
+from loom.core.batch import ModelRunnerOutput, SchedulerOutput, SlidingKVGroup
 from loom.core.scheduler import Scheduler
 from loom.engine.core import EngineCore
 from loom.model.arch import ModelInfo
@@ -103,12 +103,13 @@ class SlotRunner:
         self.info = ModelInfo("slot-model", toy_tokenizer(), VOCAB, 4096)
         self.engine: EngineCore | None = None
 
-    def determine_num_kv_blocks(self, cache: CacheConfig, max_model_len: int) -> int:
+    def determine_num_kv_blocks(self, cache: CacheConfig, max_model_len: int,
+                                scheduler: SchedulerConfig) -> int:
         assert cache.num_kv_blocks is not None
         return cache.num_kv_blocks
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        pass
+    def initialize_kv_cache(self, num_blocks: int) -> SlidingKVGroup | None:
+        return None
 
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
         check_limits(self.engine.scheduler, batch)

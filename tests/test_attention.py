@@ -1,7 +1,9 @@
 """The native paged decode-attention kernel, and the fused RoPE + KV write + decode attention
 op built on it, against the torch path (RoPE, index_put, gather + SDPA), on random caches with
 scattered block tables, ragged context lengths and grouped-query heads; prefill chunks in bf16
-from BF16_PREFILL_MIN_POSITIONS; the KV cache's lazily zeroed, huge-page memory."""
+from BF16_PREFILL_MIN_POSITIONS; the KV cache's lazily zeroed, huge-page memory. A layer's
+variants (sliding window, softcap, attention sinks) against a plain dense reference, at the
+window's edges, in tiles, in spans, and through the runner's sliding KV group."""
 
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
-from loom.core.batch import ScheduledRequest
+from loom.core.batch import ScheduledRequest, SlidingKVGroup
 from loom.model.attention import (
     BF16_PREFILL_MIN_POSITIONS,
     AttentionMetadata,
+    LayerAttention,
     PrefillSpan,
     new_kv_cache,
     paged_attention,
@@ -35,7 +38,7 @@ pytestmark = pytest.mark.unit
 def decode_metadata(tables: list[list[int]], lens: list[int], block_size: int,
                     native: bool) -> AttentionMetadata:
     runner = ModelRunner.__new__(ModelRunner)  # only the metadata builders are needed
-    runner.block_size, runner.device = block_size, torch.device("cpu")
+    runner.block_size, runner.device, runner.sliding_kv = block_size, torch.device("cpu"), None
     slots = (torch.zeros(0, dtype=torch.long),) * 2  # decodes only: nothing is written
     if native:
         return AttentionMetadata(slots, [], [], runner._paged_decodes(tables, lens))
@@ -238,13 +241,14 @@ def _scheduled(request_id: str, tokens: int, start: int, blocks: list[int],
 
 
 def _step_metadata(items: list[ScheduledRequest], block_size: int, scratch_block: int,
-                   native: bool) -> tuple[list[tuple[str, int] | None], torch.Tensor,
-                                          AttentionMetadata]:
+                   native: bool, sliding: SlidingKVGroup | None = None
+                   ) -> tuple[list[tuple[str, int] | None], torch.Tensor, AttentionMetadata]:
     """(each row's (request id, position), None for padding rows; positions; metadata) from
     the runner's own input preparation, which orders the rows its own way per path."""
     runner = ModelRunner.__new__(ModelRunner)
     runner.block_size, runner.device, runner.scratch_block = block_size, torch.device("cpu"), \
         scratch_block
+    runner.sliding_kv = sliding
     # the smaller per-token bound, so that MIXED_STEP's long chunks stay SDPA spans
     runner.backends = SimpleNamespace(
         native_decode=native, bf16_prefill_attention=False,
@@ -479,3 +483,230 @@ def test_cpu_zeros_are_zero_writable_and_on_huge_pages_where_the_kernel_has_them
         elif inside and line.startswith("THPeligible:"):
             eligible = line.split()[1] == "1"
     assert eligible, "the KV cache's mapping is not eligible for transparent huge pages"
+
+
+# -- a layer's variants: sliding window, softcap, attention sinks ------------------------------
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int],
+                        layer: LayerAttention, sinks: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """Plain dense attention in float64: q [queries, heads, dim] at `positions` over the keys
+    and values of positions 0.. ([context, kv heads, dim]), each query over its own causal
+    window, scores soft-capped, sinks in the denominator. Returns [queries, heads, dim]."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    out = []
+    for query, position in zip(q.double(), positions):
+        first = layer.first_position(position)
+        keys = k[first:position + 1].double().repeat_interleave(heads // kv_heads, 1)
+        values = v[first:position + 1].double().repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("hd,lhd->hl", query, keys) * layer.scale
+        if layer.softcap is not None:
+            scores = layer.softcap * torch.tanh(scores / layer.softcap)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double().unsqueeze(1)], dim=1)
+        probs = scores.softmax(dim=1)[:, :keys.shape[0]]
+        out.append(torch.einsum("hl,lhd->hd", probs, values))
+    return torch.stack(out)
+
+
+POISON = float("nan")  # blocks wholly before a window hold it: read, it would show
+
+
+def _windowed_cache(num_blocks: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype,
+                    seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Random K/V caches with one more block, the last, full of NaN: the id the tables give
+    the blocks a window has left (as the sliding group's null block). Returns it too."""
+    torch.manual_seed(seed)
+    k_cache, v_cache = new_kv_cache(num_blocks + 1, 16, num_kv_heads, head_dim, cache_dtype,
+                                    torch.device("cpu"))
+    for cache in (k_cache, v_cache):
+        cache.copy_(torch.randn(cache.shape))
+        cache[num_blocks] = POISON
+    return k_cache, v_cache, num_blocks
+
+
+def _rows_with_windows(lens: list[int], window: int | None, num_blocks: int, null: int,
+                       seed: int) -> list[list[int]]:
+    """A scattered block table per row, its blocks before the row's window the null block."""
+    free = random.Random(seed).sample(range(num_blocks), num_blocks)
+    tables = []
+    for length in lens:
+        count = -(-length // 16)
+        skipped = 0 if window is None else max(0, length - window) // 16
+        tables.append([null] * skipped + free[skipped:count])
+        free = free[count:]
+    return tables
+
+
+def _reference_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    tables: list[list[int]], lens: list[int], layer: LayerAttention,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
+    """reference_attention of each decode row (query at position len - 1) over its table."""
+    rows = []
+    for i, (table, length) in enumerate(zip(tables, lens)):
+        k = k_cache[table].flatten(0, 1)[:length]
+        v = v_cache[table].flatten(0, 1)[:length]
+        rows.append(reference_attention(q[i:i + 1], k, v, [length - 1], layer, sinks))
+    return torch.cat(rows)
+
+
+def variant_both_ways(ops: ModuleType, dtype: torch.dtype, cache_dtype: torch.dtype,
+                      num_heads: int, num_kv_heads: int, head_dim: int, window: int | None,
+                      softcap: float | None, with_sinks: bool, lens: list[int],
+                      threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dense reference, ops' kernel) of decode rows of context `lens` in a layer with the
+    variant, on `threads` threads (two or more let few long contexts run in spans)."""
+    num_blocks = sum(-(-length // 16) for length in lens)
+    k_cache, v_cache, null = _windowed_cache(num_blocks, num_kv_heads, head_dim, cache_dtype,
+                                             len(lens))
+    tables = _rows_with_windows(lens, window, num_blocks, null, len(lens))
+    layer = LayerAttention(head_dim ** -0.5 * 1.5, window, softcap)
+    q = (2 * torch.randn(len(lens), num_heads, head_dim)).to(dtype)  # softcap bites
+    sinks = torch.randn(num_heads) * 2 if with_sinks else None
+    expected = _reference_rows(q, k_cache, v_cache, tables, lens, layer, sinks)
+    decodes = decode_metadata(tables, lens, 16, True).paged_decodes
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        actual = ops.paged_decode_attention(q, k_cache, v_cache, decodes.block_tables,
+                                            decodes.context_lens, layer.scale,
+                                            window=window or 0, softcap=softcap or 0.0,
+                                            sinks=sinks)
+    finally:
+        torch.set_num_threads(before)
+    return expected, actual
+
+
+# Contexts on both sides of each window's edge (W - 1, W, W + 1) and of block edges, beside
+# longer ones that span several windows: windows shorter than a block, one block, not a
+# multiple of the block size, several blocks.
+WINDOW_CASES = [(window, sorted({window - 1, window, window + 1, 15, 16, 17, 33, 130, 301}
+                                - {0}))
+                for window in (5, 16, 20, 47, 100)]
+VARIANT_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,tolerance", DTYPES)
+@pytest.mark.parametrize("window,lens", WINDOW_CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 128)])
+def test_windowed_decode_rows_attend_exactly_their_window(dtype, cache_dtype, tolerance, window,
+                                                          lens, num_heads, num_kv_heads,
+                                                          head_dim) -> None:
+    """A row at position p sees p - W + 1 .. p, and the blocks wholly before are never read
+    (they hold NaN here: a read would show in the output)."""
+    expected, actual = variant_both_ways(paged_attention_ops(), dtype, cache_dtype, num_heads,
+                                         num_kv_heads, head_dim, window, None, False, lens)
+    assert torch.isfinite(actual.float()).all()
+    torch.testing.assert_close(actual.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,tolerance", DTYPES)
+@pytest.mark.parametrize("window,softcap,with_sinks", [(None, 5.0, False), (None, None, True),
+                                                       (20, 5.0, True)])
+def test_softcap_and_sinks_match_the_reference(dtype, cache_dtype, tolerance, window, softcap,
+                                               with_sinks) -> None:
+    expected, actual = variant_both_ways(paged_attention_ops(), dtype, cache_dtype, 9, 3, 64,
+                                         window, softcap, with_sinks, [1, 7, 16, 40, 300])
+    torch.testing.assert_close(actual.double(), expected, atol=tolerance, rtol=tolerance)
+    plain = variant_both_ways(paged_attention_ops(), dtype, cache_dtype, 9, 3, 64, window, None,
+                              False, [1, 7, 16, 40, 300])[1]
+    assert not torch.allclose(actual.float(), plain.float(), atol=10 * tolerance)  # it did bite
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,tolerance", DTYPES)
+# (window, softcap, sinks, whether spans run): a window of 129 leaves 9 blocks a row, too
+# few to cut, as the spans count only the blocks a window reaches
+@pytest.mark.parametrize("window,softcap,with_sinks,cut", [
+    (None, None, True, True), (700, None, False, True), (1000, 5.0, True, True),
+    (129, None, False, False)])
+def test_few_long_windowed_contexts_attend_in_spans_that_respect_the_window(
+        dtype, cache_dtype, tolerance, window, softcap, with_sinks, cut) -> None:
+    """Few long contexts are cut into spans over only the blocks their window reaches, the
+    first span starting mid-block at the window's first position; the sink joins the spans'
+    merge once. On two threads against the reference, and against one thread (no spans) to
+    show whether the spans ran."""
+    lens = [700, 1500, 2900]
+    results = [variant_both_ways(paged_attention_ops(), dtype, cache_dtype, 9, 3, 64, window,
+                                 softcap, with_sinks, lens, threads) for threads in (1, 2)]
+    (expected, whole), (_, spans) = results
+    for actual in (whole, spans):
+        assert torch.isfinite(actual.float()).all()
+        torch.testing.assert_close(actual.double(), expected, atol=tolerance, rtol=tolerance)
+    assert torch.equal(whole, spans) != cut
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,tolerance", DTYPES)
+@pytest.mark.parametrize("window", [5, 16, 20, 47])
+def test_a_chunks_rows_attend_in_tiles_each_over_its_own_window(dtype, cache_dtype, tolerance,
+                                                                window) -> None:
+    """A short prefill chunk's tokens as consecutive decode rows over one table (a tile reads
+    each block once for its rows): each row still sees exactly its own window, rows whose
+    windows start in different blocks sharing a tile."""
+    ops = paged_attention_ops()
+    k_cache, v_cache, null = _windowed_cache(12, 3, 64, cache_dtype, window)
+    lens = list(range(60, 80))
+    first_block = max(0, lens[0] - window) // 16  # the chunk's first row's window
+    table = [null] * first_block + list(range(first_block, 5))
+    tables = [table[:-(-length // 16)] for length in lens]
+    layer = LayerAttention(64 ** -0.5, window)
+    q = torch.randn(len(lens), 9, 64).to(dtype)
+    expected = _reference_rows(q, k_cache, v_cache, tables, lens, layer, None)
+    decodes = decode_metadata(tables, lens, 16, True).paged_decodes
+    actual = ops.paged_decode_attention(q, k_cache, v_cache, decodes.block_tables,
+                                        decodes.context_lens, layer.scale, window=window)
+    torch.testing.assert_close(actual.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_variant_arguments_are_checked() -> None:
+    ops = paged_attention_ops()
+    k_cache, v_cache = new_kv_cache(2, 16, 3, 64, torch.float32, torch.device("cpu"))
+    q, tables, lens = torch.zeros(1, 9, 64), torch.zeros(1, 1, dtype=torch.long), \
+        torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="window and softcap"):
+        ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, window=-1)
+    with pytest.raises(RuntimeError, match="sinks"):
+        ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125,
+                                   sinks=torch.zeros(3))
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("window", [5, 20, 47])
+def test_a_step_through_the_sliding_group_matches_the_reference(native: bool,
+                                                                window: int) -> None:
+    """One step of decodes, short chunks (per-token rows on the native path) and long chunks
+    (SDPA) through the runner's sliding KV group: tables whose slid-out blocks are the null
+    block (NaN here), trimmed by the runner to start at each item's window, on both paths,
+    against reference_attention over each request's whole context."""
+    bs, num_blocks, heads, kv_heads, dim = 16, 200, 9, 3, 64
+    group = SlidingKVGroup(window, num_blocks)
+    k_cache, v_cache, null = _windowed_cache(num_blocks, kv_heads, dim, torch.float32, window)
+    assert null == group.null_block
+    layer = LayerAttention(dim ** -0.5, window)
+    chosen = [("d0", 1, 0), ("d1", 1, window - 1), ("d2", 1, window), ("d3", 1, window + 1),
+              ("d4", 1, 300), ("p0", 20, 0), ("p1", 25, 40), ("p2", 260, 0), ("p3", 100, 600)]
+    free, items, contexts = list(range(num_blocks)), [], {}
+    for request_id, tokens, start in chosen:
+        count = -(-(start + tokens) // bs)
+        blocks, free = free[:count], free[count:]
+        kept = max(0, start - window + 1) // bs  # the group frees the blocks before
+        items.append(ScheduledRequest(request_id, [1] * tokens, start, [1000 + b for b in blocks],
+                                      SamplingParams(), True, [],
+                                      sliding_block_ids=[null] * kept + blocks[kept:]))
+        contexts[request_id] = blocks
+    keys, positions, meta = _step_metadata(items, bs, 1000 + num_blocks, native, group)
+    meta = meta.for_layer(layer)
+    rows = len(keys)
+    q = torch.randn(rows, heads, dim)
+    k_new, v_new = torch.randn(rows, kv_heads, dim), torch.randn(rows, kv_heads, dim)
+    write_kv(k_cache, v_cache, k_new, v_new, meta.slots)
+    assert torch.isfinite(k_cache[:num_blocks]).all()  # nothing was written to the null block
+    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, layer=layer)
+    for request_id, _, _ in chosen:
+        at = [row for row in range(rows) if keys[row][0] == request_id]
+        context = contexts[request_id]
+        end = keys[at[-1]][1] + 1
+        k = k_cache[context].flatten(0, 1)[:end]
+        v = v_cache[context].flatten(0, 1)[:end]
+        expected = reference_attention(q[at], k, v, [keys[row][1] for row in at], layer)
+        torch.testing.assert_close(out[at].view(len(at), heads, dim).double(), expected,
+                                   atol=2e-5, rtol=2e-5)

@@ -167,7 +167,8 @@ def test_logprobs_match_transformers(families, name, fmt, schedule):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_tokens_match_transformers_generate(families, name):
     """16 greedy tokens through loom's engine (scheduler, runner, sampler; decodes on the
-    native kernel where it takes the model: Qwen3, SmolLM3, Phi-3) equal transformers'."""
+    native kernel wherever it builds, Gemma's windows and softcaps included) equal
+    transformers'."""
     family = families[name]
     ids = prompt(family.model, PROMPT_LEN, seed=7)
     family.model.generation_config.eos_token_id = None  # 16 tokens, as ignore_eos below
@@ -176,9 +177,7 @@ def test_greedy_tokens_match_transformers_generate(families, name):
                                          do_sample=False)[0, len(ids):].tolist()
     llm = LLM(model=str(family.hf), dtype="float32", kv_cache_dtype="float32",
               kv_cache_memory="16MiB", max_model_len=256)
-    windowed = FAMILY_SPECS[name].model_type.startswith("gemma")
-    assert llm.engine.runner.backends.native_decode == (
-        paged_attention_ops() is not None and not windowed)
+    assert llm.engine.runner.backends.native_decode == (paged_attention_ops() is not None)
     out = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert out[0].outputs[0].token_ids == expected
 
@@ -319,17 +318,15 @@ def test_window_masks_see_the_last_w_positions(window):
 
 
 @pytest.mark.unit
-def test_native_decode_is_not_picked_for_windows_or_softcaps():
-    """Until the native kernel takes a LayerAttention, a model with sliding layers or a
-    softcap decodes on the torch path (auto), and asking for the kernel says why."""
+def test_native_decode_takes_windows_softcaps_and_scales():
+    """The native kernel attends with a LayerAttention (window, softcap, scale), so Gemma's
+    sliding, softcapped layers decode on it like any other family's."""
     config = {**FAMILY_SPECS["gemma2"].config, "model_type": "gemma2", "vocab_size": 300}
     gemma = arch_from_hf_config(config)
-    for arch in (gemma, dataclasses.replace(gemma, layer_types=None, sliding_window=None)):
-        assert not _native_decode("auto", arch, 16, torch.device("cpu"), torch.float32,
-                                  torch.float32)
-        with pytest.raises(ValueError, match="sliding-window, softcapped"):
-            _native_decode("native", arch, 16, torch.device("cpu"), torch.float32,
-                           torch.float32)
+    assert gemma.layer_types is not None and gemma.attn_softcap is not None
+    expected = paged_attention_ops() is not None
+    assert _native_decode("auto", gemma, 16, torch.device("cpu"), torch.float32,
+                          torch.float32) == expected
 
 
 @pytest.mark.unit
@@ -347,7 +344,7 @@ def test_hf_config_fields_per_family():
     gemma2 = arch("gemma2")
     assert gemma2.layer_types == ("sliding_attention", "full_attention")
     assert (gemma2.attn_softcap, gemma2.final_softcap, gemma2.attention_scale) == (
-        3.0, 5.0, 32 ** -0.5)
+        3.0, 5.0, 64 ** -0.5)
     assert (gemma2.norm_offset, gemma2.embedding_scale, gemma2.activation) == (
         1.0, 8.0, "gelu_tanh")
     phi3 = arch("phi3", sliding_window=16)

@@ -15,7 +15,15 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from test_attention import DTYPES, assert_kernel_matches_torch, decode_both_ways, tiles_both_ways
+import torch
+from test_attention import (
+    DTYPES,
+    WINDOW_CASES,
+    assert_kernel_matches_torch,
+    decode_both_ways,
+    tiles_both_ways,
+    variant_both_ways,
+)
 from test_fused_ops import check_amx_bf16_linear
 from torch.utils.cpp_extension import load
 
@@ -72,6 +80,23 @@ def test_other_simd_kernel_attends_tiles_each_row_over_its_own_context(
         head_dim) -> None:
     assert_kernel_matches_torch(tiles_both_ways, other_ops, dtype, cache_dtype, tolerance,
                                 (num_heads, num_kv_heads, head_dim))
+
+
+# windows at their edges on one thread; few long contexts on two, cut into spans
+OTHER_SIMD_WINDOWS = [(*WINDOW_CASES[1], 1), (*WINDOW_CASES[2], 1),
+                      (1000, [700, 1500, 2900], 2), (None, [700, 1500, 2900], 2)]
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,tolerance", DTYPES)
+@pytest.mark.parametrize("window,lens,threads", OTHER_SIMD_WINDOWS)
+@pytest.mark.parametrize("softcap,with_sinks", [(None, False), (5.0, True)])
+def test_other_simd_kernel_attends_windows_softcap_and_sinks(
+        other_ops: ModuleType, dtype, cache_dtype, tolerance, window, lens, threads, softcap,
+        with_sinks) -> None:
+    expected, actual = variant_both_ways(other_ops, dtype, cache_dtype, 9, 3, 64, window,
+                                         softcap, with_sinks, lens, threads)
+    assert torch.isfinite(actual.float()).all()
+    torch.testing.assert_close(actual.double(), expected, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

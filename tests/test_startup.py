@@ -73,6 +73,27 @@ def test_a_stale_stamp_goes_through_the_build(tmp_path: Path, monkeypatch) -> No
 
 
 @pytest.mark.unit
+def test_a_build_killed_midway_leaves_no_lock_that_blocks_the_next(tmp_path: Path) -> None:
+    """torch's build lock is a file only its creator removes: a build killed mid-way left it,
+    and every later start waited on it forever. loom's own lock dies with its holder (the OS
+    releases a flock), and whoever takes it removes torch's leftover file; while a live build
+    holds it, another waits (here: fails to take it without blocking)."""
+    import fcntl
+
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, sys; from pathlib import Path; from loom.model import kernels\n"
+        f"d = Path({str(tmp_path)!r})\n"
+        "with kernels._build_lock(d):\n"
+        "    (d / 'lock').write_text('')\n"  # torch's baton, as a build makes it
+        "    os._exit(9)")], check=False)
+    assert killed.returncode == 9 and (tmp_path / "lock").exists()
+    with kernels._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        with open(tmp_path / "loom-build.lock") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+@pytest.mark.unit
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
 def test_memory_loading_freed_goes_back_to_the_os() -> None:
     """Large arrays freed between live small ones stay resident in glibc's heap (as the

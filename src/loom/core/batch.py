@@ -13,10 +13,47 @@ from loom.sampling import SamplingParams
 PLACEHOLDER_TOKEN_ID = -1
 
 
+@dataclass(frozen=True)
+class SlidingKVGroup:
+    """The sliding-window layers' KV blocks, kept apart from the full layers' (which the
+    scheduler admits against): `num_blocks` blocks of their own, of which a request holds only
+    those its window still reaches (core/kv_cache.py frees the rest as it advances). The runner
+    allocates them (`initialize_kv_cache` returns this) and the KV cache manager hands them out.
+    Block id `null_block`, one past the pool, stands for a block that slid out of the window:
+    the runner's scratch block of the group, never read."""
+
+    window: int  # positions a query attends to, its own included (W)
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.num_blocks < 1:
+            raise ValueError(f"a sliding KV group needs window >= 1 and num_blocks >= 1, got "
+                             f"{self.window} and {self.num_blocks}")
+
+    @property
+    def null_block(self) -> int:
+        return self.num_blocks
+
+    @staticmethod
+    def blocks_needed(window: int, block_size: int, max_num_seqs: int,
+                      max_num_batched_tokens: int) -> int:
+        """Blocks that always suffice (the picture in KVCacheManager.allocate_slots says why):
+        a running request holds the blocks its window reaches back to from its next token,
+        ceil((W - 1) / block_size) + 1, plus those of its tokens scheduled and not yet
+        computed: over one step's requests at most ceil(max_num_batched_tokens / block_size)
+        and one partial block each, and one more each for the token a prompt's last chunk
+        samples or for rejected draft tokens. Twice the step's tokens: with async scheduling a
+        request whose step is in flight, and not in the next one, still holds its blocks."""
+        window_blocks = -(-(window - 1) // block_size) + 1
+        step_blocks = -(-max_num_batched_tokens // block_size)
+        return max_num_seqs * (window_blocks + 2) + 2 * step_blocks
+
+
 @dataclass
 class ScheduledRequest:
     """One request's share of a step: feed `token_ids` at positions starting at
-    `start_position`, reading and writing KV through `block_ids`."""
+    `start_position`, reading and writing KV through `block_ids` (and, for sliding-window
+    layers in a KV group of their own, through `sliding_block_ids`)."""
 
     request_id: str
     token_ids: list[int]
@@ -34,6 +71,10 @@ class ScheduledRequest:
     # Tokens the sample may not be: EOS and stop tokens while fewer than min_tokens have been
     # generated (they could not end the request, so sampling one would only derail it).
     banned_token_ids: tuple[int, ...] = ()
+    # The sliding layers' block table (SlidingKVGroup), as long as block_ids; the blocks
+    # before the window of this step's first token are the group's null block. Empty without
+    # such a group.
+    sliding_block_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -291,6 +291,7 @@ class Scheduler:
             num_draft_tokens=len(drafts),
             start_position=start,
             block_ids=list(self.kv_cache.get_block_table(request.request_id)),
+            sliding_block_ids=list(self.kv_cache.get_sliding_block_table(request.request_id)),
             sampling_params=request.sampling_params,
             sample=sample,
             prompt_token_ids=request.prompt_token_ids,
@@ -343,6 +344,7 @@ class Scheduler:
                 len(accepted)
             request.num_inflight_tokens -= len(item.token_ids)
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+            self.kv_cache.slide(request, request.num_computed_tokens)
             if not item.sample:
                 continue
             request.num_output_placeholders -= 1

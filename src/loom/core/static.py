@@ -58,6 +58,8 @@ class StaticScheduler(Scheduler):
                 token_ids=request.token_ids_slice(position, position + 1),
                 start_position=position,
                 block_ids=list(self.kv_cache.get_block_table(request.request_id)),
+                sliding_block_ids=list(
+                    self.kv_cache.get_sliding_block_table(request.request_id)),
                 sampling_params=request.sampling_params, sample=False,
                 prompt_token_ids=request.prompt_token_ids, padding=True))
         super()._release(request)

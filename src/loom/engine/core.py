@@ -19,8 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from loom.config import CacheConfig, EngineConfig
-from loom.core.batch import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+from loom.core.batch import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, SlidingKVGroup
 from loom.core.kv_cache import KVCacheManager
 from loom.core.scheduler import RequestUpdate, Scheduler
 from loom.core.static import StaticScheduler
@@ -43,9 +43,10 @@ class Runner(Protocol):
 
     info: ModelInfo
 
-    def determine_num_kv_blocks(self, cache: CacheConfig, max_model_len: int) -> int: ...
+    def determine_num_kv_blocks(self, cache: CacheConfig, max_model_len: int,
+                                scheduler: SchedulerConfig) -> int: ...
 
-    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+    def initialize_kv_cache(self, num_blocks: int) -> SlidingKVGroup | None: ...
 
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -91,10 +92,10 @@ class EngineCore:
             raise ValueError(
                 f"with chunked prefill disabled, max_num_batched_tokens "
                 f"({sc.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
-        num_blocks = runner.determine_num_kv_blocks(config.cache, self.max_model_len)
-        runner.initialize_kv_cache(num_blocks)
+        num_blocks = runner.determine_num_kv_blocks(config.cache, self.max_model_len, sc)
+        sliding = runner.initialize_kv_cache(num_blocks)  # the sliding layers' own KV, if any
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
-                                       config.cache.enable_prefix_caching)
+                                       config.cache.enable_prefix_caching, sliding)
         scheduler_cls = StaticScheduler if sc.scheduler == "static" else Scheduler
         self.scheduler: Scheduler = scheduler_cls(sc, self.kv_cache, self.max_model_len)
         self.metrics = EngineMetrics(self.model_name)
@@ -178,7 +179,7 @@ class EngineCore:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use stay with their requests): benchmark
         repeats then start cold, as vLLM's /reset_prefix_cache lets them."""
-        self.scheduler.kv_cache.pool.reset_prefix_cache()
+        self.scheduler.kv_cache.reset_prefix_cache()
 
     # -- the step --------------------------------------------------------------------------------
 

@@ -105,7 +105,8 @@ class ModelArch:
                     any(t not in LAYER_TYPES for t in self.layer_types):
                 raise ModelLoadError(f"layer_types must name {self.num_layers} layers, each one of "
                                      f"{list(LAYER_TYPES)}, got {list(self.layer_types)}")
-            if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+            if "sliding_attention" in self.layer_types and \
+                    (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
                 raise ModelLoadError("sliding_window must be a positive integer where layers "
                                      f"slide, got {self.sliding_window!r}")
         if self.rotary_dim is not None and not (0 < self.rotary_dim < self.head_dim

@@ -38,6 +38,13 @@ class LayerAttention:
     sliding_window: int | None = None  # attends to its last W positions, its own included
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
 
+    def first_position(self, position: int) -> int:
+        """The first position a query at `position` attends to: position - W + 1 in a
+        window of W (never below 0), else 0."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, position - self.sliding_window + 1)
+
 
 @dataclass
 class PrefillSpan:
@@ -92,6 +99,16 @@ class AttentionMetadata:
     # Prefill chunks of at least BF16_PREFILL_MIN_POSITIONS attend in bf16 (backends.py says
     # when: float32 models whose batched matmuls run in bf16 on a CPU with AMX).
     prefill_bf16: bool = False
+    # Where sliding-window layers keep a KV group of their own (the runner's kv_groups): the
+    # same step through that group's blocks (its slots and block tables; blocks that slid out
+    # of the window are the group's null block, never read). for_layer picks.
+    sliding: AttentionMetadata | None = None
+
+    def for_layer(self, layer: LayerAttention | None) -> AttentionMetadata:
+        """The metadata of the KV group the layer's caches belong to."""
+        if self.sliding is not None and layer is not None and layer.sliding_window is not None:
+            return self.sliding
+        return self
 
 
 # Query x context positions from which a prefill chunk's SDPA runs in bf16 when the metadata
@@ -156,18 +173,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     layer: LayerAttention | None = None) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: this step's [tokens, kv_heads, head_dim], already
     written to the caches ([blocks, block_size, kv_heads, head_dim]). Returns [tokens, heads *
-    head_dim]. layer: the layer's variant (None: plain, scale head_dim ** -0.5); the native
-    kernel takes its scale only (backends.py keeps models with windows or softcaps off it)."""
+    head_dim]. layer: the layer's variant (None: plain causal attention)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     layer = layer or LayerAttention(head_dim ** -0.5)
     out = torch.empty_like(q)
     group = num_heads // num_kv_heads
+    meta = meta.for_layer(layer)
     if meta.paged_decodes is not None and meta.paged_decodes.num_queries:
         n = meta.paged_decodes.num_queries
         out[:n] = paged_attention_ops().paged_decode_attention(
             q[:n], k_cache, v_cache, meta.paged_decodes.block_tables,
-            meta.paged_decodes.context_lens, layer.scale)
+            meta.paged_decodes.context_lens, *_kernel_variant(layer, head_dim))
     for dec in meta.decodes:
         rows = slice(dec.query_start, dec.query_start + dec.num_queries)
         n = dec.num_queries
@@ -209,22 +226,35 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 def rope_write_attend(qkv: torch.Tensor, num_heads: int, rope_cos: torch.Tensor,
                       rope_sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                      v_cache: torch.Tensor, meta: AttentionMetadata,
+                      layer: LayerAttention | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The native path (meta.paged_decodes set) from the fused QKV projection ([tokens,
     (heads + 2 kv_heads) * head_dim]) to the attention output ([tokens, heads * head_dim]):
     RoPE (rope_cos/rope_sin: the model's tables, indexed by position), the KV writes and the
     decode rows' attention are one native call, which ropes q and k inside qkv, in place, so
-    that prefill rows then run SDPA on them as on the torch path."""
+    that prefill rows then run SDPA on them as on the torch path. layer: the layer's variant
+    (window, softcap; None: plain causal attention), and its KV group's metadata; sinks: fp32
+    [heads] logits that join each decode row's softmax denominator (gpt-oss)."""
+    meta = meta.for_layer(layer)
     decodes = meta.paged_decodes
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     out = paged_attention_ops().rope_write_decode(
         qkv, num_heads, rope_cos, rope_sin, positions, k_cache, v_cache, *meta.slots,
-        decodes.block_tables, decodes.context_lens, head_dim ** -0.5)
+        decodes.block_tables, decodes.context_lens, *_kernel_variant(layer, head_dim), sinks)
     if meta.prefills:
         q, k, v = qkv.view(-1, num_heads + 2 * num_kv_heads, head_dim).split(
             [num_heads, num_kv_heads, num_kv_heads], dim=1)
-        _attend_prefills(q, k, v, k_cache, v_cache, meta, out.view(-1, num_heads, head_dim))
+        _attend_prefills(q, k, v, k_cache, v_cache, meta, out.view(-1, num_heads, head_dim),
+                         layer)
     return out
+
+
+def _kernel_variant(layer: LayerAttention | None, head_dim: int) -> tuple[float, int, float]:
+    """(scale, window, softcap) as the native kernel takes them: 0 for none."""
+    if layer is None:
+        return head_dim ** -0.5, 0, 0.0
+    return layer.scale, layer.sliding_window or 0, layer.softcap or 0.0
 
 
 def _attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -233,10 +263,9 @@ def _attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     """One attention call per prefill chunk, into its rows of out ([tokens, heads, head_dim]),
     in q's dtype or, for long chunks when meta.prefill_bf16, in bf16 (K/V rounded through the
     cache's type first, as everywhere). layer: the layer's variant (None: plain). A sliding
-    layer's chunk reads the cached context from its first query's window on, and masks each
-    query to its own."""
-    head_dim = q.shape[-1]
-    layer = layer or LayerAttention(head_dim ** -0.5)
+    window gathers only the blocks from the one the chunk's first query reaches back to (those
+    before may be the null block) and masks each query to its own window."""
+    layer = layer or LayerAttention(q.shape[-1] ** -0.5)
     window = layer.sliding_window
     block_size = k_cache.shape[1]
     for span in meta.prefills:
@@ -244,20 +273,19 @@ def _attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         dtype = (torch.bfloat16 if meta.prefill_bf16 and span.query_len * span.context_len
                  >= BF16_PREFILL_MIN_POSITIONS else q.dtype)
         q_span = q[rows].transpose(0, 1).unsqueeze(0).to(dtype)  # [1, heads, q, head_dim]
-        first_query = span.context_len - span.query_len
-        if first_query == 0:  # nothing cached before: use this step's K/V
+        start = span.context_len - span.query_len  # the chunk's first position
+        if start == 0:  # nothing cached before: use this step's K/V
             k_ctx, v_ctx = _as_cached(k[rows], k_cache, dtype), _as_cached(v[rows], v_cache,
                                                                          dtype)
-            first_key = 0
+            first = 0
         else:
-            first_key = 0 if window is None else max(0, first_query - window + 1)
-            blocks = span.block_ids[first_key // block_size:]
-            keys = slice(first_key % block_size, span.context_len - first_key
-                         + first_key % block_size)
-            k_ctx = k_cache[blocks].flatten(0, 1)[keys].to(dtype)
-            v_ctx = v_cache[blocks].flatten(0, 1)[keys].to(dtype)
-        causal = first_query == 0 and window is None
-        mask = None if causal else _chunk_mask(span.query_len, span.context_len, first_key,
+            skipped = layer.first_position(start) // block_size
+            first = skipped * block_size
+            k_ctx = k_cache[span.block_ids[skipped:]].flatten(0, 1)[:span.context_len - first]
+            v_ctx = v_cache[span.block_ids[skipped:]].flatten(0, 1)[:span.context_len - first]
+            k_ctx, v_ctx = k_ctx.to(dtype), v_ctx.to(dtype)
+        causal = start == 0 and window is None
+        mask = None if causal else _chunk_mask(span.query_len, span.context_len, first,
                                                window, q.device)
         out[rows] = _attend(q_span, k_ctx.transpose(0, 1).unsqueeze(0),
                             v_ctx.transpose(0, 1).unsqueeze(0), mask, layer, causal=causal,

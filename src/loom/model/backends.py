@@ -183,16 +183,6 @@ def _native_decode(backend: str, arch: ModelArch, block_size: int, device: torch
                    dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
     if backend == "torch" or (backend == "auto" and device.type != "cpu"):
         return False
-    # TEMPORARY, until the native kernel takes a LayerAttention (branch sw): it attends every
-    # position at head_dim ** -0.5, so a model with sliding-window layers, a softcap or another
-    # scale (Gemma 2/3, Mistral or Phi-3 with a window) decodes on the torch path, which
-    # implements them. Remove this condition with that change.
-    if arch.layer_types is not None or arch.attn_softcap is not None or \
-            arch.attention_scale not in (None, arch.head_dim ** -0.5):
-        if backend == "native":
-            raise ValueError("attention_backend 'native' does not run sliding-window, softcapped "
-                             "or rescaled attention yet (this model's); use 'torch' or 'auto'")
-        return False
     ops = paged_attention_ops() if device.type == "cpu" else None
     if ops is not None and ops.supported(arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                          block_size, dtype, kv_dtype):

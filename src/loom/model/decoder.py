@@ -217,13 +217,13 @@ class DecoderModel:
             else:
                 cos, sin = self.rope_tables[layer.rope]
             return rope_write_attend(qkv, arch.num_heads, cos, sin, positions, k_cache, v_cache,
-                                     meta)
+                                     meta, layer=layer.attention)
         qk = qkv[:, :self.q_size + self.kv_size].view(-1, heads, arch.head_dim)
         if layer.rope is not None:
             qk = _rope(qk, *ropes[layer.rope])
         q, k = qk[:, :arch.num_heads], qk[:, arch.num_heads:]  # rotated together: 3 ops
         v = qkv[:, self.q_size + self.kv_size:].reshape(-1, arch.num_kv_heads, arch.head_dim)
-        write_kv(k_cache, v_cache, k, v, meta.slots)
+        write_kv(k_cache, v_cache, k, v, meta.for_layer(layer.attention).slots)
         return paged_attention(q, k, v, k_cache, v_cache, meta, layer=layer.attention)
 
     def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,

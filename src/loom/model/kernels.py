@@ -20,12 +20,15 @@ If one cannot be built (no compiler), the engine falls back to the torch path an
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -100,16 +103,30 @@ def _build(name: str, source: str, what: str, fallback: str,
             logger.debug("rebuilding the %s: %s", what, e)
     from torch.utils.cpp_extension import load
 
-    try:
-        module = load(name=name, sources=[str(_CSRC / source)], build_directory=str(directory),
-                      extra_cflags=cflags, extra_ldflags=_LDFLAGS,
-                      verbose=bool(os.environ.get("LOOM_VERBOSE_BUILD")))
-    except Exception as e:  # noqa: BLE001 - compiler missing or failing: fall back, loudly
-        logger.warning("could not build the C++ %s (%s: %s); using the slower %s path", what,
-                       type(e).__name__, e, fallback)
-        return None
-    stamp.write_text(key)
+    with _build_lock(directory):
+        try:
+            module = load(name=name, sources=[str(_CSRC / source)],
+                          build_directory=str(directory), extra_cflags=cflags,
+                          extra_ldflags=_LDFLAGS,
+                          verbose=bool(os.environ.get("LOOM_VERBOSE_BUILD")))
+        except Exception as e:  # noqa: BLE001 - compiler missing or failing: fall back, loudly
+            logger.warning("could not build the C++ %s (%s: %s); using the slower %s path",
+                           what, type(e).__name__, e, fallback)
+            return None
+        stamp.write_text(key)
     return _join_pool(module)
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """One build of an extension at a time, by a lock the OS releases when its holder dies.
+    torch's own lock is a file that only its creator removes: a build killed mid-way (Ctrl-C
+    on a first start, a timeout) left it behind, and every later start waited for it forever.
+    Holding this lock, no other loom build is running, so such a file is stale and goes."""
+    with open(directory / "loom-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)  # torch's FileBaton
+        yield
 
 
 _pool_owner: ModuleType | None = None  # the extension whose thread pool all of them use

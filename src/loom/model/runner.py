@@ -2,8 +2,9 @@
 
 The runner owns the model, its KV cache tensors and per-request sampling state (seeded
 generators); it never decides who runs. The engine asks it how many KV blocks fit
-(`determine_num_kv_blocks`), then hands that count back (`initialize_kv_cache`): the engine
-never probes the machine itself.
+(`determine_num_kv_blocks`), then hands that count back (`initialize_kv_cache`, which answers
+with the sliding-window layers' KV group where they keep one): the engine never probes the
+machine itself.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import logging
 import torch
 
 from loom import host
-from loom.config import CacheConfig, EngineConfig, parse_size
+from loom.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
 from loom.core.batch import (
     GrammarBitmask,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
+    SlidingKVGroup,
 )
 from loom.model.arch import ModelInfo
 from loom.model.attention import (
@@ -32,7 +34,7 @@ from loom.model.attention import (
 from loom.model.backends import Backends, resolve_backends
 from loom.model.decoder import DecoderModel
 from loom.model.loader import load_model
-from loom.model.memory import KVCacheSpec
+from loom.model.memory import KVCacheLayout, KVCacheSpec, sliding_layers
 from loom.model.sampler import Sampler, adjust_logits, apply_token_bitmask, generator_seed
 from loom.model.spec_verify import verify_drafts
 from loom.outputs import TokenLogprob
@@ -71,6 +73,9 @@ class ModelRunner:
         self.info = info
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.scratch_block = 0
+        # the sliding layers' own KV group, where they keep one (initialize_kv_cache)
+        self.sliding_kv: SlidingKVGroup | None = None
+        self._layout: KVCacheLayout | None = None  # what determine_num_kv_blocks found
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         # the tokens this runner sampled for each request with penalties (adjust_logits)
@@ -117,25 +122,34 @@ class ModelRunner:
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec.for_model(self.model.arch, self.backends.kv_dtype.itemsize)
 
-    def determine_num_kv_blocks(self, cache: CacheConfig, max_model_len: int) -> int:
-        """KV blocks for this cache config on this device: the count asked for, or what the
-        memory budget (given, or a share of what the device has free) holds."""
-        bytes_per_block = self.kv_cache_spec.bytes_per_block(cache.block_size)
+    def determine_num_kv_blocks(self, cache: CacheConfig, max_model_len: int,
+                                scheduler: SchedulerConfig) -> int:
+        """KV blocks of the full-attention layers (the pool the scheduler admits against) for
+        this cache config on this device: the count asked for, or what the memory budget
+        (given, or a share of what the device has free) holds once the sliding layers' own
+        group, if any, has what the scheduler's limits can ever use (KVCacheSpec.layout)."""
         if cache.num_kv_blocks is not None:
-            num_blocks, source = cache.num_kv_blocks, "num_kv_blocks"
+            budget, source = None, "num_kv_blocks"
         else:
             budget, source = self._kv_budget(cache)
-            num_blocks = budget // bytes_per_block
-            if num_blocks < 1:
-                raise ValueError(f"KV cache budget {budget} bytes is less than one block "
-                                 f"({bytes_per_block} bytes)")
-        num_tokens = num_blocks * cache.block_size
+        layout = self.kv_cache_spec.layout(
+            cache.block_size, max_model_len, scheduler.max_num_seqs,
+            scheduler.max_num_batched_tokens, budget_bytes=budget,
+            num_blocks=cache.num_kv_blocks)
+        num_tokens = layout.num_blocks * cache.block_size
+        sliding = ""
+        if layout.sliding_window is not None:
+            sliding = (f"; sliding-window layers (window {layout.sliding_window}): "
+                       f"{layout.num_sliding_blocks} blocks "
+                       f"({layout.sliding_bytes / 2**30:.2f} GiB), the windows of "
+                       f"max_num_seqs={scheduler.max_num_seqs} requests")
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, from %s); "
-            "max concurrency at max_model_len=%d: %.2fx",
-            num_blocks, cache.block_size, num_tokens, num_blocks * bytes_per_block / 2**30,
-            source, max_model_len, num_tokens / max_model_len)
-        return num_blocks
+            "max concurrency at max_model_len=%d: %.2fx%s",
+            layout.num_blocks, cache.block_size, num_tokens, layout.full_bytes / 2**30,
+            source, max_model_len, num_tokens / max_model_len, sliding)
+        self._layout = layout
+        return layout.num_blocks
 
     def _kv_budget(self, cache: CacheConfig) -> tuple[int, str]:
         if cache.kv_cache_memory is not None:
@@ -146,14 +160,30 @@ class ModelRunner:
         return (min(int(host.available_ram_bytes() * _CPU_KV_SHARE), _CPU_KV_CAP),
                 f"{_CPU_KV_SHARE:.0%} of available RAM, at most {_CPU_KV_CAP / 2**30:g} GiB")
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate K and V for `num_blocks` blocks per layer, plus one scratch block that
-        padding tokens (the fixed-batch baseline) write to."""
-        arch = self.model.arch
+    def initialize_kv_cache(self, num_blocks: int,
+                            num_sliding_blocks: int | None = None) -> SlidingKVGroup | None:
+        """Allocate K and V for `num_blocks` blocks per full-attention layer, plus one scratch
+        block that padding tokens (the fixed-batch baseline) write to. Sliding-window layers
+        with a group of their own (KVCacheSpec.layout) get num_sliding_blocks (default: what
+        determine_num_kv_blocks found, else num_blocks) plus the group's null block, which is
+        also its scratch block; returns that group for the KV cache manager, else None."""
+        arch, layout = self.model.arch, self._layout
+        keeps_group = (layout.sliding_window is not None if layout is not None
+                       else self.kv_cache_spec.keeps_sliding_group(arch.max_position_embeddings))
+        if num_sliding_blocks is None:
+            num_sliding_blocks = layout.num_sliding_blocks if layout is not None else num_blocks
+        self.sliding_kv = (SlidingKVGroup(arch.sliding_window, num_sliding_blocks)
+                           if keeps_group else None)
         self.scratch_block = num_blocks
-        self.kv_caches = [new_kv_cache(num_blocks + 1, self.block_size, arch.num_kv_heads,
-                                       arch.head_dim, self.backends.kv_dtype, self.device)
-                          for _ in range(arch.num_layers)]
+
+        def layer_cache(sliding: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            count = self.sliding_kv.num_blocks if sliding else num_blocks
+            return new_kv_cache(count + 1, self.block_size, arch.num_kv_heads, arch.head_dim,
+                                self.backends.kv_dtype, self.device)
+
+        self.kv_caches = [layer_cache(self.sliding_kv is not None and sliding)
+                          for sliding in sliding_layers(arch)]
+        return self.sliding_kv
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
@@ -260,40 +290,58 @@ class ModelRunner:
         device = self.device
         ids: list[int] = []
         positions: list[int] = []
+        for item in items:
+            ids.extend(item.token_ids)
+            positions.extend(range(item.start_position, item.start_position + len(item.token_ids)))
+        offsets = torch.tensor([p % bs for p in positions], dtype=torch.long, device=device)
+        one_per_token = [per_token(item) for item in items]
+        meta = self._group_metadata(items, one_per_token, offsets)
+        if self.sliding_kv is not None:
+            meta.sliding = self._group_metadata(items, one_per_token, offsets, self.sliding_kv)
+        return (items, torch.tensor(ids, dtype=torch.long, device=device),
+                torch.tensor(positions, dtype=torch.long, device=device), meta)
+
+    def _group_metadata(self, items: list[ScheduledRequest], one_per_token: list[bool],
+                        offsets: torch.Tensor, sliding: SlidingKVGroup | None = None
+                        ) -> AttentionMetadata:
+        """The step's metadata through one KV group's blocks: the full layers' (block_ids) or,
+        with `sliding`, the sliding layers' (sliding_block_ids). Those start each item's
+        tables at the block the window of its first token reaches back to: the blocks before
+        (null ones among them) are left out, and context lengths count from there, which
+        changes no score (keys carry their positions from RoPE), so every sliding table is
+        as long as a window, not a context."""
+        bs, device = self.block_size, self.device
+        scratch = sliding.null_block if sliding is not None else self.scratch_block
         slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
         prefills: list[PrefillSpan] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        for item in items:
+        query_start = 0
+        for item, per_token in zip(items, one_per_token):
             start, n = item.start_position, len(item.token_ids)
-            ids.extend(item.token_ids)
+            blocks = item.block_ids if sliding is None else item.sliding_block_ids
             span = range(start, start + n)
-            positions.extend(span)
-            slot_blocks.extend([self.scratch_block] * n if item.padding
-                               else (item.block_ids[p // bs] for p in span))
-            slot_offsets.extend(p % bs for p in span)
-            if per_token(item):
+            slot_blocks.extend([scratch] * n if item.padding else (blocks[p // bs] for p in span))
+            skip = 0 if sliding is None else max(0, start - sliding.window + 1) // bs
+            shift = skip * bs
+            if per_token:
                 for p in span:
-                    decode_tables.append(item.block_ids[:p // bs + 1])
-                    decode_lens.append(p + 1)
+                    decode_tables.append(blocks[skip:p // bs + 1])
+                    decode_lens.append(p + 1 - shift)
             else:
                 prefills.append(PrefillSpan(
-                    query_start=len(ids) - n, query_len=n, context_len=start + n,
-                    block_ids=torch.tensor(item.block_ids[:-(-(start + n) // bs)],
-                                           device=device)))
-        slots = (torch.tensor(slot_blocks, dtype=torch.long, device=device),
-                 torch.tensor(slot_offsets, dtype=torch.long, device=device))
+                    query_start=query_start, query_len=n, context_len=start + n - shift,
+                    block_ids=torch.tensor(blocks[skip:-(-(start + n) // bs)], device=device)))
+            query_start += n
+        slots = (torch.tensor(slot_blocks, dtype=torch.long, device=device), offsets)
         bf16 = self.backends.bf16_prefill_attention
         if self.native_decode:
-            meta = AttentionMetadata(slots, [], prefills,
+            return AttentionMetadata(slots, [], prefills,
                                      self._paged_decodes(decode_tables, decode_lens),
                                      prefill_bf16=bf16)
-        else:
-            meta = AttentionMetadata(slots, self._decode_groups(decode_tables, decode_lens),
-                                     prefills, prefill_bf16=bf16)
-        return (items, torch.tensor(ids, dtype=torch.long, device=device),
-                torch.tensor(positions, dtype=torch.long, device=device), meta)
+        window = sliding.window if sliding is not None else None
+        return AttentionMetadata(slots, self._decode_groups(decode_tables, decode_lens, window),
+                                 prefills, prefill_bf16=bf16)
 
     def _attends_per_token(self, item: ScheduledRequest) -> bool:
         """Whether each of the item's tokens is a query of its own in the decode rows."""
@@ -310,9 +358,11 @@ class ModelRunner:
                                       dtype=torch.long, device=self.device),
             context_lens=torch.tensor(lens, dtype=torch.long, device=self.device))
 
-    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+    def _decode_groups(self, tables: list[list[int]], lens: list[int],
+                       window: int | None = None) -> list[DecodeGroup]:
         """Split decodes (sorted by context length) wherever padding to the group's longest
-        context would waste more than a quarter of the gathered KV."""
+        context would waste more than a quarter of the gathered KV. window: each query sees
+        only its last `window` positions."""
         bounds, start, total = [], 0, 0
         for i, length in enumerate(lens):
             if i > start and length * (i - start + 1) > _MAX_PADDING * (total + length):
@@ -327,7 +377,10 @@ class ModelRunner:
             block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[lo:hi]],
                                         dtype=torch.long, device=self.device)
             ctx = torch.arange(max_blocks * self.block_size, device=self.device)
-            mask = ctx.unsqueeze(0) < torch.tensor(lens[lo:hi], device=self.device).unsqueeze(1)
+            ends = torch.tensor(lens[lo:hi], device=self.device).unsqueeze(1)
+            mask = ctx.unsqueeze(0) < ends
+            if window is not None:
+                mask &= ctx.unsqueeze(0) >= ends - window
             groups.append(DecodeGroup(lo, hi - lo, block_tables,
                                       mask.view(hi - lo, 1, 1, max_blocks * self.block_size)))
         return groups

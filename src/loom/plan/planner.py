@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from loom.model.memory import KVCacheSpec
+from loom.model.memory import KVCacheLayout, KVCacheSpec
 from loom.plan.catalogue import GpuSpec, PlanError
 from loom.plan.models import PlanModel
 from loom.plan.roofline import Efficiency, ModelShape, StepModel, StepWork, roofline_step_model
@@ -75,7 +75,7 @@ class Capacity:
     framework_bytes: int
     margin_bytes: int
     kv_spec: KVCacheSpec
-    block_size: int
+    settings: PlanSettings
     step_model: StepModel
 
     @property
@@ -85,8 +85,21 @@ class Capacity:
                 - self.activation_bytes - self.framework_bytes)
 
     @property
+    def layout(self) -> KVCacheLayout | None:
+        """The KV blocks of each group the budget holds, as the engine would size them (a
+        sliding-window layer keeps its windows only); None where not even one fits."""
+        s = self.settings
+        try:
+            return self.kv_spec.layout(s.block_size, s.max_model_len, s.max_num_seqs,
+                                       s.max_num_batched_tokens,
+                                       budget_bytes=max(self.kv_budget_bytes, 0))
+        except ValueError:
+            return None
+
+    @property
     def num_blocks(self) -> int:
-        return self.kv_spec.num_blocks(max(self.kv_budget_bytes, 0), self.block_size)
+        """Blocks of the full-attention layers: the pool requests are admitted against."""
+        return self.layout.num_blocks if self.layout is not None else 0
 
 
 def capacity(model: PlanModel, gpu: GpuSpec, tp: int, s: PlanSettings) -> Capacity:
@@ -98,7 +111,7 @@ def capacity(model: PlanModel, gpu: GpuSpec, tp: int, s: PlanSettings) -> Capaci
     return Capacity(gpu, tp, weights,
                     activation_bytes(arch, tp, s.max_num_batched_tokens, s.max_num_seqs),
                     s.framework_bytes, int(gpu.memory_bytes * s.safety_margin),
-                    KVCacheSpec.for_model(arch, kv_bytes, tp), s.block_size,
+                    KVCacheSpec.for_model(arch, kv_bytes, tp), s,
                     roofline_step_model(gpu, arch, tp, shape, s.weight_dtype, s.efficiency))
 
 
@@ -113,7 +126,11 @@ def plan(model: PlanModel, gpus: list[GpuSpec], s: PlanSettings) -> list[dict[st
 
 def row(cap: Capacity, concurrency: int, model: PlanModel, s: PlanSettings) -> dict[str, Any]:
     blocks_per_seq = -(-s.max_model_len // s.block_size)
-    kv_needed = concurrency * blocks_per_seq * cap.kv_spec.bytes_per_block(s.block_size)
+    layout = cap.layout
+    block_bytes = (layout.full_bytes_per_block if layout is not None
+                   else cap.kv_spec.bytes_per_block(s.block_size))
+    kv_needed = concurrency * blocks_per_seq * block_bytes + (
+        layout.sliding_bytes if layout is not None else 0)
     # no sequence outgrows max_model_len, however much cache is left over
     max_context = min(cap.num_blocks // concurrency * s.block_size, s.max_model_len)
     decode_s = cap.step_model.time(StepWork.of([(1, s.max_model_len - 1, True)] * concurrency))
@@ -127,7 +144,7 @@ def row(cap: Capacity, concurrency: int, model: PlanModel, s: PlanSettings) -> d
         "kv_dtype": s.kv_dtype, "gpu_memory_bytes": cap.gpu.memory_bytes,
         "weights_bytes_per_gpu": cap.weights_bytes,
         "kv_bytes_per_token": cap.kv_spec.bytes_per_token,
-        "kv_bytes_per_block": cap.kv_spec.bytes_per_block(s.block_size),
+        "kv_bytes_per_block": block_bytes,
         "kv_bytes_at_concurrency": concurrency * s.max_model_len * cap.kv_spec.bytes_per_token,
         "kv_bytes_needed": kv_needed,
         "activation_bytes": cap.activation_bytes, "framework_bytes": cap.framework_bytes,

@@ -20,6 +20,19 @@
 // The caches may hold a narrower type than the queries: fp32 queries over an fp16 cache (the
 // layout llama.cpp uses by default) read half the bytes, and decode attention over long
 // contexts is bound by those reads. Scores and sums stay fp32 either way.
+//
+// A layer's variants (attention.LayerAttention): a sliding window W, where the row at
+// position p attends to positions p - W + 1 .. p only, and the blocks wholly before that are
+// never read (their table entries may be any id: the sliding layers' KV group frees them);
+// a softcap c, scores -> c tanh(scores / c) before the softmax (Gemma 2); per query head an
+// attention sink, a learned logit that joins the softmax's denominator and nothing else
+// (gpt-oss). A window is each row's first attended position (DecodeArgs::starts), so tiles
+// and spans, which cut rows their own way, carry it as data:
+//
+//   W = 20, block size 16, a row of length 50 (query at 49) attends 30 .. 49:
+//     table          [ b7 ][ b2 ][ b9 ][ b4 ]
+//     positions       0-15  16-31 32-47 48-49
+//     read                  ====  ====  ==      from b2 (its 30, 31), b9, b4; b7 never
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -60,11 +73,6 @@ constexpr int64_t kTilesPerThread = 4;
 // rows have their long contexts cut into spans up to about that many (attend).
 static int64_t tiles_for_threads() { return kTilesPerThread * at::get_num_threads(); }
 
-static bool worth_threads(const int64_t* lens, int64_t n, int64_t KVH) {
-  int64_t work = 0;
-  for (int64_t i = 0; i < n && work < kParallelWork; ++i) work += lens[i] * KVH;
-  return work >= kParallelWork;
-}
 
 // A work item's query rows: the G heads of `tokens` consecutive rows from `first`. A prefill
 // chunk's tokens (and a decode's draft tokens) come as consecutive rows of one request, each
@@ -105,12 +113,26 @@ struct DecodeArgs {
   int64_t n, KVH, max_blocks;
   float scale;
   float* lse = nullptr;  // if set: each row's log-sum-exp of its scores, [n, KVH * G]
+  // if set: row i attends to positions starts[i] .. lens[i] - 1 (a sliding window), else all
+  const int64_t* starts = nullptr;
+  float softcap = 0.f;  // if > 0: scores -> softcap * tanh(scores / softcap)
+  const float* sinks = nullptr;  // if set: each query head's sink logit, [KVH * G]
 
   const int64_t* table(int64_t i) const { return bt + i * max_blocks; }
+  int64_t start(int64_t i) const { return starts != nullptr ? starts[i] : 0; }
   // kv head kh's K rows ([dim, position]) and V rows ([position, dim]) in cache block `block`
   const C* k_block(int64_t block, int64_t kh) const { return kc + block * ks[0] + kh * ks[2]; }
   const C* v_block(int64_t block, int64_t kh) const { return vc + block * vs[0] + kh * vs[2]; }
 };
+
+// Whether the call's positions to attend (x kv heads) are worth the other threads.
+template <typename T, typename C>
+static bool worth_threads(const DecodeArgs<T, C>& a) {
+  int64_t work = 0;
+  for (int64_t i = 0; i < a.n && work < kParallelWork; ++i)
+    work += (a.lens[i] - a.start(i)) * a.KVH;
+  return work >= kParallelWork;
+}
 
 // Whether rows first .. first + tokens - 1 can share the last one's block table: each row's
 // blocks are that table's first blocks, and its context ends at most a block before the
@@ -156,7 +178,7 @@ static void for_each_item(const DecodeArgs<T, C>& a, const std::vector<Tile>& ti
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const bool by_tile = num_tiles >= tiles_for_threads();
   const int64_t n = by_tile ? num_tiles : num_tiles * a.KVH;
-  parallel_if(worth_threads(a.lens, a.n, a.KVH), n, [&](std::atomic<int64_t>& next) {
+  parallel_if(worth_threads(a), n, [&](std::atomic<int64_t>& next) {
     std::vector<float> scores;
     for (int64_t idx; (idx = next++) < n;) {
       if (!by_tile) {
@@ -191,32 +213,44 @@ static inline void store_output(const float (&acc)[R][D], const DecodeArgs<T, C>
       a.out[row_of<G>(t, r) * a.out_row + (kh * G + r % G) * D + d] = static_cast<T>(acc[r][d]);
 }
 
-static inline float softmax(float* s, int64_t L);
+static inline float softmax(float* s, int64_t L, const float* sink);
+static inline void soft_cap(float* s, int64_t L, float cap);
 
-// Each of the R score rows (row stride `row`, scores up to the tile's length `len`) to
-// probabilities over its own row's context, zero past it.
-template <int G, int R, typename T, typename C>
-static inline void normalize_rows(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
-                                  float* scores, int64_t row, int64_t len) {
-  for (int r = 0; r < R; ++r) {
-    const int64_t own = a.lens[row_of<G>(t, r)];
-    const float lse = softmax(scores + r * row, own);
-    if (a.lse != nullptr) a.lse[row_of<G>(t, r) * a.KVH * G + kh * G + r % G] = lse;
-    std::fill(scores + r * row + own, scores + r * row + len, 0.f);
-  }
-}
-
-// A tile's context: its last row's length, that in whole blocks, and its block table.
+// A tile's context: the blocks from the first its rows attend to (the window's, else the
+// first) up to its last row's end. `first` is the position that starts block table[0];
+// lengths count from there.
 struct TileContext {
   int64_t len, num_blocks, padded_len;
   const int64_t* table;
+  int64_t first;
 };
 
 template <typename T, typename C>
 static inline TileContext tile_context(const DecodeArgs<T, C>& a, const Tile& t) {
-  const int64_t last = t.first + t.tokens - 1, len = a.lens[last];
-  const int64_t num_blocks = (len + kBlockSize - 1) / kBlockSize;
-  return {len, num_blocks, num_blocks * kBlockSize, a.table(last)};
+  const int64_t last = t.first + t.tokens - 1;
+  int64_t skipped = a.start(last) / kBlockSize;  // blocks wholly before every row's window
+  for (int64_t r = t.first; r < last; ++r) skipped = std::min(skipped, a.start(r) / kBlockSize);
+  const int64_t num_blocks = (a.lens[last] + kBlockSize - 1) / kBlockSize - skipped;
+  const int64_t first = skipped * kBlockSize;
+  return {a.lens[last] - first, num_blocks, num_blocks * kBlockSize, a.table(last) + skipped,
+          first};
+}
+
+// Each of the R score rows (row stride `row`, scores over the tile's context c) to
+// probabilities over its own row's positions (its window's, up to its length), zero elsewhere.
+template <int G, int R, typename T, typename C>
+static inline void normalize_rows(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
+                                  float* scores, int64_t row, const TileContext& c) {
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = row_of<G>(t, r), head = kh * G + r % G;
+    const int64_t lo = a.start(i) - c.first, hi = a.lens[i] - c.first;
+    float* s = scores + r * row;
+    if (a.softcap > 0.f) soft_cap(s + lo, hi - lo, a.softcap);
+    const float lse = softmax(s + lo, hi - lo, a.sinks != nullptr ? a.sinks + head : nullptr);
+    if (a.lse != nullptr) a.lse[i * a.KVH * G + head] = lse;
+    std::fill(s, s + lo, 0.f);
+    std::fill(s + hi, s + c.len, 0.f);
+  }
 }
 
 // Query tokens per tile: the G heads of each token take registers in q.K and p.V, and up to
@@ -259,13 +293,14 @@ static inline __m256 exp_nonpositive(__m256 x) {
 
 // Scores of L positions -> probabilities, in place, 8 positions a vector (at short contexts
 // std::exp one position at a time was most of a request's attention); returns the scores'
-// log-sum-exp.
-static inline float softmax(float* s, int64_t L) {
+// log-sum-exp. sink (if set): a logit that joins the denominator only.
+static inline float softmax(float* s, int64_t L, const float* sink) {
   const int64_t L8 = L / 8 * 8;
   __m256 mv = _mm256_set1_ps(s[0]);  // L >= 1
   for (int64_t p = 0; p < L8; p += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + p));
   float m = hmax(mv);
   for (int64_t p = L8; p < L; ++p) m = std::max(m, s[p]);
+  if (sink != nullptr) m = std::max(m, *sink);
   const __m256 mb = _mm256_set1_ps(m);
   __m256 sv = _mm256_setzero_ps();
   for (int64_t p = 0; p < L8; p += 8) {
@@ -273,13 +308,29 @@ static inline float softmax(float* s, int64_t L) {
     _mm256_storeu_ps(s + p, e);
     sv = _mm256_add_ps(sv, e);
   }
-  float sum = hsum(sv);
+  float sum = hsum(sv) + (sink != nullptr ? std::exp(*sink - m) : 0.f);
   for (int64_t p = L8; p < L; ++p) { s[p] = std::exp(s[p] - m); sum += s[p]; }
   const float inv = 1.f / sum;
   for (int64_t p = 0; p < L8; p += 8)
     _mm256_storeu_ps(s + p, _mm256_mul_ps(_mm256_set1_ps(inv), _mm256_loadu_ps(s + p)));
   for (int64_t p = L8; p < L; ++p) s[p] *= inv;
   return m + std::log(sum);
+}
+
+// Scores x -> cap tanh(x / cap), in place, 8 at a time: tanh |y| = (1 - e) / (1 + e) with
+// e = e^(-2 |y|) <= 1 (exp_nonpositive), the sign put back from y.
+static inline void soft_cap(float* s, int64_t L, float cap) {
+  const int64_t L8 = L / 8 * 8;
+  const __m256 inv = _mm256_set1_ps(1.f / cap), capv = _mm256_set1_ps(cap);
+  const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+  for (int64_t p = 0; p < L8; p += 8) {
+    const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(s + p), inv);
+    const __m256 e = exp_nonpositive(_mm256_mul_ps(_mm256_set1_ps(-2.f),
+                                                   _mm256_andnot_ps(sign, y)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    _mm256_storeu_ps(s + p, _mm256_mul_ps(capv, _mm256_or_ps(t, _mm256_and_ps(sign, y))));
+  }
+  for (int64_t p = L8; p < L; ++p) s[p] = cap * std::tanh(s[p] / cap);
 }
 
 // Block tables scatter a request's context, so the hardware prefetcher stalls at every block:
@@ -402,7 +453,9 @@ static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
   constexpr int R = G * QT;
   constexpr int DC = std::min(D, R <= 4 ? 64 : 32);
   static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 1 vector");
-  const auto [L, num_blocks, Lp, table] = tile_context(a, t);
+  const TileContext c = tile_context(a, t);
+  const int64_t L = c.len, num_blocks = c.num_blocks, Lp = c.padded_len;
+  const int64_t* table = c.table;
   float qf[R][D];
   load_query<G>(a, t, kh, qf);
   scores.resize(R * Lp);
@@ -421,7 +474,7 @@ static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
   }
   for (int64_t ahead = 0; ahead < std::min(kPrefetchBlocks, num_blocks); ++ahead)
     prefetch_v<D>(a, table[ahead], kh);
-  normalize_rows<G, R>(a, t, kh, scores.data(), Lp, L);
+  normalize_rows<G, R>(a, t, kh, scores.data(), Lp, c);
   float acc[R][D] = {};
   weighted_values<Lanes16, DC, kPrefetchBlocks>(a, table, num_blocks, L, kh, scores.data(), Lp,
                                                 acc);
@@ -437,7 +490,9 @@ static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
   constexpr int R = G * QT;
   constexpr int DC = R <= 6 ? 16 : 8;  // dims per p.V pass: 2 * R (or R) accumulators
   static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 2 vectors");
-  const auto [L, num_blocks, Lp, table] = tile_context(a, t);
+  const TileContext c = tile_context(a, t);
+  const int64_t L = c.len, num_blocks = c.num_blocks, Lp = c.padded_len;
+  const int64_t* table = c.table;
   float qf[R][D];
   load_query<G>(a, t, kh, qf);
   scores.resize(R * Lp);
@@ -460,21 +515,27 @@ static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
       _mm256_storeu_ps(&scores[r * Lp + b * BS + 8], s[r][1]);
     }
   }
-  normalize_rows<G, R>(a, t, kh, scores.data(), Lp, L);
+  normalize_rows<G, R>(a, t, kh, scores.data(), Lp, c);
   float acc[R][D] = {};
   weighted_values<Lanes8, DC, 1>(a, table, num_blocks, L, kh, scores.data(), Lp, acc);
   store_output<G>(acc, a, t, kh);
 }
 #endif  // __AVX512F__
 #else
-// Scores of L positions -> probabilities, in place; returns the scores' log-sum-exp.
-static inline float softmax(float* s, int64_t L) {
-  const float m = *std::max_element(s, s + L);
-  float sum = 0.f;
+// Scores of L positions -> probabilities, in place; returns the scores' log-sum-exp. sink (if
+// set): a logit that joins the denominator only.
+static inline float softmax(float* s, int64_t L, const float* sink) {
+  float m = *std::max_element(s, s + L);
+  if (sink != nullptr) m = std::max(m, *sink);
+  float sum = sink != nullptr ? std::exp(*sink - m) : 0.f;
   for (int64_t p = 0; p < L; ++p) { s[p] = std::exp(s[p] - m); sum += s[p]; }
   const float inv = 1.f / sum;
   for (int64_t p = 0; p < L; ++p) s[p] *= inv;
   return m + std::log(sum);
+}
+
+static inline void soft_cap(float* s, int64_t L, float cap) {
+  for (int64_t p = 0; p < L; ++p) s[p] = cap * std::tanh(s[p] / cap);
 }
 
 template <typename T, typename C, int G, int D, int QT>
@@ -482,7 +543,9 @@ static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
                         std::vector<float>& scores) {
   constexpr int64_t BS = kBlockSize;
   constexpr int R = G * QT;
-  const auto [L, num_blocks, Lp, table] = tile_context(a, t);  // rows padded: L + BS
+  const TileContext c = tile_context(a, t);
+  const int64_t L = c.len;  // rows padded: L + BS
+  const int64_t* table = c.table;
   float qf[R][D];
   load_query<G>(a, t, kh, qf);
   scores.resize(R * (L + BS));
@@ -499,7 +562,7 @@ static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
       std::copy_n(s, BS, &scores[r * (L + BS) + b * BS]);  // row padded: whole blocks
     }
   }
-  normalize_rows<G, R>(a, t, kh, scores.data(), L + BS, L);
+  normalize_rows<G, R>(a, t, kh, scores.data(), L + BS, c);
   float acc[R][D] = {};
   for (int64_t p = 0; p < L; ++p) {
     const C* v = a.v_block(table[p / BS], kh) + (p % BS) * a.vs[1];
@@ -589,7 +652,12 @@ static void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_ca
 //
 //   row i, 40 blocks, 3 spans:   [ b0 .. b13 ][ b14 .. b27 ][ b28 .. b39 ]
 //                                 out_0, lse_0  out_1, lse_1   out_2, lse_2
-//   out_i = sum_s w_s out_s / sum_s w_s,   w_s = exp(lse_s - max_s lse_s)
+//   out_i = sum_s w_s out_s / (sum_s w_s + w_sink),   w_s = exp(lse_s - top),
+//   w_sink = exp(sink - top) (0 without sinks),        top = max(max_s lse_s, sink)
+//
+// Only the blocks a row attends to are cut (a window's, from the block its first position is
+// in), and the first span starts at that position: each span is a row of its own, with a
+// start. The sink joins the merge, once, not each span's softmax.
 //
 // Spans are at least kMinSpanBlocks blocks, and as many as bring the rows to about
 // kTilesPerThread per thread, in proportion to each row's blocks; contexts too short to make
@@ -600,18 +668,23 @@ constexpr int64_t kMinSpanBlocks = 8;
 struct Spans {
   std::vector<int64_t> first;          // row i's spans are first[i] .. first[i + 1] - 1
   std::vector<int64_t> tables, lens;   // the spans as rows: [spans, max_blocks], [spans]
+  std::vector<int64_t> starts;         // each span's first position attended, [spans]
   int64_t max_blocks = 0;
 };
 
-static Spans spans_of(const int64_t* bt, const int64_t* lens, int64_t n, int64_t max_blocks,
-                      int64_t target) {
-  std::vector<int64_t> blocks(n), per(n);
+template <typename T, typename C>
+static Spans spans_of(const DecodeArgs<T, C>& a, int64_t target) {
+  // row i attends to blocks skip[i] .. skip[i] + blocks[i] - 1 of its table
+  std::vector<int64_t> skip(a.n), blocks(a.n), per(a.n);
   int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) total += blocks[i] = (lens[i] + kBlockSize - 1) / kBlockSize;
+  for (int64_t i = 0; i < a.n; ++i) {
+    skip[i] = a.start(i) / kBlockSize;
+    total += blocks[i] = (a.lens[i] + kBlockSize - 1) / kBlockSize - skip[i];
+  }
   Spans sp;
   sp.first.push_back(0);
   if (total < target * kMinSpanBlocks) return sp;  // no spans: first.back() is 0
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < a.n; ++i) {
     const int64_t wanted = (blocks[i] * target + total - 1) / total;
     const int64_t count = std::clamp<int64_t>(wanted, 1,
                                               std::max<int64_t>(1, blocks[i] / kMinSpanBlocks));
@@ -620,13 +693,15 @@ static Spans spans_of(const int64_t* bt, const int64_t* lens, int64_t n, int64_t
     sp.first.push_back(sp.first.back() + (blocks[i] + per[i] - 1) / per[i]);
   }
   sp.tables.assign(sp.first.back() * sp.max_blocks, 0);
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t s = sp.first[i], b0 = 0; s < sp.first[i + 1]; ++s, b0 += per[i]) {
-      const int64_t b1 = std::min(blocks[i], b0 + per[i]);
-      std::copy(bt + i * max_blocks + b0, bt + i * max_blocks + b1,
-                sp.tables.begin() + s * sp.max_blocks);
-      sp.lens.push_back(std::min(lens[i], b1 * kBlockSize) - b0 * kBlockSize);
+  for (int64_t i = 0; i < a.n; ++i) {
+    const int64_t end = skip[i] + blocks[i];
+    for (int64_t s = sp.first[i], b0 = skip[i]; s < sp.first[i + 1]; ++s, b0 += per[i]) {
+      const int64_t b1 = std::min(end, b0 + per[i]);
+      std::copy(a.table(i) + b0, a.table(i) + b1, sp.tables.begin() + s * sp.max_blocks);
+      sp.lens.push_back(std::min(a.lens[i], b1 * kBlockSize) - b0 * kBlockSize);
+      sp.starts.push_back(std::max<int64_t>(0, a.start(i) - b0 * kBlockSize));
     }
+  }
   return sp;
 }
 
@@ -643,14 +718,18 @@ static void attend_spans(const DecodeArgs<T, C>& a, const Spans& sp, int64_t H, 
   DecodeArgs<T, C> b = a;
   b.q = q.data(), b.q_row = row, b.out = out.data(), b.out_row = row;
   b.bt = sp.tables.data(), b.lens = sp.lens.data(), b.n = spans, b.max_blocks = sp.max_blocks;
-  b.lse = lse.data();
+  b.lse = lse.data(), b.starts = sp.starts.data(), b.sinks = nullptr;
   decode_shape<T, C>(b, H / a.KVH, D);
   std::vector<float> acc(D);
   for (int64_t i = 0; i < a.n; ++i)
     for (int64_t h = 0; h < H; ++h) {
       const int64_t first = sp.first[i], last = sp.first[i + 1];
-      float top = -INFINITY, total = 0.f;
-      for (int64_t s = first; s < last; ++s) top = std::max(top, lse[s * H + h]);
+      float top = lse[first * H + h], total = 0.f;
+      for (int64_t s = first + 1; s < last; ++s) top = std::max(top, lse[s * H + h]);
+      if (a.sinks != nullptr) {
+        top = std::max(top, a.sinks[h]);
+        total = std::exp(a.sinks[h] - top);
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t s = first; s < last; ++s) {
         const float w = std::exp(lse[s * H + h] - top);
@@ -663,13 +742,29 @@ static void attend_spans(const DecodeArgs<T, C>& a, const Spans& sp, int64_t H, 
     }
 }
 
+// What a layer's attention does beyond softmax(q.k scale) v (attention.LayerAttention):
+// window 0 and softcap 0 for none; sinks undefined for none, else fp32 [heads].
+struct Variant {
+  int64_t window;
+  double softcap;
+  const c10::optional<torch::Tensor>& sinks;
+};
+
+static void check_variant(const Variant& v, int64_t H) {
+  TORCH_CHECK(v.window >= 0 && v.softcap >= 0, "window and softcap must be >= 0 (0: none)");
+  TORCH_CHECK(!v.sinks.has_value() ||
+                  (v.sinks->dim() == 1 && v.sinks->size(0) == H &&
+                   v.sinks->scalar_type() == at::kFloat && v.sinks->is_contiguous()),
+              "sinks: contiguous float32 [heads]");
+}
+
 // Decode attention over the caches for the n = context_lens.size(0) queries at q (rows of
 // q_row elements), into out (rows of out_row).
 template <typename T, typename C>
 static void attend(const T* q, int64_t q_row, T* out, int64_t out_row, int64_t H,
                    const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                   double scale) {
+                   double scale, const Variant& variant) {
   if (context_lens.size(0) == 0) return;
   const int64_t KVH = k_cache.size(2), D = k_cache.size(3);
   DecodeArgs<T, C> a{q, q_row, out, out_row, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
@@ -679,9 +774,17 @@ static void attend(const T* q, int64_t q_row, T* out, int64_t out_row, int64_t H
     a.ks[j] = k_cache.stride(j);
     a.vs[j] = v_cache.stride(j);
   }
+  std::vector<int64_t> starts;
+  if (variant.window > 0) {
+    for (int64_t i = 0; i < a.n; ++i)
+      starts.push_back(std::max<int64_t>(0, a.lens[i] - variant.window));
+    a.starts = starts.data();
+  }
+  a.softcap = static_cast<float>(variant.softcap);
+  if (variant.sinks.has_value()) a.sinks = variant.sinks->data_ptr<float>();
   const int64_t target = tiles_for_threads();
-  if (a.n < target && at::get_num_threads() > 1) {
-    const Spans sp = spans_of(a.bt, a.lens, a.n, a.max_blocks, target);
+  if (a.n < target && at::get_num_threads() > 1) {  // the one place spans are decided
+    const Spans sp = spans_of(a, target);
     if (sp.first.back() >= target) return attend_spans<T, C>(a, sp, H, D);
   }
   decode_shape<T, C>(a, H / KVH, D);
@@ -689,10 +792,13 @@ static void attend(const T* q, int64_t q_row, T* out, int64_t out_row, int64_t H
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
-                                     double scale) {
+                                     double scale, int64_t window, double softcap,
+                                     const c10::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3, "q [n, heads, dim]");
   check_caches(k_cache, v_cache, block_tables, context_lens);
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const Variant variant{window, softcap, sinks};
+  check_variant(variant, H);
   TORCH_CHECK(n == context_lens.size(0), "one context length per query");
   TORCH_CHECK(supported(H, k_cache.size(2), D, k_cache.size(1), q.scalar_type(),
                         k_cache.scalar_type()) && D == k_cache.size(3),
@@ -703,7 +809,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     using T = decltype(tag);
     using C = decltype(cache_tag);
     attend<T, C>(q.data_ptr<T>(), H * D, out.data_ptr<T>(), H * D, H, k_cache, v_cache,
-                 block_tables, context_lens, scale);
+                 block_tables, context_lens, scale, variant);
   });
   return out;
 }
@@ -787,15 +893,18 @@ static void rope_write(T* qkv, int64_t T_, int64_t H, const T* cos, const T* sin
 // roped in place (prefill rows read them back for SDPA), every token's k and v go to its slot
 // (slot_blocks, slot_offsets), and the first n = context_lens.size(0) rows, the decodes,
 // attend over the caches into their rows of the returned [tokens, H D]; its other rows are
-// left for the caller (uninitialized).
+// left for the caller (uninitialized). window, softcap, sinks: the layer's variant (Variant).
 torch::Tensor rope_write_decode(torch::Tensor qkv, int64_t num_heads, torch::Tensor cos,
                                 torch::Tensor sin, torch::Tensor positions,
                                 torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor slot_blocks, torch::Tensor slot_offsets,
                                 torch::Tensor block_tables, torch::Tensor context_lens,
-                                double scale) {
+                                double scale, int64_t window, double softcap,
+                                const c10::optional<torch::Tensor>& sinks) {
   check_caches(k_cache, v_cache, block_tables, context_lens);
   const int64_t tokens = qkv.size(0), H = num_heads, KVH = k_cache.size(2), D = k_cache.size(3);
+  const Variant variant{window, softcap, sinks};
+  check_variant(variant, H);
   const auto dtype = qkv.scalar_type();
   TORCH_CHECK(supported(H, KVH, D, k_cache.size(1), dtype, k_cache.scalar_type()) &&
                   cos.scalar_type() == dtype && sin.scalar_type() == dtype,
@@ -823,14 +932,21 @@ torch::Tensor rope_write_decode(torch::Tensor qkv, int64_t num_heads, torch::Ten
     rope_write<T, C>(qkv.data_ptr<T>(), tokens, H, cos.data_ptr<T>(), sin.data_ptr<T>(), pos,
                      blocks, offsets, k_cache, v_cache);
     attend<T, C>(qkv.data_ptr<T>(), qkv.size(1), out.data_ptr<T>(), H * D, H, k_cache,
-                 v_cache, block_tables, context_lens, scale);
+                 v_cache, block_tables, context_lens, scale, variant);
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention);
-  m.def("rope_write_decode", &rope_write_decode);
+  namespace py = pybind11;
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
+  m.def("rope_write_decode", &rope_write_decode, py::arg("qkv"), py::arg("num_heads"),
+        py::arg("cos"), py::arg("sin"), py::arg("positions"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("slot_blocks"), py::arg("slot_offsets"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("supported", &supported);
   LOOM_POOL_BINDINGS(m);
 }
