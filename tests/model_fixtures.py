@@ -149,6 +149,44 @@ FAMILY_SPECS = {
 }
 
 
+# The mixtures of experts, 8 experts and 2 a token each (64 or 32 wide: whole blocks of 32, so
+# a Q8_0 file's experts run on the native MoE kernel), head_dim 64 (the native decode
+# kernel's), with what sets each apart switched on.
+_MOE = dict(_FAMILY, num_experts_per_tok=2, tie_word_embeddings=False)
+
+MOE_SPECS = {
+    # GGUF architecture "llama" (Q/K rows permuted by the converter), always renormalised
+    "mixtral": TinySpec("mixtral", "mixtral", dict(
+        _MOE, head_dim=64, intermediate_size=64, num_local_experts=8, num_hidden_layers=2,
+        rope_theta=1e6, sliding_window=None), seed=21, tokenizer="smollm"),
+    # per-head q/k norms, renormalised
+    "qwen3_moe": TinySpec("qwen3_moe", "qwen3_moe", dict(
+        _MOE, head_dim=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_hidden_layers=2, norm_topk_prob=True, rope_theta=1e6), seed=22, tokenizer="smollm"),
+    # q/k norms over the whole projections, not renormalised
+    "olmoe": TinySpec("olmoe", "olmoe", dict(
+        _MOE, hidden_size=128, intermediate_size=64, num_experts=8, num_hidden_layers=2,
+        norm_topk_prob=False, rope_theta=1e4), seed=23, tokenizer="smollm"),
+    # q/k/v biases, a shared expert and its sigmoid gate
+    "qwen2_moe": TinySpec("qwen2_moe", "qwen2_moe", dict(
+        _MOE, hidden_size=128, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_experts=8, num_hidden_layers=2,
+        norm_topk_prob=False, rope_theta=1e6), seed=24, tokenizer="smollm"),
+}
+# Qwen2/3-MoE with dense layers mixed in, which llama.cpp's converter cannot write (its
+# qwen2moe and qwen3moe architectures have experts on every layer): Hugging Face folders only
+MIXED_MOE_SPECS = {
+    # the dense MLP (intermediate_size wide) on layer 0 of 3 (mlp_only_layers)
+    "qwen3_moe-dense": TinySpec("qwen3_moe-dense", "qwen3_moe", dict(
+        MOE_SPECS["qwen3_moe"].config, num_hidden_layers=3, mlp_only_layers=[0]), seed=25,
+        tokenizer="smollm"),
+    # experts on every second layer only (decoder_sparse_step 2): layers 1 and 3 of 4
+    "qwen2_moe-step": TinySpec("qwen2_moe-step", "qwen2_moe", dict(
+        MOE_SPECS["qwen2_moe"].config, num_hidden_layers=4, decoder_sparse_step=2), seed=26,
+        tokenizer="smollm"),
+}
+
+
 @functools.lru_cache(maxsize=1)
 def tiny_tokenizer() -> Any:
     """A byte-level BPE (`tokenizers`) trained on a few lines: ~320 tokens, specials first."""
@@ -199,7 +237,9 @@ def _config_classes() -> dict[str, Any]:
     return {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
             "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
             "smollm3": transformers.SmolLM3Config, "phi3": transformers.Phi3Config,
-            "gemma2": transformers.Gemma2Config, "gemma3_text": transformers.Gemma3TextConfig}
+            "gemma2": transformers.Gemma2Config, "gemma3_text": transformers.Gemma3TextConfig,
+            "mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+            "olmoe": transformers.OlmoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig}
 
 
 def build_tiny_model(spec: TinySpec) -> Any:
@@ -395,15 +435,19 @@ def write_gguf(model: Any, path: Path, pre: str = "smollm", arch: str | None = N
 # -- running loom's model on hand-built steps -------------------------------------------------
 
 def make_runner(loaded: LoadedModel, num_blocks: int = 64, block_size: int = 4,
-                fused: bool = True) -> ModelRunner:
+                fused: bool = True, native_linear: bool = False) -> ModelRunner:
     """The torch attention path: the tiny models' shapes are outside the native kernel's
     (which test_attention checks against this path). fused: the add + RMSNorm and SiLU * up
-    kernels, as the engine runs float32 on CPU (test_fused_ops checks them against torch)."""
+    kernels, as the engine runs float32 on CPU (test_fused_ops checks them against torch).
+    native_linear: a GGUF's block-quantized weights on the native matmul (and a mixture's
+    experts on its MoE kernel), as the engine runs them; else every matmul in fp32."""
     ops = fused_ops() if fused else None
     model = DecoderModel(loaded.arch, loaded.weights, torch.float32, torch.device("cpu"),
+                         block_quant=loaded.block_quant if native_linear else None,
                          fused_ops=ops)
     backends = Backends(device=torch.device("cpu"), dtype=torch.float32, kv_dtype=torch.float32,
-                        num_threads=0, native_decode=False, linear="torch", fused_ops=ops)
+                        num_threads=0, native_decode=False,
+                        linear="native" if native_linear else "torch", fused_ops=ops)
     runner = ModelRunner(model, backends, block_size)
     runner.initialize_kv_cache(num_blocks, num_sliding_blocks=num_blocks)
     return runner
@@ -438,6 +482,67 @@ def step_logits(runner: ModelRunner, chunks: list[Chunk]) -> dict[str, torch.Ten
         out[item.request_id] = logits[offset:offset + len(item.token_ids)]
         offset += len(item.token_ids)
     return out
+
+
+# -- teacher-forced log-probabilities on a schedule of steps ----------------------------------
+
+PROMPT_LEN = 40  # past Phi-3's original context (32), so transformers takes its long factors
+# A schedule: steps of (request, start, end) chunks of each request's prompt; block size 4.
+W = _WINDOW  # Gemma's sliding window
+SCHEDULES = {
+    "prefill": [[("a", 0, PROMPT_LEN)]],
+    # decodes from position W - 1 on: the last that sees its whole context, the first that
+    # drops position 0, the next, ... several windows on
+    "decodes": [[("a", 0, W - 1)]] + [[("a", p, p + 1)] for p in range(W - 1, 3 * W)],
+    # chunks starting inside a window and ending across one (5..10, 11..22, 23..39)
+    "chunks": [[("a", 0, 5)], [("a", 5, 11)], [("a", 11, 23)], [("a", 23, PROMPT_LEN)]],
+    # a window start off a block boundary (the chunk at 10 reads from position 3), a 1-token
+    # chunk on the decode path mid-prompt
+    "chunks-uneven": [[("a", 0, 3)], [("a", 3, 10)], [("a", 10, 11)], [("a", 11, 24)],
+                      [("a", 24, PROMPT_LEN)]],
+    # two decodes, a second chunk and a fresh prefill in one step, each request on its own
+    # blocks, after a step of three first chunks
+    "mixed": [[("a", 0, 12), ("b", 0, 8), ("d", 0, 5)],
+              [("b", 8, 30), ("a", 12, 13), ("c", 0, 21), ("d", 5, 6)]],
+}
+_BLOCKS = {"a": [12, 2, 30, 4, 17, 8, 40, 41, 3, 50], "b": [1, 20, 7, 33, 9, 14, 25, 31],
+           "c": [5, 11, 19, 22, 23, 24], "d": [6, 10]}
+Schedule = list[list[tuple[str, int, int]]]
+
+
+def prompt(model: Any, length: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.config.vocab_size, (length,), generator=g).tolist()
+
+
+def reference_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def run_schedule(loaded: LoadedModel, schedule: Schedule, prompts: dict[str, list[int]],
+                 native_linear: bool = False) -> dict[str, torch.Tensor]:
+    """Each request's log-probabilities at every position it was fed, step by step
+    (native_linear: as make_runner's)."""
+    runner = make_runner(loaded, native_linear=native_linear)
+    got: dict[str, list[torch.Tensor]] = {}
+    for step in schedule:
+        out = step_logits(runner, [Chunk(r, prompts[r][start:end], start, _BLOCKS[r])
+                                   for r, start, end in step])
+        for r, logits in out.items():
+            got.setdefault(r, []).append(logits.log_softmax(-1))
+    return {r: torch.cat(parts) for r, parts in got.items()}
+
+
+def teacher_forced(model: Any, loaded: LoadedModel, schedule: Schedule,
+                   native_linear: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per request of the schedule (its prompt drawn with seed ord(request)): loom's
+    log-probabilities at the positions it was fed and transformers' at the same positions."""
+    ends = {r: max(end for step in schedule for q, _, end in step if q == r)
+            for r in {q for step in schedule for q, _, _ in step}}
+    prompts = {r: prompt(model, PROMPT_LEN, seed=ord(r)) for r in ends}
+    got = run_schedule(loaded, schedule, prompts, native_linear)
+    return {r: (got[r], reference_logprobs(model, prompts[r])[:end]) for r, end in ends.items()}
 
 
 # -- the bundled model ------------------------------------------------------------------------

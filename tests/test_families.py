@@ -23,13 +23,16 @@ import torch
 from llama_cpp_tree import llama_cpp_tree
 from model_fixtures import (
     FAMILY_SPECS,
-    Chunk,
+    PROMPT_LEN,
+    SCHEDULES,
     TinySpec,
     build_tiny_model,
     convert_with_llama_cpp,
-    make_runner,
+    prompt,
+    reference_logprobs,
+    run_schedule,
     save_hf_folder,
-    step_logits,
+    teacher_forced,
 )
 
 import loom.model.loader as loader
@@ -52,7 +55,6 @@ LOGPROB_ATOL = 2e-3  # float32 throughout: observed differences are ~1e-5
 # model); the bound leaves 2x margin. The argmax agreed at 90-98% of positions.
 Q8_MEAN_KL = 1e-2
 Q8_ARGMAX_AGREE = 0.85
-PROMPT_LEN = 40  # past Phi-3's original context (32), so transformers takes its long factors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,67 +101,15 @@ def load(families: dict[str, Family], name: str, fmt: str) -> LoadedModel:
     return _loaded[name, fmt]
 
 
-def prompt(model, length: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, model.config.vocab_size, (length,), generator=g).tolist()
-
-
-def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-
-
-# A schedule: steps of (request, start, end) chunks of each request's prompt; block size 4.
-W = FAMILY_SPECS["gemma2"].config["sliding_window"]
-SCHEDULES = {
-    "prefill": [[("a", 0, PROMPT_LEN)]],
-    # decodes from position W - 1 on: the last that sees its whole context, the first that
-    # drops position 0, the next, ... several windows on
-    "decodes": [[("a", 0, W - 1)]] + [[("a", p, p + 1)] for p in range(W - 1, 3 * W)],
-    # chunks starting inside a window and ending across one (5..10, 11..22, 23..39)
-    "chunks": [[("a", 0, 5)], [("a", 5, 11)], [("a", 11, 23)], [("a", 23, PROMPT_LEN)]],
-    # a window start off a block boundary (the chunk at 10 reads from position 3), a 1-token
-    # chunk on the decode path mid-prompt
-    "chunks-uneven": [[("a", 0, 3)], [("a", 3, 10)], [("a", 10, 11)], [("a", 11, 24)],
-                      [("a", 24, PROMPT_LEN)]],
-    # two decodes, a second chunk and a fresh prefill in one step, each request on its own
-    # blocks, after a step of three first chunks
-    "mixed": [[("a", 0, 12), ("b", 0, 8), ("d", 0, 5)],
-              [("b", 8, 30), ("a", 12, 13), ("c", 0, 21), ("d", 5, 6)]],
-}
-_BLOCKS = {"a": [12, 2, 30, 4, 17, 8, 40, 41, 3, 50], "b": [1, 20, 7, 33, 9, 14, 25, 31],
-           "c": [5, 11, 19, 22, 23, 24], "d": [6, 10]}
-
-
-def run_schedule(loaded: LoadedModel, schedule: list[list[tuple[str, int, int]]],
-                 prompts: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-    """Each request's log-probabilities at every position it was fed, step by step."""
-    runner = make_runner(loaded)
-    got: dict[str, list[torch.Tensor]] = {}
-    for step in schedule:
-        out = step_logits(runner, [Chunk(r, prompts[r][start:end], start, _BLOCKS[r])
-                                   for r, start, end in step])
-        for r, logits in out.items():
-            got.setdefault(r, []).append(logits.log_softmax(-1))
-    return {r: torch.cat(parts) for r, parts in got.items()}
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_logprobs_match_transformers(families, name, fmt, schedule):
-    model = families[name].model
-    loaded = load(families, name, fmt)
-    steps = SCHEDULES[schedule]
-    ends = {r: max(end for step in steps for q, _, end in step if q == r)
-            for r in {q for step in steps for q, _, _ in step}}
-    prompts = {r: prompt(model, PROMPT_LEN, seed=ord(r)) for r in ends}
-    got = run_schedule(loaded, steps, prompts)
-    for r, end in ends.items():
-        expected = reference_logprobs(model, prompts[r])[:end]
-        assert got[r].shape == expected.shape
-        diff = float((got[r] - expected).abs().max())
+    for r, (got, expected) in teacher_forced(families[name].model, load(families, name, fmt),
+                                             SCHEDULES[schedule]).items():
+        assert got.shape == expected.shape
+        diff = float((got - expected).abs().max())
         assert diff <= LOGPROB_ATOL, f"request {r}: max |log p - transformers'| = {diff:.2e}"
 
 

@@ -1,9 +1,10 @@
 """A decoder's shape, read from a GGUF header or a config.json without its weights.
 
 loom runs one decoder (model/decoder.py) for every family it supports; what a family changes
-(q/k norms, Gemma's norms and embedding scale, sliding-window layers, partial or no RoPE...)
-is data here, read from either file format. torch-free: the loader builds the model from it,
-and `loom plan` sizes memory from it for models whose weights are not on this machine.
+(q/k norms, Gemma's norms and embedding scale, sliding-window layers, partial or no RoPE, a
+mixture of experts...) is data here, read from either file format. torch-free: the loader
+builds the model from it, and `loom plan` sizes memory from it for models whose weights are
+not on this machine.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from loom.model.tokenizer import Tokenizer, bpe_from_gguf_metadata
 logger = logging.getLogger(__name__)
 
 # What loom runs, by the name each format gives it: a GGUF's general.architecture (llama.cpp
-# converts Mistral to "llama") and a config.json's model_type.
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3")
+# converts Mistral to "llama", and Mixtral, with expert keys) and a config.json's model_type.
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3",
+                      "qwen2moe", "qwen3moe", "olmoe")
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2",
-                  "gemma3_text")
+                  "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # Llama-3 style RoPE scaling in a GGUF: per-frequency divisors stored as a tensor.
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 # LongRoPE (Phi-3) in a GGUF: the per-frequency factors for long and short contexts.
@@ -37,6 +39,9 @@ ROPE_TENSORS = (ROPE_FREQS_TENSOR, ROPE_LONG_TENSOR, ROPE_SHORT_TENSOR)
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's: SwiGLU, GeGLU with tanh-approximated GELU
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
+# Where a q/k RMSNorm normalises: each head (Qwen3, Qwen3-MoE, Gemma 3; weight [head_dim]) or
+# the whole q and k projections (OLMoE; weights [heads * head_dim], [kv_heads * head_dim]).
+QK_NORMS = ("head", "projection")
 _GEMMA = ("gemma2", "gemma3")
 
 
@@ -56,8 +61,8 @@ class ModelLoadError(ValueError):
 
 @dataclass(frozen=True)
 class ModelArch:
-    """Hyperparameters of a decoder. The fields after `shared_expert_intermediate_size` are
-    what the dense families change; their defaults are Llama's."""
+    """Hyperparameters of a decoder. The fields after `dense_layers` are what the dense
+    families change; their defaults are Llama's."""
 
     architecture: str
     hidden_size: int
@@ -76,13 +81,17 @@ class ModelArch:
     # Per layer, "full_attention" or "sliding_attention" (transformers' names); None: all full.
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None  # positions a sliding layer attends to, its own included
-    # A mixture-of-experts MLP where num_experts > 0 (else the dense one above)
+    # A mixture-of-experts MLP where num_experts > 0 (else the dense one above), on every
+    # layer but `dense_layers` (model/moe.py)
     num_experts: int = 0
     num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
+    moe_intermediate_size: int = 0  # each expert's width
     norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
-    shared_expert_intermediate_size: int = 0  # 0: no shared expert
-    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE (Qwen3, Gemma 3)
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
+    # layers of a mixture of experts that keep the dense MLP (Qwen2/3-MoE's mlp_only_layers
+    # and decoder_sparse_step; in a GGUF, the layers without a router)
+    dense_layers: tuple[int, ...] = ()
+    qk_norm: str | None = None  # one of QK_NORMS: an RMSNorm on q and on k before RoPE
     norm_offset: float = 0.0  # every RMSNorm scales by norm_offset + w (Gemma: 1)
     embedding_scale: float = 1.0  # embeddings times this, in the model dtype (Gemma: sqrt(hidden))
     activation: str = "silu"  # one of ACTIVATIONS
@@ -115,22 +124,57 @@ class ModelArch:
                                  f"got {self.rotary_dim}")
         if any(not 0 <= i < self.num_layers for i in self.nope_layers):
             raise ModelLoadError(f"nope_layers must be layer indices, got {self.nope_layers}")
+        if self.qk_norm is not None and self.qk_norm not in QK_NORMS:
+            raise ModelLoadError(f"qk_norm must be one of {list(QK_NORMS)} or None, got "
+                                 f"{self.qk_norm!r}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ModelLoadError(f"num_experts_per_tok must be between 1 and num_experts "
+                                     f"({self.num_experts}), got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size < 1:
+                raise ModelLoadError("moe_intermediate_size must be positive where "
+                                     f"num_experts is, got {self.moe_intermediate_size}")
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise ModelLoadError(f"dense_layers must be layer indices, got {self.dense_layers}")
 
     def is_sliding(self, layer: int) -> bool:
         """Whether the layer attends to its last `sliding_window` positions only."""
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
 
+    def has_experts(self, layer: int) -> bool:
+        """Whether the layer's MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
     @property
     def num_parameters(self) -> int:
-        """Weights of the decoder: embedding, attention and MLP projections, norms, lm_head."""
+        """Weights of the decoder: embedding, attention and MLP projections (every expert's),
+        routers, norms, lm_head."""
+        return self._weights(self.num_experts)
+
+    @property
+    def num_active_parameters(self) -> int:
+        """The weights one token goes through: on each mixture-of-experts layer the router,
+        its num_experts_per_tok experts and the shared expert; the rest as num_parameters
+        counts it (the embedding whole, as model cards count it). A dense model's
+        num_parameters."""
+        return self._weights(self.num_experts_per_tok)
+
+    def _weights(self, experts: int) -> int:
+        """num_parameters with `experts` experts' MLPs counted on each mixture layer."""
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
         attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        mlp = 3 * h * self.intermediate_size
-        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        dense_mlp = 3 * h * self.intermediate_size
+        shared = self.shared_expert_intermediate_size
+        mixture = (self.num_experts * h + experts * 3 * h * self.moe_intermediate_size
+                   + (3 * h * shared + h if shared else 0))  # router; the shared one's gate
+        mixture_layers = sum(self.has_experts(i) for i in range(self.num_layers))
+        mlps = mixture_layers * mixture + (self.num_layers - mixture_layers) * dense_mlp
+        qk_norms = {None: 0, "head": 2 * self.head_dim, "projection": q + kv}[self.qk_norm]
+        norms = (4 if self.sandwich_norms else 2) * h + qk_norms
         embedding = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else embedding
-        return embedding + self.num_layers * (attention + mlp + norms) + h + lm_head
+        return embedding + self.num_layers * (attention + norms) + mlps + h + lm_head
 
 
 def _family_traits(family: str, hidden_size: int) -> dict[str, Any]:
@@ -185,6 +229,10 @@ _GGUF_FULL_EVERY = {"gemma2": 2, "gemma3": 6}
 # converter writes no attention scale and llama.cpp tells them apart by their layer count.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _NOPE_INTERVAL = 4  # SmolLM3: llama.cpp's n_no_rope_layer_step, transformers' default interval
+# Whether the chosen experts' weights are renormalised: llama.cpp's files do not say, its graph
+# fixes it per architecture (on for Mixtral, converted to "llama", and Qwen3-MoE; off for
+# OLMoE and Qwen2-MoE), as transformers' configs of those models set norm_topk_prob.
+_GGUF_NORM_TOPK = ("llama", "qwen3moe")
 
 
 def arch_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, GGUFTensor],
@@ -204,6 +252,9 @@ def arch_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, GGUFTensor],
     if scale is None and arch_name in _GEMMA:
         big = num_layers == _GEMMA_27B_LAYERS[arch_name]
         scale = (hidden / num_heads if big else head_dim) ** -0.5
+    if meta.get(p + "attention.clamp_kqv") is not None:
+        raise ModelLoadError(f"{file_name} clamps q, k and v ({p}attention.clamp_kqv), which "
+                             "loom does not")
     return ModelArch(
         architecture=arch_name,
         hidden_size=hidden,
@@ -221,7 +272,7 @@ def arch_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, GGUFTensor],
         rope_scaling=_gguf_rope_scaling(tensors, meta, p),
         layer_types=layer_types,
         sliding_window=window,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        qk_norm=_gguf_qk_norm(tensors, head_dim),
         attention_scale=scale,
         # Gemma 3 has no attention softcap (transformers ignores one in its config)
         attn_softcap=meta.get(p + "attn_logit_softcapping") if arch_name == "gemma2" else None,
@@ -231,8 +282,43 @@ def arch_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, GGUFTensor],
                           else None),
         nope_layers=(tuple(i for i in range(num_layers) if (i + 1) % _NOPE_INTERVAL == 0)
                      if arch_name == "smollm3" else ()),
+        **_gguf_experts(meta, tensors, p, arch_name, num_layers, file_name),
         **_family_traits(arch_name, hidden),
     )
+
+
+def _gguf_qk_norm(tensors: Mapping[str, GGUFTensor], head_dim: int) -> str | None:
+    """A q norm one head wide normalises each head, a wider one the whole projection."""
+    norm = tensors.get("blk.0.attn_q_norm.weight")
+    if norm is None:
+        return None
+    return "head" if norm.shape[0] == head_dim else "projection"
+
+
+def _gguf_experts(meta: Mapping[str, Any], tensors: Mapping[str, GGUFTensor], p: str,
+                  arch_name: str, num_layers: int, file_name: str) -> dict[str, Any]:
+    """The mixture-of-experts fields, as llama.cpp reads them: expert_count and
+    expert_used_count, the experts' width (expert_feed_forward_length; Mixtral's and OLMoE's
+    files have none: feed_forward_length), the shared expert's; a layer is a mixture where it
+    has a router (ffn_gate_inp). Files of one tensor per expert (before llama.cpp stacked
+    them, 2024) are refused."""
+    experts = meta.get(p + "expert_count", 0)
+    if not experts:
+        return {}
+    dense = tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors)
+    first = next((i for i in range(num_layers) if i not in dense), 0)
+    if f"blk.{first}.ffn_down.0.weight" in tensors:
+        raise ModelLoadError(f"{file_name} stores each expert as tensors of its own "
+                             f"(blk.{first}.ffn_down.0.weight), as llama.cpp's converter did "
+                             "before 2024; loom reads stacked experts (ffn_down_exps): "
+                             "convert the model again")
+    return {"num_experts": experts, "num_experts_per_tok": meta.get(p + "expert_used_count", 0),
+            "moe_intermediate_size": meta.get(p + "expert_feed_forward_length",
+                                              meta[p + "feed_forward_length"]),
+            "norm_topk_prob": arch_name in _GGUF_NORM_TOPK,
+            "shared_expert_intermediate_size":
+                meta.get(p + "expert_shared_feed_forward_length", 0),
+            "dense_layers": dense}
 
 
 def _gguf_sliding(meta: Mapping[str, Any], p: str, arch_name: str, num_layers: int
@@ -294,6 +380,11 @@ _SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
                  "max_position_embeddings")
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# config.json's model_type -> loom's family name where they differ (the GGUF architecture's)
+_HF_FAMILIES = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_MIXTURES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe")
+_MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok",
+               "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step")
 
 
 def arch_from_hf_config(config: Mapping[str, Any]) -> ModelArch:
@@ -301,12 +392,15 @@ def arch_from_hf_config(config: Mapping[str, Any]) -> ModelArch:
     if model_type not in HF_MODEL_TYPES:
         raise ModelLoadError(f"unsupported model_type {model_type!r}; loom runs model_type "
                              f"{list(HF_MODEL_TYPES)}")
-    family = "gemma3" if model_type == "gemma3_text" else model_type
-    for key in _SHAPE_FIELDS:
+    family = _HF_FAMILIES.get(model_type, model_type)
+    for key in _SHAPE_FIELDS + (_MOE_FIELDS if family in _MIXTURES else ()):
         value = config.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                   or value < 1):
             raise ModelLoadError(f"config.json: {key} must be a positive integer, got {value!r}")
+    if config.get("clip_qkv") is not None:
+        raise ModelLoadError("config.json: clip_qkv is set (q, k and v clamped), which loom "
+                             "does not do")
     if config.get("use_bidirectional_attention"):
         raise ModelLoadError("config.json: use_bidirectional_attention is set (an embedding "
                              "model); loom runs causal decoders")
@@ -336,11 +430,14 @@ def arch_from_hf_config(config: Mapping[str, Any]) -> ModelArch:
             rope_theta=rope.theta,
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=config.get("tie_word_embeddings", family in _GEMMA),
-            attention_bias=config.get("attention_bias", family == "qwen2"),
+            # Qwen2-MoE calls its q/k/v biases qkv_bias
+            attention_bias=config.get("qkv_bias" if family == "qwen2moe" else "attention_bias",
+                                      family in ("qwen2", "qwen2moe")),
             rope_scaling=rope.scaling,
             layer_types=layer_types,
             sliding_window=window,
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=("head" if family in ("qwen3", "qwen3moe", "gemma3") else
+                     "projection" if family == "olmoe" else None),
             attention_scale=(config.get("query_pre_attn_scalar", head_dim) ** -0.5
                              if family in _GEMMA else None),
             attn_softcap=config.get("attn_logit_softcapping") if family == "gemma2" else None,
@@ -348,10 +445,41 @@ def arch_from_hf_config(config: Mapping[str, Any]) -> ModelArch:
             rotary_dim=rotary_dim if rotary_dim < head_dim else None,
             rope_local_theta=rope.local_theta,
             nope_layers=_hf_nope_layers(config, family, num_layers),
+            **_hf_experts(config, family, num_layers),
             **{**_family_traits(family, hidden), "activation": _HF_ACTIVATIONS[activation]},
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks {e.args[0]!r}") from e
+
+
+def _hf_experts(config: Mapping[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields as transformers' config classes read them: Mixtral's
+    experts intermediate_size wide, always renormalised; OLMoE's intermediate_size wide;
+    Qwen2/3-MoE's moe_intermediate_size, with the dense MLP on mlp_only_layers and on every
+    layer but each decoder_sparse_step-th; Qwen2-MoE's shared expert; norm_topk_prob where
+    the family reads it."""
+    if family not in _MIXTURES:
+        return {}
+    qwen = family in ("qwen2moe", "qwen3moe")
+    # Mixtral's name, which transformers 5 also writes for the others' num_experts
+    experts = next((config[k] for k in ("num_local_experts", "num_experts")
+                    if config.get(k) is not None), None)
+    if experts is None:
+        raise ModelLoadError("config.json lacks 'num_experts' (or 'num_local_experts')")
+    dense: tuple[int, ...] = ()
+    if qwen:
+        only = config.get("mlp_only_layers") or []
+        step = config.get("decoder_sparse_step", 1)
+        if not isinstance(only, list) or any(not isinstance(i, int) for i in only):
+            raise ModelLoadError("config.json: mlp_only_layers must list layer indices")
+        dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step != 0)
+    return {"num_experts": experts, "num_experts_per_tok": config["num_experts_per_tok"],
+            "moe_intermediate_size": config["moe_intermediate_size" if qwen
+                                            else "intermediate_size"],
+            "norm_topk_prob": family == "mixtral" or bool(config.get("norm_topk_prob", False)),
+            "shared_expert_intermediate_size":
+                config.get("shared_expert_intermediate_size", 0) if family == "qwen2moe" else 0,
+            "dense_layers": dense}
 
 
 @dataclass(frozen=True)
@@ -415,16 +543,18 @@ def _longrope(config: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str,
 
 def _hf_sliding(config: Mapping[str, Any], family: str, num_layers: int
                 ) -> tuple[tuple[str, ...] | None, int | None]:
-    """(layer_types, sliding_window) as transformers' config classes derive them: Mistral and
-    Phi-3 slide on every layer when a window is set; Qwen2/3 and SmolLM3 only with
-    use_sliding_window (Qwen from layer max_window_layers on, SmolLM3 on its no-RoPE layers);
+    """(layer_types, sliding_window) as transformers' config classes derive them: Mistral,
+    Mixtral and Phi-3 slide on every layer when a window is set; Qwen2/3(-MoE) and SmolLM3 only
+    with use_sliding_window (Qwen2/3 from layer max_window_layers on, Qwen3-MoE on every layer,
+    Qwen2-MoE on every other one below max_window_layers, SmolLM3 on its no-RoPE layers);
     Gemma 2 on every other layer from the first, Gemma 3 on five in every six
     (`sliding_window_pattern`); `layer_types`, where the config has it, says it per layer.
-    Llama has no window."""
+    Llama and OLMoE have no window."""
     window = config.get("sliding_window")
-    if family in ("qwen2", "qwen3", "smollm3") and not config.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "smollm3", "qwen2moe", "qwen3moe") and \
+            not config.get("use_sliding_window", False):
         window = None
-    if not window or family == "llama":
+    if not window or family in ("llama", "olmoe"):
         return None, None
     types = config.get("layer_types")
     if types is not None:
@@ -436,6 +566,9 @@ def _hf_sliding(config: Mapping[str, Any], family: str, num_layers: int
     elif family in ("qwen2", "qwen3"):
         start = config.get("max_window_layers", num_layers)
         sliding = [i >= start for i in range(num_layers)]
+    elif family == "qwen2moe":  # Qwen2MoeConfig's: every other layer below max_window_layers
+        below = config.get("max_window_layers", num_layers)
+        sliding = [i % 2 == 0 and i < below for i in range(num_layers)]
     elif family in _GEMMA:
         every = 2 if family == "gemma2" else config.get("sliding_window_pattern", 6)
         sliding = [(i + 1) % every != 0 for i in range(num_layers)]

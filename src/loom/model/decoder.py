@@ -1,5 +1,5 @@
-"""The decoder every family runs through (Llama, Mistral, Qwen2/3, SmolLM2/3, Phi-3, Gemma 2/3),
-over a flat batch of tokens.
+"""The decoder every family runs through (Llama, Mistral, Qwen2/3, SmolLM2/3, Phi-3, Gemma 2/3,
+and the mixtures of experts Mixtral, Qwen2/3-MoE and OLMoE), over a flat batch of tokens.
 
 Tokens of many requests are concatenated into one [num_tokens, hidden] matrix, so every
 projection is one matmul for the whole step; only attention looks at request boundaries,
@@ -8,7 +8,9 @@ checkpoints come fused). What a family changes is data in its ModelArch, read he
 each layer: q/k norms, Gemma's extra norms, (1 + w) norm weights, embedding scale, GeGLU and
 logit softcap, each layer's attention variant (`LayerAttention`: scale, sliding window,
 softcap) and its RoPE table (Gemma 3's local base, SmolLM3's layers without RoPE, Phi's
-partial rotary). A plain Llama takes the same path it always did.
+partial rotary). A mixture-of-experts layer runs its `MoeBlock` (model/moe.py: the native
+kernel on a GGUF's blocks) where a dense one runs gate_up and down. A plain Llama takes the
+same path it always did.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from loom.model.attention import (
 )
 from loom.model.kernels import block_quant_linear_ops
 from loom.model.linear import Linear
+from loom.model.moe import MoeBlock, Routing, moe_from_hf
 from loom.model.weights import BlockQuantWeight, LazyWeights
 
 
@@ -38,11 +41,12 @@ class DecoderLayer:
     def __init__(self, w: Mapping[str, torch.Tensor], prefix: str, arch: ModelArch,
                  attention: LayerAttention, rope: int | None, qk_rows: torch.Tensor | None,
                  norm: partial[torch.Tensor], prepack: bool,
-                 block_quant: dict[str, BlockQuantWeight], bf16_above_rows: int | None) -> None:
+                 block_quant: dict[str, BlockQuantWeight], bf16_above_rows: int | None,
+                 experts: bool) -> None:
         """rope: the index of the layer's RoPE table in the model's, None for none; qk_rows:
         the order of the fused QKV projection's rows that puts a partial rotary's pairs half a
         head apart (`_rotary_layout`), None to keep the checkpoint's; norm: a norm weight by
-        name, as the model applies it."""
+        name, as the model applies it; experts: the MLP is a mixture of experts."""
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         linear = partial(_linear, w, prepack=prepack, block_quant=block_quant,
                          bf16_above_rows=bf16_above_rows)
@@ -52,10 +56,19 @@ class DecoderLayer:
         # Llama's attention_bias also puts a bias on o_proj, and mlp_bias on all three MLP
         # projections (Qwen2 has q/k/v biases only): use whichever the checkpoint has.
         self.o = linear([attn + "o_proj.weight"], w.get(attn + "o_proj.bias"))
-        gate_bias, up_bias = w.get(mlp + "gate_proj.bias"), w.get(mlp + "up_proj.bias")
-        self.gate_up = linear(_gate_up_names(w, prefix),
-                              torch.cat([gate_bias, up_bias]) if gate_bias is not None else None)
-        self.down = linear([mlp + "down_proj.weight"], w.get(mlp + "down_proj.bias"))
+        # the MLP: a mixture of experts (on the native kernel where the GGUF's experts are
+        # blocks it reads), or gate_up and down
+        self.moe: MoeBlock | None = None
+        self.gate_up: Linear | None = None
+        self.down: Linear | None = None
+        if experts:
+            self.moe = moe_from_hf(w, prefix, Routing.from_arch(arch), block_quant,
+                                   block_quant_linear_ops() if block_quant else None)
+        else:
+            gate_bias, up_bias = w.get(mlp + "gate_proj.bias"), w.get(mlp + "up_proj.bias")
+            self.gate_up = linear(_gate_up_names(w, prefix), torch.cat([gate_bias, up_bias])
+                                  if gate_bias is not None else None)
+            self.down = linear([mlp + "down_proj.weight"], w.get(mlp + "down_proj.bias"))
         self.input_norm = norm(prefix + "input_layernorm.weight")
         # Gemma's post_attention_layernorm norms the attention output; Llama's is the MLP's input
         self.post_attn_norm: torch.Tensor | None = None
@@ -67,10 +80,16 @@ class DecoderLayer:
         else:
             self.pre_mlp_norm = norm(prefix + "post_attention_layernorm.weight")
         self.q_norm, self.k_norm = None, None
-        if arch.qk_norm:
-            dims = qk_rows[:arch.head_dim] if qk_rows is not None else slice(None)
-            self.q_norm = norm(attn + "q_norm.weight")[dims]
-            self.k_norm = norm(attn + "k_norm.weight")[dims]
+        if arch.qk_norm is not None:  # a partial rotary's layout moves the normed dims too
+            q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+            if qk_rows is None:
+                q_dims = k_dims = slice(None)
+            elif arch.qk_norm == "head":
+                q_dims = k_dims = qk_rows[:arch.head_dim]
+            else:
+                q_dims, k_dims = qk_rows[:q], qk_rows[q:q + kv] - q
+            self.q_norm = norm(attn + "q_norm.weight")[q_dims]
+            self.k_norm = norm(attn + "k_norm.weight")[k_dims]
         self.attention = attention
         self.rope = rope
 
@@ -164,7 +183,7 @@ class DecoderModel:
                          LayerAttention(scale, arch.sliding_window if arch.is_sliding(i) else None,
                                         arch.attn_softcap),
                          tables.get(_rope_key(arch, i)), qk_rows, norm, prepack, block_quant,
-                         bf16_above_rows)
+                         bf16_above_rows, arch.has_experts(i))
             for i in range(arch.num_layers)]
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
@@ -193,7 +212,10 @@ class DecoderModel:
             if layer.post_attn_norm is not None:
                 out = self._norm(out, layer.post_attn_norm)
             hidden, x = self._add_norm(hidden, out, layer.pre_mlp_norm)
-            delta = layer.down(self._act_mul(layer.gate_up(x)))
+            if layer.moe is None:
+                delta = layer.down(self._act_mul(layer.gate_up(x)))
+            else:
+                delta = layer.moe(x)
             if layer.post_mlp_norm is not None:
                 delta = self._norm(delta, layer.post_mlp_norm)
         return self._add_norm(hidden, delta, self.final_norm)[1]
@@ -208,9 +230,13 @@ class DecoderModel:
         arch = self.arch
         heads = arch.num_heads + arch.num_kv_heads
         if layer.q_norm is not None:  # in place, before RoPE, on either path
-            qk = qkv[:, :self.q_size + self.kv_size].view(-1, heads, arch.head_dim)
-            qk[:, :arch.num_heads] = self._norm(qk[:, :arch.num_heads], layer.q_norm)
-            qk[:, arch.num_heads:] = self._norm(qk[:, arch.num_heads:], layer.k_norm)
+            q = qkv[:, :self.q_size]
+            k = qkv[:, self.q_size:self.q_size + self.kv_size]
+            if arch.qk_norm == "head":
+                q = q.unflatten(-1, (arch.num_heads, arch.head_dim))
+                k = k.unflatten(-1, (arch.num_kv_heads, arch.head_dim))
+            q.copy_(self._norm(q, layer.q_norm))
+            k.copy_(self._norm(k, layer.k_norm))
         if ropes is None:
             if layer.rope is None:
                 (cos, sin), positions = self._no_rope, torch.zeros_like(positions)
@@ -316,7 +342,8 @@ def _required_names(arch: ModelArch, weights: Mapping[str, torch.Tensor]) -> lis
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         names += _qkv_names(weights, p) + [p + "self_attn.o_proj.weight"]
-        names += _gate_up_names(weights, p) + [p + "mlp.down_proj.weight"]
+        if not arch.has_experts(i):  # moe_from_hf names an expert's missing tensors
+            names += _gate_up_names(weights, p) + [p + "mlp.down_proj.weight"]
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         if arch.sandwich_norms:
             names += [p + "pre_feedforward_layernorm.weight",

@@ -3,14 +3,19 @@ transformers, whatever the format: a GGUF's are renamed, and what llama.cpp's co
 them undone) and tokenizer. Nothing is ever downloaded.
 
 A GGUF's weights are dequantized only when the model asks for them: with the native matmul,
-only the embedding and the norms are ever needed in fp32, a small part of the fp32 weights."""
+only the embedding, the norms and the routers of a mixture of experts are ever needed in fp32,
+a small part of the fp32 weights. A mixture's stacked expert tensors ([experts, rows, cols])
+keep that shape in fp32 and are E * rows rows of blocks (model/moe.py takes them apart)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -58,9 +63,28 @@ def load_model(model: str | None) -> LoadedModel:
         raise
     except Exception as e:  # a corrupt file surfaces as anything from struct errors to KeyError
         raise ModelLoadError(f"cannot load model {str(path)!r}: {type(e).__name__}: {e}") from e
-    logger.info("loaded %s (%s, %d layers) in %.1f s", loaded.name, loaded.arch.architecture,
-                loaded.arch.num_layers, time.perf_counter() - start)
+    logger.info("loaded %s (%s, %d layers%s) in %.1f s", loaded.name, loaded.arch.architecture,
+                loaded.arch.num_layers, _mixture(loaded.arch), time.perf_counter() - start)
     return loaded
+
+
+def _mixture(arch: ModelArch) -> str:
+    """What the load log says of a mixture of experts: its experts, and the weights a token
+    goes through of the whole."""
+    if not arch.num_experts:
+        return ""
+    parts = [f"{arch.num_experts} experts, {arch.num_experts_per_tok} active per token"]
+    if arch.shared_expert_intermediate_size:
+        parts.append("a shared expert")
+    if arch.dense_layers:
+        parts.append(f"{len(arch.dense_layers)} dense layers")
+    parts.append(f"{_count(arch.num_active_parameters)} of {_count(arch.num_parameters)} "
+                 "parameters active")
+    return ", " + ", ".join(parts)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 # -- GGUF -------------------------------------------------------------------------------------
@@ -74,7 +98,20 @@ _GGUF_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+    # a mixture of experts: the router, the shared expert and its gate
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# A mixture's stacked experts [E, N, K], named without ".weight", as transformers 5 names its
+# stacked gate_up_proj and down_proj
+GGUF_STACKED_EXPERTS = {
+    "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
+_GGUF_NAMES |= GGUF_STACKED_EXPERTS
+# Small fp32 weights a model keeps beside its quantized ones: copied out of the file map (a
+# view would keep the whole file mapped, and every page loading touched resident)
+_ROUTERS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 # Where a family's GGUF name means another of transformers' tensors: Gemma's ffn_norm is the
 # MLP's input norm (its post_attention_layernorm is the attention output's); Phi-3's ffn_up
 # holds gate and up stacked, as its checkpoint's gate_up_proj does.
@@ -98,42 +135,67 @@ def _unpermute_rope(w: Array, num_heads: int) -> Array:
 def _load_gguf(path: Path) -> LoadedModel:
     gguf_file = read_gguf(path)
     meta = gguf_file.metadata
-    tensors = {t.name: t for t in gguf_file.tensors}
-    arch = arch_from_gguf(meta, tensors, path.name)
+    arch = arch_from_gguf(meta, {t.name: t for t in gguf_file.tensors}, path.name)
+    weights = gguf_weights(gguf_file.tensors, arch)
+    tokenizer = tokenizer_from_gguf(meta)
+    # The file name, not general.name ("Smollm2 135M 8k ..."): it is what users pass and see.
+    return LoadedModel(arch, weights.weights, tokenizer, path.stem, weights.block_quant,
+                       weights.block_quant_shapes, weights.conversions)
+
+
+@dataclass(frozen=True)
+class GGUFWeights:
+    """A GGUF's tensors by transformers' names, each made on first use: in fp32 and, for the
+    kinds the native matmul reads, as blocks."""
+
+    weights: LazyWeights[torch.Tensor]
+    block_quant: LazyWeights[BlockQuantWeight]
+    # (out, in) of the 2-D block-quantized ones, known before any is made (the matmuls' weights:
+    # stacked experts run on the MoE kernel, which makes no bf16 copies)
+    block_quant_shapes: dict[str, tuple[int, int]]
+    conversions: dict[str, int]  # how many tensors each conversion makes (requant.conversion)
+
+
+def gguf_weights(tensors: Iterable[GGUFTensor], arch: ModelArch | None = None) -> GGUFWeights:
+    """The tensors renamed, and what llama.cpp's converter did to them undone for the model's
+    `arch` (its family's names, permuted Q/K rows, Gemma's 1 + w norms); arch None: the
+    renaming alone, for a layer's tensors without their model (moe.moe_from_gguf)."""
     makers, quant_makers, quant_shapes = {}, {}, {}
     conversions: Counter[str] = Counter()
-    names = {**_GGUF_NAMES, **_GGUF_FAMILY_NAMES.get(arch.architecture, {})}
-    for tensor in gguf_file.tensors:
+    family = _GGUF_FAMILY_NAMES.get(arch.architecture, {}) if arch is not None else {}
+    names = {**_GGUF_NAMES, **family}
+    for tensor in tensors:
         if tensor.name in ROPE_TENSORS:
-            continue  # folded into arch.rope_scaling above
-        name, heads = _hf_name(tensor.name, names), _permuted_heads(tensor.name, arch)
+            continue  # folded into arch.rope_scaling
+        name = _hf_name(tensor.name, names)
+        heads = _permuted_heads(tensor.name, arch) if arch is not None else None
         # the converter stored Gemma's norm weights as 1 + w (llama.cpp's graph scales by w)
-        shift = arch.norm_offset if name.endswith("norm.weight") else 0.0
-        makers[name] = lambda t=tensor, heads=heads, shift=shift: _dequantized(t, heads, shift)
+        shift = arch.norm_offset if arch is not None and name.endswith("norm.weight") else 0.0
+        makers[name] = lambda t=tensor, heads=heads, shift=shift: _dequantized(
+            t, heads, shift, copy=t.name.endswith(_ROUTERS))
         if not _has_block_quant(tensor):
             continue
         quant_makers[name] = lambda t=tensor, heads=heads: _block_quant(t, heads)
-        quant_shapes[name] = tuple(tensor.shape)
+        if len(tensor.shape) == 2:
+            quant_shapes[name] = tuple(tensor.shape)
         if tensor.kind in CONVERTED_KINDS:
             conversions[conversion(tensor.kind)] += 1
         # fp32 weights are the file's values: a converted type's blocks round some of them
         if tensor.kind in FILE_KINDS:
-            makers[name] = lambda name=name: block_quant[name].dequantize()
+            makers[name] = lambda name=name, shape=tensor.shape: (
+                block_quant[name].dequantize().view(shape))
     block_quant = LazyWeights(quant_makers)
-
-    tokenizer = tokenizer_from_gguf(meta)
-    # The file name, not general.name ("Smollm2 135M 8k ..."): it is what users pass and see.
-    return LoadedModel(arch, LazyWeights(makers), tokenizer, path.stem, block_quant,
-                       quant_shapes, dict(conversions))
+    return GGUFWeights(LazyWeights(makers), block_quant, quant_shapes, dict(conversions))
 
 
-def _dequantized(tensor: GGUFTensor, heads: int | None, shift: float = 0.0) -> torch.Tensor:
+def _dequantized(tensor: GGUFTensor, heads: int | None, shift: float = 0.0,
+                 copy: bool = False) -> torch.Tensor:
     """A GGUF tensor in fp32, Q/K rows un-permuted (heads given) to transformers' layout, less
-    `shift` (what the converter added). A vector (a norm's weight, a bias) is copied out of the
-    file map: the model keeps it, and a view would keep the whole file mapped, and every page
-    loading touched resident."""
+    `shift` (what the converter added). A vector (a norm's weight, a bias), and what `copy`
+    asks for, is copied out of the file map: the model keeps it, and a view would keep the
+    whole file mapped, and every page loading touched resident."""
     array = dequantize(tensor)
-    if array.ndim == 1:
+    if array.ndim == 1 or copy:
         array = array - shift if shift else array.copy()
     if heads is not None:
         array = _unpermute_rope(array, heads)
@@ -152,19 +214,20 @@ def _permuted_heads(name: str, arch: ModelArch) -> int | None:
 
 
 def _has_block_quant(tensor: GGUFTensor) -> bool:
-    """A 2-D tensor of a kind the native matmul reads, as it is or converted (requant.py,
-    whose compiled conversion must build: else the tensor runs dequantized, as a type the
-    native matmul never reads does)."""
-    return len(tensor.shape) == 2 and (tensor.kind in FILE_KINDS
-                                       or tensor.kind in CONVERTED_KINDS and converts_here())
+    """A matrix (2-D) or stacked experts' matrices (3-D) of a kind the native matmul reads, as
+    it is or converted (requant.py, whose compiled conversion must build: else the tensor runs
+    dequantized, as a type the native matmul never reads does)."""
+    return len(tensor.shape) in (2, 3) and (tensor.kind in FILE_KINDS or
+                                            tensor.kind in CONVERTED_KINDS and converts_here())
 
 
 def _block_quant(tensor: GGUFTensor, heads: int | None) -> BlockQuantWeight:
     """A tensor `_has_block_quant` takes as its blocks (Q4_0, Q4_1 and Q8_0: a view of the file
-    map; other kinds converted), Q/K rows un-permuted (heads given)."""
-    rows, cols = tensor.shape
+    map; other kinds converted), Q/K rows un-permuted (heads given); a 3-D one as its E * N
+    rows."""
+    rows, cols = math.prod(tensor.shape[:-1]), tensor.shape[-1]
     if tensor.kind in CONVERTED_KINDS:
-        bq = native_blocks(tensor.kind, tensor.data, (rows, cols))
+        bq = native_blocks(tensor.kind, tensor.data, tensor.shape)
     else:
         bq = BlockQuantWeight(torch.from_numpy(tensor.data.reshape(rows, cols // 32, -1)),
                               tensor.kind)
@@ -176,7 +239,8 @@ def _block_quant(tensor: GGUFTensor, heads: int | None) -> BlockQuantWeight:
 def _hf_name(gguf_name: str, names: dict[str, str] = _GGUF_NAMES) -> str:
     parts = gguf_name.split(".")
     if parts[0] == "blk":
-        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+        suffix = "" if parts[2] in GGUF_STACKED_EXPERTS else f".{parts[3]}"
+        return f"model.layers.{parts[1]}.{names[parts[2]]}{suffix}"
     return f"{names[parts[0]]}.{parts[1]}"
 
 

@@ -11,8 +11,9 @@ expert that every token takes, scaled by sigmoid(x . g).
 The families' routing differs only in `normalize`: Mixtral divides by the chosen weights' sum
 (its transformers code takes softmax over all E, top-k, then divides, which is the softmax over
 the top-k logits), Qwen3-MoE, OLMoE and Qwen2-MoE iff their config's norm_topk_prob. transformers
-picks with torch.topk, whose order among equal scores is unspecified (on a CPU it returned the
-higher ids first); here ties go to the lower expert id, in both paths below.
+picks with torch.topk, whose choice among equal scores is unspecified (on a CPU it took neither
+the lower nor the higher ids consistently); here ties go to the lower expert id, in both paths
+below.
 
 Two ways to compute the same sums:
 - **native** (csrc/block_quant_linear.cpp `moe_experts`, a GGUF's block-quantized experts on an
@@ -26,8 +27,9 @@ Two ways to compute the same sums:
   GGUF), and the tests' oracle.
 
 Build a block with `moe_from_hf` (transformers' names: the per-expert tensors save_pretrained
-writes, or the stacked ones of a transformers-5 state dict) or `moe_from_gguf` (llama.cpp's
-stacked expert tensors, experts first).
+writes, the stacked ones of a transformers-5 state dict, or a GGUF's as the loader names them,
+with their blocks: what the decoder calls for each layer with experts) or `moe_from_gguf`
+(llama.cpp's stacked expert tensors of one layer, read as the loader reads them).
 """
 
 from __future__ import annotations
@@ -36,15 +38,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from loom.model.arch import ModelArch, ModelLoadError
-from loom.model.gguf_file import GGUFTensor, dequantize
+from loom.model.gguf_file import GGUFTensor
 from loom.model.linear import INT8_MAX_ROWS, PANEL_CHANNELS, to_panels
-from loom.model.requant import CONVERTED_KINDS, FILE_KINDS, converts_here, native_blocks
-from loom.model.weights import BLOCK_LAYOUT, FOUR_BIT_KINDS, BlockQuantWeight
+from loom.model.loader import GGUF_STACKED_EXPERTS, gguf_weights
+from loom.model.weights import FOUR_BIT_KINDS, BlockQuantWeight
 
 
 @dataclass(frozen=True)
@@ -259,90 +260,79 @@ class MoeBlock:
 
 # -- from a checkpoint ---------------------------------------------------------------------------
 
-def moe_from_hf(weights: Mapping[str, torch.Tensor], prefix: str, routing: Routing
-                ) -> MoeBlock:
+_GGUF_NAMES = {hf: gguf for gguf, hf in GGUF_STACKED_EXPERTS.items()}  # for the errors
+
+
+def moe_from_hf(weights: Mapping[str, torch.Tensor], prefix: str, routing: Routing,
+                block_quant: Mapping[str, BlockQuantWeight] | None = None,
+                block_quant_ops: ModuleType | None = None) -> MoeBlock:
     """The MoE block of the decoder layer whose names start with `prefix` ("model.layers.3."),
     by transformers' names: Mixtral's `block_sparse_moe.gate` and `.experts.{e}.w1/w3/w2`
     (gate, up, down), the others' `mlp.gate` and `mlp.experts.{e}.gate_proj/up_proj/down_proj`
-    (what save_pretrained writes, transformers 5 too), or a transformers-5 state dict's stacked
-    `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up) and `mlp.experts.down_proj`;
-    Qwen2-MoE's `mlp.shared_expert.*_proj` and `mlp.shared_expert_gate` [1, H]. fp32 weights
-    run on the torch path."""
+    (what save_pretrained writes, transformers 5 too), or stacked [E, N, K]: a transformers-5
+    state dict's `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up) and
+    `mlp.experts.down_proj`, or a GGUF's as the loader names them (`mlp.experts.gate_proj` and
+    `up_proj` where the file stores them apart); Qwen2-MoE's `mlp.shared_expert.*_proj` and
+    `mlp.shared_expert_gate` [1, H]. A stacked or shared matrix found in `block_quant` (a
+    GGUF's blocks, E * N rows) is taken as its blocks, which with block_quant_ops run on the
+    native kernel; fp32 weights run on the torch path."""
     mixtral = prefix + "block_sparse_moe.gate.weight" in weights
     base = prefix + ("block_sparse_moe." if mixtral else "mlp.")
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    block_quant = block_quant or {}
 
     def get(name: str) -> torch.Tensor:
         if name not in weights:
-            raise ModelLoadError(f"the MoE layer at {prefix!r} lacks {name!r}")
+            gguf = _GGUF_NAMES.get(name.removeprefix(prefix))
+            where = f" (a GGUF's blk.{prefix.split('.')[-2]}.{gguf})" if gguf else ""
+            raise ModelLoadError(f"the MoE layer at {prefix!r} lacks {name!r}{where}")
         return weights[name]
 
-    if base + "experts.gate_up_proj" in weights:
-        gate, up = get(base + "experts.gate_up_proj").chunk(2, dim=1)
-        experts = Experts(gate, up, get(base + "experts.down_proj"))
+    def matrices(name: str, experts: int) -> Matrices:
+        """A stacked tensor [experts, N, K]: its blocks where there are, else its weights."""
+        if name not in block_quant:
+            weight = get(name)
+            return weight if weight.dim() == 3 else weight[None]
+        blocks = block_quant[name].blocks
+        return ExpertBlocks(blocks.view(experts, -1, *blocks.shape[1:]), block_quant[name].kind)
+
+    e, stacked = routing.num_experts, base + "experts."
+    if stacked + "gate_up_proj" in weights or stacked + "gate_proj" in weights:
+        gate, up = (_halves(matrices(stacked + "gate_up_proj", e))
+                    if stacked + "gate_up_proj" in weights else
+                    (matrices(stacked + n, e) for n in ("gate_proj", "up_proj")))
+        down = matrices(stacked + "down_proj", e)
     else:
-        experts = Experts(*(torch.stack([get(f"{base}experts.{e}.{n}.weight")
-                                         for e in range(routing.num_experts)])
-                            for n in names))
+        gate, up, down = (torch.stack([get(f"{stacked}{x}.{n}.weight") for x in range(e)])
+                          for n in names)
     shared = None
     if base + "shared_expert.gate_proj.weight" in weights:
-        mlp = Experts(*(get(f"{base}shared_expert.{n}.weight")[None]
+        mlp = Experts(*(matrices(f"{base}shared_expert.{n}.weight", 1)
                         for n in ("gate_proj", "up_proj", "down_proj")))
-        gate = weights.get(base + "shared_expert_gate.weight")
-        shared = SharedExpert(mlp, None if gate is None else gate.reshape(-1))
-    return MoeBlock(routing, get(base + "gate.weight"), experts, shared)
+        gate_weight = weights.get(base + "shared_expert_gate.weight")
+        shared = SharedExpert(mlp, None if gate_weight is None else gate_weight.reshape(-1))
+    return MoeBlock(routing, get(base + "gate.weight"), Experts(gate, up, down), shared,
+                    block_quant_ops)
+
+
+def _halves(both: Matrices) -> tuple[Matrices, Matrices]:
+    """[E, 2I, K] stacked gate and up rows -> gate [E, I, K], up [E, I, K]."""
+    inter = _shape(both)[1] // 2
+    if isinstance(both, ExpertBlocks):
+        return tuple(ExpertBlocks(both.blocks[:, part].contiguous(), both.kind)
+                     for part in (slice(0, inter), slice(inter, None)))
+    return both[:, :inter], both[:, inter:]
 
 
 def moe_from_gguf(tensors: Mapping[str, GGUFTensor], layer: int, routing: Routing,
                   block_quant_ops: ModuleType | None) -> MoeBlock:
-    """The MoE block of GGUF layer `layer`, from llama.cpp's stacked tensors: blk.N.ffn_gate_inp
-    (the router), ffn_gate_exps and ffn_up_exps [E, I, H] (or one ffn_gate_up_exps [E, 2I, H],
-    gate rows first), ffn_down_exps [E, H, I], and Qwen2-MoE's ffn_{gate,up,down}_shexp with
-    ffn_gate_inp_shexp. Q4_0, Q4_1 and Q8_0 experts are the file's blocks, the types
-    requant.py converts are converted (each expert's rows as a 2-D tensor's), others
+    """The MoE block of GGUF layer `layer`, from llama.cpp's stacked tensors (blk.N.ffn_gate_inp,
+    the router; ffn_gate_exps and ffn_up_exps [E, I, H], or one ffn_gate_up_exps [E, 2I, H],
+    gate rows first; ffn_down_exps [E, H, I]; Qwen2-MoE's ffn_{gate,up,down}_shexp and
+    ffn_gate_inp_shexp), read as the model loader reads them (loader.gguf_weights): Q4_0, Q4_1
+    and Q8_0 experts are the file's blocks, the types requant.py converts are converted, others
     dequantized to fp32 (the torch path)."""
     p = f"blk.{layer}."
-
-    def get(name: str) -> GGUFTensor:
-        if p + name not in tensors:
-            raise ModelLoadError(f"GGUF layer {layer} of a mixture of experts lacks {p + name!r}")
-        return tensors[p + name]
-
-    if p + "ffn_gate_up_exps.weight" in tensors:
-        both = _gguf_matrices(get("ffn_gate_up_exps.weight"))
-        inter = _shape(both)[1] // 2
-        gate, up = ((ExpertBlocks(both.blocks[:, part].contiguous(), both.kind)
-                     if isinstance(both, ExpertBlocks) else both[:, part])
-                    for part in (slice(0, inter), slice(inter, None)))
-    else:
-        gate, up = (_gguf_matrices(get(f"ffn_{n}_exps.weight")) for n in ("gate", "up"))
-    experts = Experts(gate, up, _gguf_matrices(get("ffn_down_exps.weight")))
-    shared = None
-    if p + "ffn_gate_shexp.weight" in tensors:
-        mlp = Experts(*(_gguf_matrices(get(f"ffn_{n}_shexp.weight"))
-                        for n in ("gate", "up", "down")))
-        gate_inp = tensors.get(p + "ffn_gate_inp_shexp.weight")
-        shared = SharedExpert(mlp, None if gate_inp is None else _copied(gate_inp).reshape(-1))
-    return MoeBlock(routing, _copied(get("ffn_gate_inp.weight")), experts, shared,
-                    block_quant_ops)
-
-
-def _copied(tensor: GGUFTensor) -> torch.Tensor:
-    """A small tensor in fp32, copied out of the file map: a view would keep the whole file
-    mapped, and every page loading touched resident, for as long as the model runs."""
-    return torch.from_numpy(np.array(dequantize(tensor), np.float32))
-
-
-def _gguf_matrices(tensor: GGUFTensor) -> Matrices:
-    """A GGUF expert tensor [E, N, K] (a 2-D one as E = 1) as blocks the native kernel reads
-    or, for the types it does not, fp32."""
-    shape = tensor.shape if len(tensor.shape) == 3 else (1, *tensor.shape)
-    experts, rows, cols = shape
-    if tensor.kind in FILE_KINDS:
-        size = sum(BLOCK_LAYOUT[tensor.kind])
-        return ExpertBlocks(torch.from_numpy(tensor.data.reshape(experts, rows, cols // 32, size)),
-                            tensor.kind)
-    if tensor.kind in CONVERTED_KINDS and converts_here():
-        bq = native_blocks(tensor.kind, tensor.data, shape)
-        return ExpertBlocks(bq.blocks.view(experts, rows, *bq.blocks.shape[1:]), bq.kind)
-    return torch.from_numpy(np.ascontiguousarray(dequantize(tensor))).reshape(shape)
+    weights = gguf_weights(t for name, t in tensors.items() if name.startswith(p))
+    return moe_from_hf(weights.weights, f"model.layers.{layer}.", routing, weights.block_quant,
+                       block_quant_ops)
