@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loom import host
 from loom.bench.server import LOOM_SERVE, LocalServer
-from loom.bench.trace import Trace, TraceRequest, load_trace, write_trace
+from loom.workload.trace import Trace, TraceRequest, load_trace, write_trace
 
 REPO = Path(__file__).resolve().parent.parent
 MIXED = REPO / "benchmarks/traces/mixed-40.jsonl"
@@ -110,7 +110,7 @@ def run(name: str, flags: str, trace: Path, concurrency: int, out_dir: Path) -> 
         hits0 = scrape(server.url, "loom:prefix_cache_hits_total")
         queries0 = scrape(server.url, "loom:prefix_cache_queries_total")
         result_path = out_dir / f"{tag}.json"
-        cmd = [sys.executable, "-m", "loom.entrypoints.cli", "bench", "run",
+        cmd = [sys.executable, "-m", "loom.cli", "bench", "run",
                "--base-url", server.url, "--trace", str(trace), "--rate", "inf",
                "--max-concurrency", str(concurrency), "--out", str(result_path),
                "--label", f"{name} x{concurrency}"]

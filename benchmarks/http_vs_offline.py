@@ -33,9 +33,10 @@ import httpx
 from workload import WorkItem, bundled_tokenizer, mixed_workload
 
 from loom import LLM, SamplingParams, host
-from loom.bench.client import OK, RequestResult, send
+from loom.bench.client import send
 from loom.bench.server import LOOM_SERVE, LocalServer
-from loom.bench.trace import TraceRequest
+from loom.workload.requests import OK, RequestResult
+from loom.workload.trace import TraceRequest
 
 
 @dataclass

@@ -53,9 +53,9 @@ import torch
 import torch.nn.functional as F
 
 from loom import LLM, SamplingParams, host
-from loom.bench.trace import load_trace
 from loom.model import attention
 from loom.model.kernels import paged_attention_ops
+from loom.workload.trace import load_trace
 
 sys.path.insert(0, "benchmarks")
 from decode_kernel import alternating, kernel_at  # noqa: E402

@@ -14,7 +14,7 @@ from bench_helpers import write_trace_file
 
 import loom
 from loom.bench.server import free_port
-from loom.entrypoints.cli import COMMANDS, build_parser, main, parse_args
+from loom.cli.main import COMMANDS, build_parser, main, parse_args
 
 pytestmark = pytest.mark.unit
 
@@ -27,7 +27,7 @@ def _run_python(code: str) -> subprocess.CompletedProcess:
 def test_loom_help_imports_no_torch() -> None:
     result = _run_python(
         "import sys\n"
-        "from loom.entrypoints.cli import main\n"
+        "from loom.cli.main import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
         "assert 'torch' not in sys.modules, 'loom --help imported torch'\n")
     assert result.returncode == 0, result.stderr
@@ -42,9 +42,9 @@ def test_loom_bench_imports_no_torch() -> None:
         "import loom.bench\n"
         "for m in pkgutil.iter_modules(loom.bench.__path__):\n"
         "    importlib.import_module('loom.bench.' + m.name)\n"
-        "from loom.bench.tokens import load_tokenizer\n"
+        "from loom.workload.tokens import load_tokenizer\n"
         "load_tokenizer(None)\n"
-        "from loom.entrypoints.cli import build_parser\n"
+        "from loom.cli.main import build_parser\n"
         "build_parser(['bench']); build_parser(['diagnose'])\n"
         "assert 'torch' not in sys.modules, 'loom.bench imported torch'\n")
     assert result.returncode == 0, result.stderr

@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
+from loom.admission import AdmissionConfig
 from loom.cluster.config import ClusterConfig
 from loom.config import EngineConfig, add_cli_args, flag_help, from_cli_args
 
@@ -28,7 +29,7 @@ API_KEY_ENV = "LOOM_API_KEY"
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(AdmissionConfig):
     CLI_GROUP = "Server"
 
     host: str = field(default="127.0.0.1", metadata=flag_help(
@@ -51,12 +52,6 @@ class ServerConfig:
     allowed_origins: str | None = field(default=None, metadata=flag_help(
         "comma-separated origins whose web pages may call the API (CORS), or '*'; "
         "none = no cross-origin access"))
-    max_num_queued_reqs: int | None = field(default=None, metadata=flag_help(
-        "answer 503 (with Retry-After) to a request that would make more than this many "
-        "engine requests (prompts x n) wait for a sequence slot; none = no limit", "Admission"))
-    queue_timeout: float | None = field(default=None, metadata=flag_help(
-        "answer 503 for a request not scheduled within this many seconds; none = wait",
-        "Admission"))
     max_request_body_bytes: int = field(default=4 * 2**20, metadata=flag_help(
         "largest request body accepted (413 beyond)", "Admission"))
     read_timeout: float = field(default=10.0, metadata=flag_help(
@@ -75,19 +70,17 @@ class ServerConfig:
         "own (slower to start and to serve; one process to debug)"))
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 <= self.port <= 65535:  # else bind() raises OverflowError, not an OSError
             raise ValueError(f"port must be in 0-65535, got {self.port}")
         positive = {"stream_interval": self.stream_interval,
-                    "max_num_queued_reqs": self.max_num_queued_reqs,
                     "max_request_body_bytes": self.max_request_body_bytes,
                     "max_connections": self.max_connections}
         for name, value in positive.items():
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        timeouts = {"queue_timeout": self.queue_timeout, "read_timeout": self.read_timeout}
-        for name, value in timeouts.items():
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
+        if not self.read_timeout > 0:
+            raise ValueError(f"read_timeout must be > 0, got {self.read_timeout}")
         if self.max_stored_responses < 0:
             raise ValueError(f"max_stored_responses must be >= 0, got "
                              f"{self.max_stored_responses}")
@@ -115,10 +108,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return config
 
 
-def run_server(args: argparse.Namespace) -> int:
-    config = server_config(args)
-    cluster_config = from_cli_args(ClusterConfig, args)
-    engine_config = EngineConfig.from_cli_args(args)
+def run_server(config: ServerConfig, cluster_config: ClusterConfig,
+               engine_config: EngineConfig) -> int:
     sock = bind(config.host, config.port)  # before the model: fail in a second
     if cluster_config.data_parallel_size > 1:
         from loom.entrypoints.openai.server import serve_cluster
@@ -129,17 +120,17 @@ def run_server(args: argparse.Namespace) -> int:
         from loom.entrypoints.openai.server import serve
 
         return serve(config, sock, AsyncEngine.from_config(
-            engine_config, config.max_num_queued_reqs, config.queue_timeout))
+            engine_config, config.max_num_queued_reqs, config.queue_timeout_s))
     return _serve_engine_process(config, sock, engine_config)
 
 
 def _serve_engine_process(config: ServerConfig, sock: socket.socket,
                           engine_config: EngineConfig) -> int:
     from loom.engine.process import EngineProcess, EngineProcessConfig, EngineStartError
-    from loom.entrypoints.cli import LOG_FORMAT
+    from loom.log import LOG_FORMAT
 
     engine = EngineProcess(EngineProcessConfig(
-        engine_config, config.max_num_queued_reqs, config.queue_timeout,
+        engine_config, config.max_num_queued_reqs, config.queue_timeout_s,
         log_level=logging.getLogger().getEffectiveLevel(), log_format=LOG_FORMAT))
     from loom.entrypoints.openai.server import serve  # the HTTP stack, while the model loads
 

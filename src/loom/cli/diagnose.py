@@ -1,0 +1,58 @@
+"""`loom diagnose RESULT`: findings, the numbers behind them and one setting to try."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field
+
+from loom.cli.flags import add_flags, cli_flag
+from loom.cli.main import help_of
+from loom.config import flag_help, from_cli_args
+
+
+@dataclass(frozen=True)
+class DiagnoseFlags:
+    CLI_GROUP = "Diagnose"
+
+    result: str = field(default="", metadata=cli_flag(
+        "run or sweep JSON, or a compare directory", positional=True))
+    json: bool = field(default=False, metadata=flag_help("print the findings as JSON"))
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from loom.cli.bench import Report
+
+    p = sub.add_parser("diagnose", help=help_of("diagnose"),
+                       description="Explain a disappointing loom bench result: findings, the "
+                                   "numbers behind them and one setting to try; when no rule "
+                                   "fires, what bounds each run.")
+    add_flags(p, DiagnoseFlags)
+    add_flags(p, Report, only=("slo",))
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from loom.bench.diagnose import diagnose, what_bounds
+    from loom.cli.bench import Report, read_result
+
+    flags, report = from_cli_args(DiagnoseFlags, args), from_cli_args(Report, args)
+    result = read_result(flags.result)
+    findings = diagnose(result, report.slo)
+    if flags.json:  # what bounds each run is part of the answer, findings or not
+        print(json.dumps({"findings": [asdict(f) for f in findings],
+                          "what_bounds": what_bounds(result)}, indent=1))
+        return 0
+    console = Console()
+    for f in findings:
+        console.print(f"[bold]{f.title}[/bold] ({f.run})\n  {f.message}\n"
+                      f"  [bold]Try:[/bold] {f.setting}\n", highlight=False)
+    if not findings:
+        console.print("No rule fired: no sign of a scheduling, admission, memory or "
+                      "client-side constraint in these figures. What bounds each run:\n",
+                      highlight=False)
+        for line in what_bounds(result):
+            console.print(f"  {line}", highlight=False)
+    return 0
