@@ -21,9 +21,8 @@ from typing import Any
 
 from loom.bench.replay import Target
 from loom.bench.sweep import AutoSearch
-from loom.cli.flags import add_flags, check_folder_writable, check_writable, cli_flag
+from loom.cli.flags import Report, add_flags, check_folder_writable, check_writable, cli_flag
 from loom.cli.flags import concurrencies as concurrency_list
-from loom.cli.flags import price as price_value
 from loom.cli.flags import rates as rate_list
 from loom.cli.main import help_of
 from loom.config import flag_help, from_cli_args
@@ -37,23 +36,6 @@ SHORT = {"num_requests": "-n"}
 LOAD = ("burstiness", "max_concurrency", "duration_s", "burst", "ramp_up", "num_requests",
         "seed")
 TARGET = ("scrape_interval_s", "request_timeout_s", "endpoint")
-
-
-@dataclass(frozen=True)
-class Report:
-    """How results are judged and shown."""
-
-    CLI_GROUP = "Report"
-
-    slo: Slo | None = field(default=None, metadata=flag_help(
-        "latency objective in seconds, e.g. ttft_p95=1.0,e2e_p95=10: goodput counts "
-        "requests within every limit; default: none (no goodput)", parse=Slo.parse))
-    gpu_cost_per_hour: float | None = field(default=None, metadata=flag_help(
-        "price of the machine per hour: adds cost per accepted answer; default: no cost "
-        "column", parse=price_value))
-    wide: bool = field(default=False, metadata=flag_help(
-        "print every scorecard column (default: the key ones, which fit an 80-column "
-        "terminal)"))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import argparse
 import json
 from dataclasses import asdict, dataclass, field
 
-from loom.cli.flags import add_flags, cli_flag
+from loom.cli.flags import Report, add_flags, cli_flag
 from loom.cli.main import help_of
 from loom.config import flag_help, from_cli_args
 
@@ -21,7 +21,6 @@ class DiagnoseFlags:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from loom.cli.bench import Report
 
     p = sub.add_parser("diagnose", help=help_of("diagnose"),
                        description="Explain a disappointing loom bench result: findings, the "
@@ -36,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from loom.bench.diagnose import diagnose, what_bounds
-    from loom.cli.bench import Report, read_result
+    from loom.cli.bench import read_result
 
     flags, report = from_cli_args(DiagnoseFlags, args), from_cli_args(Report, args)
     result = read_result(flags.result)

@@ -16,11 +16,13 @@ import math
 import tempfile
 import typing
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loom.config import add_cli_args, flag_help
 from loom.workload.load import parse_rate
+from loom.workload.slo import Slo
 
 
 def cli_flag(text: str, *, short: str | None = None, positional: bool = False,
@@ -111,6 +113,23 @@ def price(text: str) -> float:
     if not 0 <= value < math.inf:
         raise ValueError(f"expected a price >= 0, got {text!r}")
     return value
+
+
+@dataclass(frozen=True)
+class Report:
+    """How results are judged and shown."""
+
+    CLI_GROUP = "Report"
+
+    slo: Slo | None = field(default=None, metadata=flag_help(
+        "latency objective in seconds, e.g. ttft_p95=1.0,e2e_p95=10: goodput counts "
+        "requests within every limit; default: none (no goodput)", parse=Slo.parse))
+    gpu_cost_per_hour: float | None = field(default=None, metadata=flag_help(
+        "price of the machine per hour: adds cost per accepted answer; default: no cost "
+        "column", parse=price))
+    wide: bool = field(default=False, metadata=flag_help(
+        "print every scorecard column (default: the key ones, which fit an 80-column "
+        "terminal)"))
 
 
 # -- outputs, checked before the work --------------------------------------------------------

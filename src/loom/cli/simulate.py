@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from loom.admission import AdmissionConfig
-from loom.cli.bench import Report
-from loom.cli.flags import add_flags, check_folder_writable, check_writable, option
+from loom.cli.flags import Report, add_flags, check_folder_writable, check_writable, option
 from loom.cli.main import help_of
 from loom.cli.plan import model_help
 from loom.config import EngineConfig, flag_help, from_cli_args

@@ -36,7 +36,6 @@ from loom.engine.async_engine import EngineRequest
 from loom.entrypoints.openai import http_server
 from loom.entrypoints.openai.errors import APIError, install_error_handlers
 from loom.entrypoints.openai.guards import ApiKeyGuard, BodyGuard, HostGuard, is_loopback
-from loom.entrypoints.openai.launch import ServerConfig
 from loom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,6 +48,7 @@ from loom.entrypoints.openai.protocol_responses import (
     ResponsesRequest,
 )
 from loom.entrypoints.openai.response_store import ResponseStore
+from loom.entrypoints.openai.server_config import ServerConfig
 from loom.entrypoints.openai.serving_chat import ChatServing
 from loom.entrypoints.openai.serving_completion import CompletionServing
 from loom.entrypoints.openai.serving_responses import ResponsesServing
