@@ -61,7 +61,7 @@ def answer(groups: Sequence[Group], main: str | None = None, slo: Slo | None = N
 
 def _steady(runs: list[RunResult]) -> list[RunResult]:
     """The runs at the normal rate (no burst), else all."""
-    return [r for r in runs if not r.burst] or runs
+    return [r for r in runs if not r.load.burst] or runs
 
 
 def latency(runs: list[RunResult], slo: Slo | None) -> Answer:
@@ -126,7 +126,7 @@ def _s(ms: float | None) -> str:
 def memory(runs: list[RunResult]) -> Answer:
     question = "Preemptions and KV cache pressure at the intended context length?"
     preemptions = [p for r in runs if (p := r.metrics.preemptions) is not None]
-    peaks = [p for r in runs if (p := r.metrics.kv_cache_usage_peak) is not None]
+    peaks = [p for r in runs if (p := r.metrics.kv_cache_usage.peak) is not None]
     oom = sum(bool(re.search(r"out of memory|\bOOM\b", e, re.I))
               for r in runs for e in r.errors)
     if not preemptions and not peaks:

@@ -62,7 +62,7 @@ def throughput_up_p95_worse(grouped: list[Group], slo: Slo | None) -> list[Findi
             blowup = high.ttft.p95 / low.ttft.p95
             if 0 < gain < SATURATED_GAIN and blowup >= P95_BLOWUP \
                     and high.ttft.p95 / 1000 > limit:
-                running = low_run.metrics.num_requests_running_peak
+                running = low_run.metrics.num_requests_running.peak
                 cap = f" (running peaked at {running:g} there)" if running is not None else ""
                 findings.append(Finding(
                     "throughput_up_p95_worse", "Throughput up, but p95 worse", name,
@@ -139,7 +139,7 @@ def bound(run: RunResult | Mapping[str, Any]) -> str:
     e2e_ms, ttft_ms = run.figures.e2el.mean, run.figures.ttft.mean
     if not e2e_ms or ttft_ms is None:
         return f"{shown_label(run)}: no request completed, so no time to apportion"
-    queue_ms = run.metrics.queue_time.mean_ms if run.metrics.queue_time else None
+    queue_ms = run.metrics.queue_time.mean if run.metrics.queue_time else None
     parts = {"queue": queue_ms or 0.0, "prefill": max(ttft_ms - (queue_ms or 0.0), 0.0),
              "decode": max(e2e_ms - ttft_ms, 0.0)}
     largest = max(parts, key=lambda k: parts[k])

@@ -78,7 +78,7 @@ def burst_outcomes(run: RunResult | Mapping[str, Any],
                    slo: Slo | None = None) -> BurstOutcome | None:
     """The outcomes of a run's burst (see the module doc); None for a run without one."""
     run = as_run(run)
-    burst = run.burst
+    burst = run.load.burst
     if not burst:
         return None
     phases = {p: [r for r in run.requests if phase_of(r, burst) == p] for p in PHASES}

@@ -68,9 +68,10 @@ def aggregate(runs: Sequence[RunResult | Mapping[str, Any]],
             medians[key] = float(np.median(values))
             ci[key] = list(bootstrap_ci(values))
     preemptions = [p for run in runs if (p := run.metrics.preemptions) is not None]
-    peaks = [p for run in runs if (p := run.metrics.kv_cache_usage_peak) is not None]
+    peaks = [p for run in runs if (p := run.metrics.kv_cache_usage.peak) is not None]
+    kv = replace(runs[0].metrics.kv_cache_usage, peak=max(peaks) if peaks else None)
     metrics = replace(runs[0].metrics, preemptions=sum(preemptions) if preemptions else None,
-                      kv_cache_usage_peak=max(peaks) if peaks else None)
+                      kv_cache_usage=kv)
     client = next((run.client for run in runs if run.client.limited), runs[0].client)
     return replace(runs[0], figures=request_figures(requests, total, slo).replaced(medians),
                    per_class=per_class(requests, total, slo), requests=requests,
@@ -80,7 +81,7 @@ def aggregate(runs: Sequence[RunResult | Mapping[str, Any]],
 
 def _figures(run: RunResult) -> dict[str, Any]:
     """What the scorecard and checklist read of one repeat."""
-    return {"date": run.date, "duration": run.duration, "completed": run.figures.completed,
+    return {"date": run.origin.date, "duration": run.duration, "completed": run.figures.completed,
             "num_prompts": run.figures.num_prompts, "preemptions": run.metrics.preemptions,
             **{key: run.figures.get(key) for key in FIGURES},
             "client_limited": run.client.limited}

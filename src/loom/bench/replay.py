@@ -27,9 +27,11 @@ from loom.workload.arrivals import schedule
 from loom.workload.load import Load
 from loom.workload.monitoring import Sample, ServerMemory, client_figures
 from loom.workload.requests import RequestResult
-from loom.workload.results import RunResult, utc_now
+from loom.workload.results import Origin, RunResult, utc_now
 from loom.workload.slo import Slo
 from loom.workload.trace import Trace, TraceRequest
+
+Endpoint = Literal["completions", "chat", "responses"]  # the keys of client.ENDPOINTS
 
 
 @dataclass(frozen=True)
@@ -49,13 +51,12 @@ class Target:
         "seconds between /metrics samples for the timeline", flag="--scrape-interval"))
     request_timeout_s: float = field(default=600.0, metadata=flag_help(
         "seconds before a request counts as failed", flag="--request-timeout"))
-    endpoint: Literal["completions", "chat", "responses"] = field(
-        default="completions", metadata=flag_help(
-            "the API to replay on: completions (/v1/completions), chat (/v1/chat/completions, "
-            "for servers that offer only chat: each prompt is one user message, so the "
-            "server's chat template adds its tokens to every prompt) or responses "
-            "(/v1/responses, OpenAI's Responses API that agent frameworks call: each prompt "
-            "is the input, through the chat template as well)"))
+    endpoint: Endpoint = field(default="completions", metadata=flag_help(
+        "the API to replay on: completions (/v1/completions), chat (/v1/chat/completions, for "
+        "servers that offer only chat: each prompt is one user message, so the server's chat "
+        "template adds its tokens to every prompt) or responses (/v1/responses, OpenAI's "
+        "Responses API that agent frameworks call: each prompt is the input, through the chat "
+        "template as well)"))
 
     def __post_init__(self) -> None:
         """Refuse timeouts that could never be met."""
@@ -343,10 +344,11 @@ def build_result(sent: list[RequestResult], duration: float, monitor: _Monitor,
                  model: str, trace: Trace, load: Load, target: Target, slo: Slo | None,
                  label: str | None, date: str) -> RunResult:
     peak = monitor.memory_peak
+    origin = Origin(date, server=server, backend=f"openai-{target.endpoint}",
+                    endpoint=ENDPOINTS[target.endpoint], base_url=target.base_url,
+                    hardware=hardware(), model_id=model)
     return RunResult.of(
-        sent, duration, load, trace, slo, label, monitor.timeline, date=date,
-        backend=f"openai-{target.endpoint}", endpoint=ENDPOINTS[target.endpoint],
-        base_url=target.base_url, model_id=model, server=server, hardware=hardware(),
+        sent, duration, load, trace, slo, label, monitor.timeline, origin,
         metrics=server_figures(before, after, monitor.timeline),
         server_memory=None if peak is None else ServerMemory(
             target.server_pid, peak["rss_bytes"], peak["hwm_bytes"], peak["gpu_bytes"]),

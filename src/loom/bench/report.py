@@ -130,8 +130,8 @@ def _plots(named: Named, out_dir: Path) -> list[tuple[str, Path]]:
 
 def _context(runs: list[RunResult], chosen: str, slo: Slo | None) -> list[str]:
     first = runs[0]
-    hw = first.hardware
-    dates = sorted(d for r in runs for d in [r.date]
+    hw = first.origin.hardware
+    dates = sorted(d for r in runs for d in [r.origin.date]
                    + [f.get("date") for f in r.repeat_figures] if d)
     trace = first.trace
     return [f"Decided on: {chosen}",

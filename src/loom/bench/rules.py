@@ -53,7 +53,7 @@ class Finding:
 def server_setting(run: RunResult, flags: str, name: str) -> Any:
     """A server setting (e.g. max_num_seqs) from the flags it was started with, its command
     line, or what its /version reports; None when unknown."""
-    server = run.server
+    server = run.origin.server
     text = " ".join([flags, *server.get("cmdline", [])])
     flag = "--" + name.replace("_", "-")
     if re.search(rf"--no-{flag[2:]}\b", text):
@@ -98,7 +98,7 @@ def _p95(values: list[float]) -> float:
 
 def waiting_with_memory_free(run: RunResult, flags: str, slo: Slo | None) -> list[Finding]:
     m = run.metrics
-    waiting, kv = m.num_requests_waiting_mean, m.kv_cache_usage_peak
+    waiting, kv = m.num_requests_waiting.mean, m.kv_cache_usage.peak
     rejected, sent = run.figures.rejected, run.figures.num_prompts
     findings = []
     memory_free = _memory_free(run)
@@ -110,11 +110,11 @@ def waiting_with_memory_free(run: RunResult, flags: str, slo: Slo | None) -> lis
             "--max-num-queued-reqs (raise it)",
             {"rejected": rejected, "num_prompts": sent, "kv_cache_usage_peak": kv}))
     elif _waits_with_memory_free(run):
-        running_peak = m.num_requests_running_peak
+        running_peak = m.num_requests_running.peak
         running = [e["running"] for e in run.timeline if e.get("running") is not None]
         max_seqs = server_setting(run, flags, "max_num_seqs")
         numbers = (f"waiting averaged {waiting:.1f} requests (peak "
-                   f"{m.num_requests_waiting_peak:g}) while KV cache usage peaked at "
+                   f"{m.num_requests_waiting.peak:g}) while KV cache usage peaked at "
                    f"{kv:.0%} and running peaked at {running_peak:g}")
         capped = isinstance(max_seqs, int) and running_peak >= max_seqs
         plateau = len(running) >= 3 and sorted(running)[len(running) // 2] == running_peak
@@ -149,13 +149,13 @@ def waiting_with_memory_free(run: RunResult, flags: str, slo: Slo | None) -> lis
 
 
 def _memory_free(run: RunResult) -> bool:
-    kv = run.metrics.kv_cache_usage_peak
+    kv = run.metrics.kv_cache_usage.peak
     return kv is not None and kv < KV_FREE
 
 
 def _waits_with_memory_free(run: RunResult) -> bool:
     """Requests queued on average while the KV cache never filled: a scheduling limit."""
-    waiting = run.metrics.num_requests_waiting_mean
+    waiting = run.metrics.num_requests_waiting.mean
     return _memory_free(run) and waiting is not None and waiting >= WAITING_MEAN
 
 
@@ -199,7 +199,7 @@ def preemptions_or_oom(run: RunResult, flags: str, slo: Slo | None) -> list[Find
     sent = max(run.figures.num_prompts, 1)
     if preemptions < max(1, PREEMPTION_SHARE * sent) and not oom:
         return []
-    kv = run.metrics.kv_cache_usage_peak
+    kv = run.metrics.kv_cache_usage.peak
     kv_text = f", KV cache usage peaked at {kv:.0%}" if kv is not None else ""
     max_seqs = server_setting(run, flags, "max_num_seqs")
     seqs = f" (now {max_seqs})" if isinstance(max_seqs, int) else ""
@@ -220,10 +220,10 @@ def preemptions_or_oom(run: RunResult, flags: str, slo: Slo | None) -> list[Find
 def kv_cache_full(run: RunResult, flags: str, slo: Slo | None) -> list[Finding]:
     """Requests waited while the KV cache was full: memory bounds the batch (a what-if of a
     GPU too small for the load shows this, often without a single preemption)."""
-    kv, waiting = run.metrics.kv_cache_usage_peak, run.metrics.num_requests_waiting_peak
+    kv, waiting = run.metrics.kv_cache_usage.peak, run.metrics.num_requests_waiting.peak
     if kv is None or kv < KV_FULL or not waiting or waiting < 1:
         return []
-    running = run.metrics.num_requests_running_peak
+    running = run.metrics.num_requests_running.peak
     max_seqs = server_setting(run, flags, "max_num_seqs")
     capped = _at_cap(running, max_seqs)
     message = (f"KV cache usage peaked at {kv:.1%} while up to {waiting:g} requests waited "
@@ -248,8 +248,8 @@ def batch_at_cap(run: RunResult, flags: str, slo: Slo | None) -> list[Finding]:
     """Requests waited while the batch was at max_num_seqs and memory was not full. Left to
     `waiting_with_memory_free` when memory was clearly free and the queue long (it says the
     same), and to `kv_cache_full` when the cache was full."""
-    kv, waiting = run.metrics.kv_cache_usage_peak, run.metrics.num_requests_waiting_peak
-    running = run.metrics.num_requests_running_peak
+    kv, waiting = run.metrics.kv_cache_usage.peak, run.metrics.num_requests_waiting.peak
+    running = run.metrics.num_requests_running.peak
     max_seqs = server_setting(run, flags, "max_num_seqs")
     if not _at_cap(running, max_seqs) or not waiting or waiting < 1 \
             or (kv is not None and kv >= KV_FULL) or _waits_with_memory_free(run):
@@ -326,7 +326,7 @@ def upstream_bottleneck(run: RunResult, flags: str, slo: Slo | None) -> list[Fin
     evidence: dict[str, Any] = {}
     reasons = []
     in_flight = run.client.in_flight_mean
-    running, waiting = run.metrics.num_requests_running_mean, run.metrics.num_requests_waiting_mean
+    running, waiting = run.metrics.num_requests_running.mean, run.metrics.num_requests_waiting.mean
     if in_flight is not None and running is not None and waiting is not None:
         gap = in_flight - running - waiting
         if gap >= max(IN_FLIGHT_GAP, 0.5 * in_flight):
@@ -334,7 +334,7 @@ def upstream_bottleneck(run: RunResult, flags: str, slo: Slo | None) -> list[Fin
                            f"the engine saw {running:.1f} running + {waiting:.1f} waiting")
             evidence.update(client_in_flight_mean=in_flight, running_mean=running,
                             waiting_mean=waiting)
-    server_ttft = run.metrics.server_ttft.p50_ms if run.metrics.server_ttft else None
+    server_ttft = run.metrics.server_ttft.percentiles.get(50) if run.metrics.server_ttft else None
     client_ttft = run.figures.ttft.median
     if server_ttft is not None and client_ttft is not None:
         outside = (client_ttft - server_ttft) / 1000
@@ -344,7 +344,7 @@ def upstream_bottleneck(run: RunResult, flags: str, slo: Slo | None) -> list[Fin
             evidence.update(client_p50_ttft_ms=client_ttft, server_p50_ttft_ms=server_ttft)
     if not reasons:
         return []
-    kv = run.metrics.kv_cache_usage_peak
+    kv = run.metrics.kv_cache_usage.peak
     message = "; ".join(reasons) + (f"; KV cache usage peaked at {kv:.0%}" if kv is not None
                                     else "") + (
         ". Work is stuck before the scheduler: check the server's CPU (HTTP, tokenization, "

@@ -72,7 +72,7 @@ def rows(runs: Runs, slo: Slo | None = None,
     out = []
     flag_clients = any(run.client.limited for run in runs)
     for run in runs:
-        queue = run.metrics.queue_time.p95_ms if run.metrics.queue_time else None
+        queue = run.metrics.queue_time.p95 if run.metrics.queue_time else None
         row = {
             "Run": shown_label(run), "Offered req/s": offered(run),
             "Completed req/s": _ci(run, "request_throughput", "{:.2f}".format),
@@ -86,8 +86,8 @@ def rows(runs: Runs, slo: Slo | None = None,
             "Error rate": _ci(run, "error_rate", "{:.1%}".format),
             "Preemptions": "-" if run.metrics.preemptions is None
             else str(run.metrics.preemptions),
-            "KV peak": "-" if run.metrics.kv_cache_usage_peak is None
-            else f"{run.metrics.kv_cache_usage_peak:.0%}",
+            "KV peak": "-" if run.metrics.kv_cache_usage.peak is None
+            else f"{run.metrics.kv_cache_usage.peak:.0%}",
         }
         if flag_clients:
             row["Client"] = "LIMITED" if run.client.limited else "ok"

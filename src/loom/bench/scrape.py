@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from loom.workload.figures import PERCENTILES
-from loom.workload.monitoring import LatencySummary, Sample, ServerFigures, gauge_figures
+from loom.workload.figures import PERCENTILES, Latency
+from loom.workload.monitoring import Sample, ServerFigures
 
 # canonical -> sample names, first match wins; (how label sets combine: sum or max)
 GAUGES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -74,11 +74,16 @@ class Histogram:
             lower_bound, lower_count = le, count
         return lower_bound
 
-    def summary(self) -> LatencySummary:
-        """count, mean and percentiles in ms, as results hold a server's latencies."""
-        ms = [self.quantile(p / 100) for p in PERCENTILES]
-        return LatencySummary(int(self.count), 1000 * self.sum / self.count if self.count
-                              else None, *(None if v is None else 1000 * v for v in ms))
+    def summary(self) -> dict[str, float | None]:
+        """count, mean and percentiles in ms, as result files hold a server's latencies."""
+        return self.latency().summary()
+
+    def latency(self) -> Latency:
+        """The histogram's estimate of the latency it counts."""
+        ms = {p: self.quantile(p / 100) for p in PERCENTILES}
+        return Latency(1000 * self.sum / self.count if self.count else None,
+                       {p: None if v is None else 1000 * v for p, v in ms.items()},
+                       count=int(self.count))
 
 
 @dataclass
@@ -147,7 +152,7 @@ def server_figures(before: Snapshot | None, after: Snapshot | None,
     if after is None:
         return ServerFigures()
     summaries = {key: after.histograms[canon].minus(
-        before.histograms.get(canon) if before else None).summary()
+        before.histograms.get(canon) if before else None).latency()
         for canon, key in (("queue_time", "queue_time"), ("ttft", "server_ttft"))
         if canon in after.histograms}
 
@@ -158,9 +163,8 @@ def server_figures(before: Snapshot | None, after: Snapshot | None,
 
     preemptions, rejected = delta("preemptions"), delta("rejected")
     queries, hits = delta("prefix_cache_queries"), delta("prefix_cache_hits")
-    return ServerFigures(
-        metrics_source=after.source, **summaries,
+    return ServerFigures.of(
+        timeline, metrics_source=after.source, **summaries,
         preemptions=None if preemptions is None else int(preemptions),
         server_rejected=None if rejected is None else int(rejected),
-        prefix_cache_hit_rate=hits / queries if queries and hits is not None else None,
-        **gauge_figures(timeline))
+        prefix_cache_hit_rate=hits / queries if queries and hits is not None else None)

@@ -15,17 +15,25 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loom.bench.replay import Target
 from loom.bench.sweep import AutoSearch
-from loom.cli.flags import Report, add_flags, check_folder_writable, check_writable, cli_flag
+from loom.cli.flags import (
+    Report,
+    Tokenizer,
+    add_command,
+    check_folder_writable,
+    check_writable,
+    opt,
+    required,
+)
 from loom.cli.flags import concurrencies as concurrency_list
 from loom.cli.flags import rates as rate_list
 from loom.cli.main import help_of
-from loom.config import flag_help, from_cli_args
+from loom.config import from_cli_args
 from loom.workload.load import Load
 from loom.workload.results import Limits, Result, RunResult, load_result, run_label, save_json
 from loom.workload.slo import Slo
@@ -44,21 +52,18 @@ class Replay:
 
     CLI_GROUP = "Replay"
 
-    trace: str = field(metadata=flag_help("JSONL trace (see loom bench trace)"))
-    tokenizer: str | None = field(default=None, metadata=flag_help(
-        "GGUF, tokenizer.json or HF folder of the served model, to count and synthesise "
-        "prompt tokens (default: loom's bundled model)"))
-    repeats: int = field(default=1, metadata=flag_help(
+    trace: str = required("JSONL trace (see loom bench trace)")
+    repeats: int = opt(1,
         "run each point K times; scorecard cells show medians with a bootstrap 95%% "
-        "interval, and differences inside the noise are marked"))
-    reset_prefix_cache: bool = field(default=False, metadata=flag_help(
+        "interval, and differences inside the noise are marked")
+    reset_prefix_cache: bool = opt(False,
         "with --repeats against a running server: POST /reset_prefix_cache (vLLM's) before "
-        "each repeat, so no repeat reuses another's cache"))
-    label: str | None = field(default=None, metadata=flag_help(
+        "each repeat, so no repeat reuses another's cache")
+    label: str | None = opt(None,
         "name of the run (a sweep: of the configuration swept) in tables and plots; "
-        "default: its offered load (a sweep: sweep)"))
-    out: str | None = field(default=None, metadata=flag_help(
-        "write the result (run or sweep) JSON here; default: only print the scorecard"))
+        "default: its offered load (a sweep: sweep)")
+    out: str | None = opt(None,
+        "write the result (run or sweep) JSON here; default: only print the scorecard")
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -71,31 +76,28 @@ class Points:
 
     CLI_GROUP = "Sweep points"
 
-    rates: tuple[float, ...] | None = field(default=None, metadata=flag_help(
+    rates: tuple[float, ...] | None = opt(None,
         "offered req/s to try, e.g. 0.5,1,2,4,8 (stops after the first beyond the limits); "
-        "default: none (this, --auto or --overlap is required)", parse=rate_list))
-    auto: bool = field(default=False, metadata=flag_help(
-        "find the knee: double the rate until a limit is crossed, bisect"))
-    overlap: tuple[int, ...] | None = field(default=None, metadata=flag_help(
-        "closed loop at these concurrencies, e.g. 1,2,4,8; default: none", parse=concurrency_list))
+        "default: none (this, --auto or --overlap is required)", parse=rate_list)
+    auto: bool = opt(False, "find the knee: double the rate until a limit is crossed, bisect")
+    overlap: tuple[int, ...] | None = opt(None,
+        "closed loop at these concurrencies, e.g. 1,2,4,8; default: none", parse=concurrency_list)
 
 
 @dataclass(frozen=True)
 class Compare:
     CLI_GROUP = "Comparison"
 
-    output_dir: str = field(metadata=flag_help("where results, scorecard, plots go"))
-    config: list[str] = field(default_factory=list, metadata=flag_help(
+    output_dir: str = required("where results, scorecard, plots go")
+    config: list[str] = opt(list,
         "a configuration NAME='FLAGS' (repeatable); NAME='simulate:FLAGS' runs `loom "
         "simulate FLAGS` (e.g. --profile P.json) on the same trace and loads instead of a "
-        "server; default: continuous='' and static='--scheduler static'"))
-    server_flags: str = field(default="", metadata=flag_help(
-        "flags every configuration shares, e.g. '--kv-cache-memory 1GiB'"))
-    server_cmd: str | None = field(default=None, metadata=flag_help(
+        "server; default: continuous='' and static='--scheduler static'")
+    server_flags: str = opt("", "flags every configuration shares, e.g. '--kv-cache-memory 1GiB'")
+    server_cmd: str | None = opt(None,
         "server command line with {port} (default: loom serve); any OpenAI-compatible "
-        "server with /health works"))
-    health_timeout: float = field(default=600.0, metadata=flag_help(
-        "seconds to wait for a server's /health"))
+        "server with /health works")
+    health_timeout: float = opt(600.0, "seconds to wait for a server's /health")
 
 
 @dataclass(frozen=True)
@@ -104,16 +106,15 @@ class Files:
 
     CLI_GROUP = "Files"
 
-    results: list[str] = field(default_factory=list, metadata=cli_flag(
-        "run/sweep JSONs or compare directories", positional=True))
-    dir: str = field(default="", metadata=cli_flag(
-        "a loom bench compare directory (or one run/sweep JSON)", positional=True))
-    markdown: str | None = field(default=None, metadata=flag_help(
-        "also write the scorecard as Markdown to this file; default: print it only"))
-    plots: str | None = field(default=None, metadata=flag_help(
-        "also write the plots into this directory; default: no plots"))
-    main: str | None = field(default=None, metadata=flag_help(
-        "the configuration to decide on; default: the first"))
+    results: list[str] = opt(list, "run/sweep JSONs or compare directories", positional=True)
+    dir: str = opt("", "a loom bench compare directory (or one run/sweep JSON)", positional=True)
+    markdown: str | None = opt(None,
+        "also write the scorecard as Markdown to this file; default: print it only")
+    plots: str | None = opt(None, "also write the plots into this directory; default: no plots")
+    main: str | None = opt(None, "the configuration to decide on; default: the first")
+
+
+SWEEP = (Points, AutoSearch, Limits, (Load, (*LOAD, "over_saturation_s")))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -127,52 +128,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
     bench_trace.add_parser(commands)
 
-    p = commands.add_parser("run", help="replay a trace once at one offered load",
-                            description="Replay a trace once. Give --rate (open loop), "
-                                        "--max-concurrency (closed loop of N users), or both "
-                                        "(open loop, at most N in flight): one is required.")
-    add_flags(p, Target, only=("base_url", "model", "server_pid", *TARGET))
-    add_flags(p, Replay)
-    add_flags(p, Load, only=("rate", *LOAD), short=SHORT)
-    add_flags(p, Report)
-    p.set_defaults(func=run)
-
-    p = commands.add_parser("sweep", help="replay a trace at rising offered load")
-    add_flags(p, Target, only=("base_url", "model", "server_pid", *TARGET))
-    add_flags(p, Replay)
-    _sweep_flags(p)
-    add_flags(p, Report)
-    p.set_defaults(func=sweep)
-
-    p = commands.add_parser("compare", help="start a server per configuration and sweep each")
-    add_flags(p, Compare)
-    add_flags(p, Replay, only=("trace", "tokenizer", "repeats"))
-    add_flags(p, Target, only=TARGET)
-    _sweep_flags(p)
-    add_flags(p, Report)
-    p.set_defaults(func=compare)
-
-    p = commands.add_parser("scorecard", help="scorecard (and plots) of result files")
-    add_flags(p, Files, only=("results", "markdown", "plots"))
-    add_flags(p, Report)
-    p.set_defaults(func=scorecard)
-
-    p = commands.add_parser("report", help="the decision report of a compare directory",
-                            description="Write DIR/report.html (one self-contained file, "
-                                        "plots inline) and DIR/report.md: the decision "
-                                        "checklist answered from the measured data, the "
-                                        "scorecard, per-class fairness, the timelines and "
-                                        "loom diagnose's findings.")
-    add_flags(p, Files, only=("dir", "main"))
-    add_flags(p, Report)
-    p.set_defaults(func=report)
-
-
-def _sweep_flags(p: argparse.ArgumentParser) -> None:
-    add_flags(p, Points)
-    add_flags(p, AutoSearch)
-    add_flags(p, Limits)
-    add_flags(p, Load, only=(*LOAD, "over_saturation_s"), short=SHORT)
+    online = (Target, ("base_url", "model", "server_pid", *TARGET))
+    add_command(commands, "run", run, online, Replay, Tokenizer, (Load, ("rate", *LOAD)), Report,
+                short=SHORT, help="replay a trace once at one offered load",
+                description="Replay a trace once. Give --rate (open loop), --max-concurrency "
+                            "(closed loop of N users), or both (open loop, at most N in "
+                            "flight): one is required.")
+    add_command(commands, "sweep", sweep, online, Replay, Tokenizer, *SWEEP, Report,
+                short=SHORT,
+                help="replay a trace at rising offered load")
+    add_command(commands, "compare", compare, Compare, (Replay, ("trace", "repeats")),
+                Tokenizer,
+                (Target, TARGET), *SWEEP, Report, short=SHORT,
+                help="start a server per configuration and sweep each")
+    add_command(commands, "scorecard", scorecard, (Files, ("results", "markdown", "plots")),
+                Report, help="scorecard (and plots) of result files")
+    add_command(commands, "report", report, (Files, ("dir", "main")), Report,
+                help="the decision report of a compare directory",
+                description="Write DIR/report.html (one self-contained file, plots inline) "
+                            "and DIR/report.md: the decision checklist answered from the "
+                            "measured data, the scorecard, per-class fairness, the timelines "
+                            "and loom diagnose's findings.")
 
 
 # -- reading the flags -----------------------------------------------------------------------
@@ -183,7 +159,8 @@ def _replay_inputs(args: argparse.Namespace) -> tuple[Replay, Report, Trace]:
     replay, shown = from_cli_args(Replay, args), from_cli_args(Report, args)
     if replay.out:
         check_writable(replay.out, "--out")
-    return replay, shown, load_trace(replay.trace, replay.tokenizer, from_cli_args(Load, args))
+    tokenizer = from_cli_args(Tokenizer, args).tokenizer
+    return replay, shown, load_trace(replay.trace, tokenizer, from_cli_args(Load, args))
 
 
 def load_trace(path: str, tokenizer: str | None, load: Load) -> Trace:
@@ -296,7 +273,7 @@ def compare(args: argparse.Namespace) -> int:
     from loom.bench.server import LOOM_SERVE
 
     flags, shown = from_cli_args(Compare, args), from_cli_args(Report, args)
-    replay = from_cli_args(Replay, args)
+    replay, tokenizer = from_cli_args(Replay, args), from_cli_args(Tokenizer, args).tokenizer
     spec = _spec(args, shown.slo)
     out_dir = Path(flags.output_dir)
     check_folder_writable(out_dir, "--output-dir")
@@ -306,12 +283,12 @@ def compare(args: argparse.Namespace) -> int:
         if text.startswith(SIMULATE):
             from loom.cli.simulate import measure
 
-            configs.append((name, measure(text, replay.tokenizer, spec.load.seed)))
+            configs.append((name, measure(text, tokenizer, spec.load.seed)))
         else:
             configs.append((name, ServerMeasure(flags.server_cmd or LOOM_SERVE,
                                                 f"{flags.server_flags} {text}".strip(),
                                                 target, flags.health_timeout)))
-    trace = load_trace(replay.trace, replay.tokenizer, spec.load)
+    trace = load_trace(replay.trace, tokenizer, spec.load)
     result = compare_configs(trace, configs, spec, out_dir, replay.repeats,
                              shown.gpu_cost_per_hour)
     print_scorecard([r for s in result.sweeps for r in s.runs], spec.slo,

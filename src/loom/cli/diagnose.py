@@ -4,31 +4,28 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
-from loom.cli.flags import Report, add_flags, cli_flag
+from loom.cli.flags import Report, add_command, opt
 from loom.cli.main import help_of
-from loom.config import flag_help, from_cli_args
+from loom.config import from_cli_args
 
 
 @dataclass(frozen=True)
 class DiagnoseFlags:
     CLI_GROUP = "Diagnose"
 
-    result: str = field(default="", metadata=cli_flag(
-        "run or sweep JSON, or a compare directory", positional=True))
-    json: bool = field(default=False, metadata=flag_help("print the findings as JSON"))
+    result: str = opt("", "run or sweep JSON, or a compare directory", positional=True)
+    json: bool = opt(False, "print the findings as JSON")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
 
-    p = sub.add_parser("diagnose", help=help_of("diagnose"),
-                       description="Explain a disappointing loom bench result: findings, the "
-                                   "numbers behind them and one setting to try; when no rule "
-                                   "fires, what bounds each run.")
-    add_flags(p, DiagnoseFlags)
-    add_flags(p, Report, only=("slo",))
-    p.set_defaults(func=main)
+    add_command(sub, "diagnose", main, DiagnoseFlags, (Report, ("slo",)),
+                help=help_of("diagnose"),
+                description="Explain a disappointing loom bench result: findings, the numbers "
+                            "behind them and one setting to try; when no rule fires, what "
+                            "bounds each run.")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -37,9 +34,9 @@ def main(args: argparse.Namespace) -> int:
     from loom.bench.diagnose import diagnose, what_bounds
     from loom.cli.bench import read_result
 
-    flags, report = from_cli_args(DiagnoseFlags, args), from_cli_args(Report, args)
+    flags = from_cli_args(DiagnoseFlags, args)
     result = read_result(flags.result)
-    findings = diagnose(result, report.slo)
+    findings = diagnose(result, from_cli_args(Report, args).slo)
     if flags.json:  # what bounds each run is part of the answer, findings or not
         print(json.dumps({"findings": [asdict(f) for f in findings],
                           "what_bounds": what_bounds(result)}, indent=1))

@@ -34,6 +34,19 @@ def cli_flag(text: str, *, short: str | None = None, positional: bool = False,
     return meta
 
 
+def opt(default: Any, text: str, **meta: Any) -> Any:
+    """A command line's own option: a field with `default` and `cli_flag(text, **meta)`
+    (a default of `list` is a fresh empty list, as default_factory gives it)."""
+    if default is list:
+        return field(default_factory=list, metadata=cli_flag(text, **meta))
+    return field(default=default, metadata=cli_flag(text, **meta))
+
+
+def required(text: str, **meta: Any) -> Any:
+    """A command line's own option that has no default: the command needs it."""
+    return field(metadata=cli_flag(text, **meta))
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type, only: tuple[str, ...] | None = None,
               short: Mapping[str, str] | None = None) -> None:
     """One flag per field of `cls` (or per field in `only`), as `add_cli_args` makes them;
@@ -58,6 +71,28 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, only: tuple[str, ...] 
         action.option_strings += f.metadata.get("aliases", ())
         for spelling in action.option_strings:
             parser._option_string_actions[spelling] = action
+
+
+# What a command's flags are made from: a dataclass (every field), a dataclass and the fields
+# to take, or a function that adds flags itself (EngineConfig.add_cli_args).
+FlagSource = type | tuple[type, tuple[str, ...]] | Callable[[argparse.ArgumentParser], None]
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, run: Callable[..., int],
+                *sources: FlagSource, short: Mapping[str, str] | None = None,
+                **parser: Any) -> argparse.ArgumentParser:
+    """Register a (sub-)command: its parser (`parser`: help, description, usage), its flags
+    from `sources` in turn, and `run`, the function that runs it."""
+    p = sub.add_parser(name, **parser)
+    for source in sources:
+        if isinstance(source, tuple):
+            add_flags(p, source[0], source[1], short)
+        elif dataclasses.is_dataclass(source):
+            add_flags(p, source, None, short)
+        else:
+            source(p)
+    p.set_defaults(func=run)
+    return p
 
 
 def _usage_error(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -121,15 +156,26 @@ class Report:
 
     CLI_GROUP = "Report"
 
-    slo: Slo | None = field(default=None, metadata=flag_help(
+    slo: Slo | None = opt(None,
         "latency objective in seconds, e.g. ttft_p95=1.0,e2e_p95=10: goodput counts "
-        "requests within every limit; default: none (no goodput)", parse=Slo.parse))
-    gpu_cost_per_hour: float | None = field(default=None, metadata=flag_help(
+        "requests within every limit; default: none (no goodput)", parse=Slo.parse)
+    gpu_cost_per_hour: float | None = opt(None,
         "price of the machine per hour: adds cost per accepted answer; default: no cost "
-        "column", parse=price))
-    wide: bool = field(default=False, metadata=flag_help(
+        "column", parse=price)
+    wide: bool = opt(False,
         "print every scorecard column (default: the key ones, which fit an 80-column "
-        "terminal)"))
+        "terminal)")
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """The served model's tokenizer (without its weights): trace lengths are its tokens."""
+
+    CLI_GROUP = "Tokens"
+
+    tokenizer: str | None = opt(None,
+        "GGUF, tokenizer.json or HF folder of the served model, to count and synthesise "
+        "prompt tokens (default: loom's bundled model)")
 
 
 # -- outputs, checked before the work --------------------------------------------------------

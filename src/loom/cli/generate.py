@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from loom.cli.flags import add_flags, cli_flag
+from loom.cli.flags import add_command, opt
 from loom.cli.main import help_of
-from loom.config import EngineConfig, check_device, flag_help, from_cli_args
+from loom.config import EngineConfig, check_device, from_cli_args
 
 
 @dataclass(frozen=True)
@@ -18,27 +18,22 @@ class GenerateConfig:
 
     CLI_GROUP = "Sampling"
 
-    prompt: str = field(default="", metadata=cli_flag("the prompt text", positional=True))
-    max_tokens: int = field(default=128, metadata=flag_help("tokens to generate at most"))
-    temperature: float = field(default=0.0, metadata=flag_help("0 = greedy"))
-    top_p: float = field(default=1.0, metadata=flag_help("nucleus sampling: keep this share"))
-    top_k: int = field(default=-1, metadata=flag_help("keep the k likeliest tokens; -1 = all"))
-    seed: int | None = field(default=None, metadata=flag_help(
-        "sampling seed, for reproducible text at temperature > 0; default: unseeded"))
-    ignore_eos: bool = field(default=False, metadata=flag_help(
-        "keep generating past the end-of-sequence token"))
-    stop: list[str] = field(default_factory=list, metadata=flag_help(
-        "stop at this string (repeatable); default: none"))
-    chat: bool = field(default=False, metadata=flag_help(
-        "wrap the prompt in the model's chat template"))
+    prompt: str = opt("", "the prompt text", positional=True)
+    max_tokens: int = opt(128, "tokens to generate at most")
+    temperature: float = opt(0.0, "0 = greedy")
+    top_p: float = opt(1.0, "nucleus sampling: keep this share")
+    top_k: int = opt(-1, "keep the k likeliest tokens; -1 = all")
+    seed: int | None = opt(None,
+        "sampling seed, for reproducible text at temperature > 0; default: unseeded")
+    ignore_eos: bool = opt(False, "keep generating past the end-of-sequence token")
+    stop: list[str] = opt(list, "stop at this string (repeatable); default: none")
+    chat: bool = opt(False, "wrap the prompt in the model's chat template")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help=help_of("generate"),
-                       description="Complete one prompt with the engine in this process.")
-    add_flags(p, GenerateConfig)
-    EngineConfig.add_cli_args(p)
-    p.set_defaults(func=main)
+    add_command(sub, "generate", main, GenerateConfig, EngineConfig.add_cli_args,
+                help=help_of("generate"),
+                description="Complete one prompt with the engine in this process.")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from loom.cli.flags import add_flags, option
+from loom.cli.flags import add_command, opt, option
 from loom.cli.main import help_of
-from loom.config import flag_help, from_cli_args
+from loom.config import from_cli_args
 from loom.plan.planner import PlanFlags
 
 
@@ -31,22 +31,16 @@ class PlanOutput:
 
     CLI_GROUP = "Plan"
 
-    model: str | None = field(default=None, metadata=flag_help(
-        "the model (see --model's choices); default: the bundled model"))
-    json: bool = field(default=False, metadata=flag_help(
-        "print the rows as JSON (default: a table)"))
+    model: str | None = opt(None, "the model (see --model's choices); default: the bundled model")
+    json: bool = opt(False, "print the rows as JSON (default: a table)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help=help_of("plan"),
-                       description="Memory and roofline arithmetic for a model on GPUs you do "
-                                   "not have: weights, KV cache, overhead, max concurrency, "
-                                   "decode/prefill estimates and the serve flags.")
-    add_flags(p, PlanOutput, only=("model",))
+    p = add_command(sub, "plan", main, PlanOutput, PlanFlags, help=help_of("plan"),
+                    description="Memory and roofline arithmetic for a model on GPUs you do not "
+                                "have: weights, KV cache, overhead, max concurrency, "
+                                "decode/prefill estimates and the serve flags.")
     option(p, "--model").help = model_help("the bundled model")
-    add_flags(p, PlanFlags)
-    add_flags(p, PlanOutput, only=("json",))
-    p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -56,8 +50,7 @@ def main(args: argparse.Namespace) -> int:
     from loom.plan.report import add_costs, print_plan
 
     asked, output = from_cli_args(PlanFlags, args), from_cli_args(PlanOutput, args)
-    prices = parse_prices(asked.price)
-    model = resolve_model(output.model)
+    model, prices = resolve_model(output.model), parse_prices(asked.price)
     planned = settings(model, asked)
     gpus = gpus_of(asked)
     check_prices(prices, [g.key for g in gpus])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from loom.cli.flags import add_command
 from loom.cli.main import help_of
 from loom.cluster.config import ClusterConfig
 from loom.config import EngineConfig, from_cli_args
@@ -13,12 +14,10 @@ from loom.config import EngineConfig, from_cli_args
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from loom.entrypoints.openai.launch import add_serve_args
 
-    p = sub.add_parser("serve", help=help_of("serve"),
-                       description="Serve a model over OpenAI's HTTP API (no arguments: the "
-                                   "bundled model on http://127.0.0.1:8000).")
-    add_serve_args(p)
-    EngineConfig.add_cli_args(p)
-    p.set_defaults(func=main)
+    add_command(sub, "serve", main, add_serve_args, EngineConfig.add_cli_args,
+                help=help_of("serve"),
+                description="Serve a model over OpenAI's HTTP API (no arguments: the bundled "
+                            "model on http://127.0.0.1:8000).")
 
 
 def main(args: argparse.Namespace) -> int:

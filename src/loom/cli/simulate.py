@@ -17,7 +17,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from loom.admission import AdmissionConfig
-from loom.cli.flags import Report, add_flags, check_folder_writable, check_writable, option
+from loom.cli.flags import (
+    Report,
+    Tokenizer,
+    add_command,
+    add_flags,
+    check_folder_writable,
+    check_writable,
+    opt,
+    option,
+    required,
+)
 from loom.cli.main import help_of
 from loom.cli.plan import model_help
 from loom.config import EngineConfig, flag_help, from_cli_args
@@ -68,10 +78,9 @@ class SetupFlags:
 
     CLI_GROUP = "Simulated server"
 
-    profile: str | None = field(default=None, metadata=flag_help(
-        "step profile JSON (loom simulate calibrate); none = a roofline profile per --gpus"))
-    label: str | None = field(default=None, metadata=flag_help(
-        "name of the configuration; default: the profile's file name"))
+    profile: str | None = opt(None,
+        "step profile JSON (loom simulate calibrate); none = a roofline profile per --gpus")
+    label: str | None = opt(None, "name of the configuration; default: the profile's file name")
     replicas: tuple[int, ...] = field(default=(1,), metadata=flag_help(
         "fleet: engines behind a router, as loom serve --data-parallel-size runs them; a "
         "list (e.g. 10,100) simulates each size", parse=csv_ints))
@@ -86,24 +95,19 @@ class SimFlags:
 
     CLI_GROUP = "Simulation"
 
-    trace: str | None = field(default=None, metadata=flag_help(
-        "JSONL trace (see loom bench trace); required (no default)"))
+    trace: str | None = opt(None, "JSONL trace (see loom bench trace); required (no default)")
     rates: tuple[float | str, ...] | None = field(default=None, metadata={**flag_help(
         "offered req/s ('inf': all at once, 'trace': arrival_s as recorded); a list (e.g. "
         "0.5,1,2,4) runs a sweep; give it, --max-concurrency or --overlap (no default)",
         flag="--rate", parse=sim_rates), "aliases": ("--rates",)})
-    overlap: tuple[int, ...] | None = field(default=None, metadata=flag_help(
-        "closed loop at these concurrencies, e.g. 1,2,4,8; default: none", parse=csv_ints))
-    scrape_interval_s: float = field(default=1.0, metadata=flag_help(
-        "simulated seconds between timeline samples", flag="--scrape-interval"))
-    output: str | None = field(default=None, metadata=flag_help(
-        "result JSON (one profile, one load); default: none written"))
-    output_dir: str | None = field(default=None, metadata=flag_help(
+    overlap: tuple[int, ...] | None = opt(None,
+        "closed loop at these concurrencies, e.g. 1,2,4,8; default: none", parse=csv_ints)
+    scrape_interval_s: float = opt(1.0,
+        "simulated seconds between timeline samples", flag="--scrape-interval")
+    output: str | None = opt(None, "result JSON (one profile, one load); default: none written")
+    output_dir: str | None = opt(None,
         "several loads or configurations: sweep JSONs, compare.json, scorecard.md and "
-        "plots, as loom bench compare writes them; required then (no default)"))
-    tokenizer: str | None = field(default=None, metadata=flag_help(
-        "GGUF, tokenizer.json or HF folder of the served model, to count the trace's prompt "
-        "tokens (default: loom's bundled model)"))
+        "plots, as loom bench compare writes them; required then (no default)")
 
     def __post_init__(self) -> None:
         """The ranges, before any work: out of range, a run sends no request (or fails them
@@ -124,10 +128,10 @@ class SimFlags:
 class CalibrateFlags:
     CLI_GROUP = "Calibration"
 
-    calibrate_output: str = field(metadata=flag_help("profile JSON to write", flag="--output"))
-    grid: Literal["quick", "default"] = field(default="default", metadata=flag_help(
-        "quick: a smoke run in seconds; default: a few minutes on 2 cores"))
-    repeats: int = field(default=3, metadata=flag_help("timed steps per grid point"))
+    calibrate_output: str = required("profile JSON to write", flag="--output")
+    grid: Literal["quick", "default"] = opt("default",
+        "quick: a smoke run in seconds; default: a few minutes on 2 cores")
+    repeats: int = opt(3, "timed steps per grid point")
 
 
 def _setup_flags(p: argparse.ArgumentParser) -> None:
@@ -144,28 +148,20 @@ def _setup_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "simulate", usage=USAGE, help=help_of("simulate"),
+    p = add_command(
+        sub, "simulate", main, SimFlags, Tokenizer, (Load, LOAD), (Report, ("slo",)), Limits,
+        _setup_flags, short={"num_requests": "-n"}, usage=USAGE, help=help_of("simulate"),
         description="Drive loom's real scheduler and KV cache with a step-time profile on a "
                     "virtual clock; writes loom bench's result JSON marked simulated. Profiles "
                     "come from `loom simulate calibrate` (this machine) or from the GPU "
                     "catalogue (--gpus, roofline).")
-    add_flags(p, SimFlags)
-    add_flags(p, Load, only=LOAD, short={"num_requests": "-n"})
-    add_flags(p, Report, only=("slo",))
-    add_flags(p, Limits)
-    _setup_flags(p)
-    p.set_defaults(func=main)
-
     subs = p.add_subparsers(dest="simulate_command", metavar="calibrate",
                             title="sub-command (optional)")
-    cal = subs.add_parser("calibrate", help="measure loom's engine here and fit a step profile",
-                          description="Time loom's engine offline on this machine over a grid "
-                                      "of prefill tokens x decode sequences x context, fit the "
-                                      "roofline-shaped step model and report its held-out "
-                                      "error.")
-    add_flags(cal, CalibrateFlags)
-    EngineConfig.add_cli_args(cal)
+    add_command(subs, "calibrate", main, CalibrateFlags, EngineConfig.add_cli_args,
+                help="measure loom's engine here and fit a step profile",
+                description="Time loom's engine offline on this machine over a grid of "
+                            "prefill tokens x decode sequences x context, fit the "
+                            "roofline-shaped step model and report its held-out error.")
 
 
 def _setup(args: argparse.Namespace) -> SimSetup:
@@ -250,7 +246,7 @@ def simulate(args: argparse.Namespace) -> int:
     if any(r.prompt is not None for r in trace.requests):
         from loom.workload.tokens import load_tokenizer
 
-        tokenizer = load_tokenizer(flags.tokenizer)
+        tokenizer = load_tokenizer(from_cli_args(Tokenizer, args).tokenizer)
     ids = prompt_token_ids(trace, tokenizer, base.seed, max(c.model_len for c in configs))
     sweeps = [simulate_sweep(c, trace, ids, loads, slo, limits, flags.scrape_interval_s)
               for c in configs]

@@ -55,12 +55,12 @@ class SimRun:
     server_ttfts: list[float] = field(default_factory=list)
     preemptions: int = 0
     rejected: int = 0
+    requests_per_replica: list[int] = field(default_factory=list)
     prefix_queries: int = 0
     prefix_hits: int = 0
+    router_decisions: dict[str, int] = field(default_factory=dict)
     num_steps: int = 0
     busy_s: float = 0.0  # summed over the fleet's engines
-    requests_per_replica: list[int] = field(default_factory=list)
-    router_decisions: dict[str, int] = field(default_factory=dict)
 
 
 def prompt_token_ids(trace: Trace, tokenizer: Any | None, seed: int,

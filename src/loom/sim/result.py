@@ -13,9 +13,10 @@ from loom.config import CacheConfig, SchedulerConfig
 from loom.sim.engine import SimEngine
 from loom.sim.profile import Profile
 from loom.sim.replay import SimRun, Simulation
+from loom.workload.figures import Latency
 from loom.workload.load import Load
-from loom.workload.monitoring import LatencySummary, ServerFigures, client_figures, gauge_figures
-from loom.workload.results import RunResult, utc_now
+from loom.workload.monitoring import ServerFigures, client_figures
+from loom.workload.results import Origin, RunResult, utc_now
 from loom.workload.slo import Slo
 from loom.workload.trace import Trace
 
@@ -116,17 +117,18 @@ def build(run: SimRun, config: SimConfig, trace: Trace, load: Load, slo: Slo | N
     """The run result of a simulation: the server's figures are its exact counts."""
     profile = config.profile
     queries = run.prefix_queries
-    metrics = ServerFigures(
-        metrics_source="loom", queue_time=LatencySummary.exact(run.queue_times),
-        server_ttft=LatencySummary.exact(run.server_ttfts), preemptions=run.preemptions,
+    metrics = ServerFigures.of(
+        run.timeline, metrics_source="loom", queue_time=Latency.of(run.queue_times),
+        server_ttft=Latency.of(run.server_ttfts), preemptions=run.preemptions,
         prefix_cache_hit_rate=run.prefix_hits / queries if queries else None,
-        server_rejected=run.rejected, **gauge_figures(run.timeline))
+        server_rejected=run.rejected)
     server = {"simulated": True, "cmdline": ["loom", "serve", *config.flags()],
               "profile": {"source": profile.source, "model": profile.model, **profile.meta}}
+    origin = Origin(date, server=server, backend="loom-simulate", endpoint=ENDPOINT,
+                    base_url=f"simulated:{config.name}",
+                    hardware={**host.hardware(), "gpus": []}, model_id=profile.model)
     return RunResult.of(
-        run.sent, run.duration, load, trace, slo, label, run.timeline, date=date,
-        backend="loom-simulate", endpoint=ENDPOINT, base_url=f"simulated:{config.name}",
-        model_id=profile.model, server=server, hardware={**host.hardware(), "gpus": []},
+        run.sent, run.duration, load, trace, slo, label, run.timeline, origin,
         metrics=metrics, client=client_figures(run.sent, run.timeline,
                                                closed_loop=load.max_concurrency is not None),
         simulated=True, simulation={

@@ -10,7 +10,7 @@ failed / num_prompts. Latency figures are over completed requests, in ms, like v
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,32 +29,53 @@ CLASS_KEYS = ("num_prompts", "completed", "failed", "rejected", "timeouts", "can
 
 
 @dataclass(frozen=True)
-class Stats:
-    """One latency metric over the completed requests, in ms (None: no value to take)."""
+class Latency:
+    """One latency over a set of requests, in ms (None: no value to take). A run's own
+    requests have vLLM's statistics (mean, median, std, percentiles); a server's summary of
+    its own latencies (a histogram's estimate, or a simulation's exact values) has count,
+    mean and percentiles."""
 
     mean: float | None = None
+    percentiles: dict[int, float | None] = field(default_factory=dict)  # PERCENTILES
     median: float | None = None
+    count: int | None = None
     std: float | None = None
-    p50: float | None = None
-    p90: float | None = None
-    p95: float | None = None
-    p99: float | None = None
 
     @classmethod
-    def of(cls, values_s: list[float]) -> Stats:
+    def of(cls, values_s: list[float]) -> Latency:
         if not values_s:
-            return cls()
+            return cls(count=0)
         ms = np.asarray(values_s) * 1000.0
-        return cls(float(ms.mean()), float(np.median(ms)), float(ms.std()),
-                   *(float(v) for v in np.percentile(ms, PERCENTILES)))
+        return cls(float(ms.mean()), dict(zip(PERCENTILES, map(float, np.percentile(
+            ms, PERCENTILES)))), float(np.median(ms)), len(values_s), float(ms.std()))
+
+    @property
+    def p95(self) -> float | None:
+        return self.percentiles.get(95)
 
     def to_json(self, metric: str) -> dict[str, float | None]:
-        """`{stat}_{metric}_ms` keys, as vLLM writes them."""
-        return {f"{f.name}_{metric}_ms": getattr(self, f.name) for f in fields(self)}
+        """A run figure's `{stat}_{metric}_ms` keys, as vLLM writes them."""
+        out = {f"{stat}_{metric}_ms": value for stat, value in (
+            ("mean", self.mean), ("median", self.median), ("std", self.std))}
+        return {**out, **{f"p{p}_{metric}_ms": self.percentiles.get(p) for p in PERCENTILES}}
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any], metric: str) -> Stats:
-        return cls(**{f.name: obj.get(f"{f.name}_{metric}_ms") for f in fields(cls)})
+    def from_json(cls, obj: Mapping[str, Any], metric: str) -> Latency:
+        return cls(obj.get(f"mean_{metric}_ms"), _percentiles(obj, f"_{metric}_ms"),
+                   obj.get(f"median_{metric}_ms"), std=obj.get(f"std_{metric}_ms"))
+
+    def summary(self) -> dict[str, Any]:
+        """A server-side summary's keys: count, mean_ms, p50_ms..."""
+        return {"count": self.count or 0, "mean_ms": self.mean,
+                **{f"p{p}_ms": self.percentiles.get(p) for p in PERCENTILES}}
+
+    @classmethod
+    def from_summary(cls, obj: Mapping[str, Any]) -> Latency:
+        return cls(obj.get("mean_ms"), _percentiles(obj, "_ms"), count=obj.get("count", 0))
+
+
+def _percentiles(obj: Mapping[str, Any], suffix: str) -> dict[int, float | None]:
+    return {p: obj.get(f"p{p}{suffix}") for p in PERCENTILES}
 
 
 @dataclass(frozen=True)
@@ -77,18 +98,18 @@ class Figures(JsonView):
     completed: int = 0
     failed: int = 0
     rejected: int = 0
+    ttft: Latency = field(default_factory=Latency)  # (to_json writes COUNTS first)
     timeouts: int = 0
     cancelled: int = 0
     error_rate: float = 0.0
+    tpot: Latency = field(default_factory=Latency)
     total_input_tokens: int = 0
     total_output_tokens: int = 0
+    itl: Latency = field(default_factory=Latency)
     request_throughput: float = 0.0
     output_throughput: float = 0.0
     total_token_throughput: float = 0.0
-    ttft: Stats = field(default_factory=Stats)
-    tpot: Stats = field(default_factory=Stats)
-    itl: Stats = field(default_factory=Stats)
-    e2el: Stats = field(default_factory=Stats)
+    e2el: Latency = field(default_factory=Latency)
     request_goodput: float | None = None
     goodput: Goodput | None = None
 
@@ -110,7 +131,7 @@ class Figures(JsonView):
         """A run's (or a class's) figures; a figure the file lacks keeps its default."""
         counts = {k: obj[k] for k in cls.COUNTS if obj.get(k) is not None}
         goodput = obj.get("goodput")
-        return cls(**counts, **{m: Stats.from_json(obj, m) for m in LATENCIES},
+        return cls(**counts, **{m: Latency.from_json(obj, m) for m in LATENCIES},
                    request_goodput=obj.get("request_goodput"),
                    goodput=Goodput.from_json(goodput) if goodput else None)
 
@@ -136,10 +157,10 @@ def request_figures(results: list[RequestResult], duration_s: float,
         total_input_tokens=total_in, total_output_tokens=total_out,
         request_throughput=len(done) / duration_s, output_throughput=total_out / duration_s,
         total_token_throughput=(total_in + total_out) / duration_s,
-        ttft=Stats.of([r.ttft_s for r in done]),
-        tpot=Stats.of([r.tpot_s for r in done if r.tpot_s is not None]),
-        itl=Stats.of([x for r in done for x in r.itls_s]),
-        e2el=Stats.of([r.e2e_s for r in done]))
+        ttft=Latency.of([r.ttft_s for r in done]),
+        tpot=Latency.of([r.tpot_s for r in done if r.tpot_s is not None]),
+        itl=Latency.of([x for r in done for x in r.itls_s]),
+        e2el=Latency.of([r.e2e_s for r in done]))
     if slo is None:
         return figures
     good = sum(slo.good(r) for r in results)

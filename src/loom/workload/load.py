@@ -6,6 +6,7 @@ from the same flags.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,9 +116,22 @@ class Load:
             return f"x{self.max_concurrency}" if self.max_concurrency else "all at once"
         return f"@{self.rate:g}/s"
 
-    def describe(self) -> dict[str, Any]:
-        """What a run result records of its load (RunResult's fields of the same names)."""
+    def to_json(self) -> dict[str, Any]:
+        """What a run result records of its load (its own keys, vLLM's where it has them)."""
         return {"request_rate": self.rate_name, "burstiness": self.burstiness,
                 "max_concurrency": self.max_concurrency, "duration_limit_s": self.duration_s,
                 "num_requests_limit": self.num_requests, "seed": self.seed,
-                "burst": self.burst, "ramp_up": self.ramp_up}
+                "burst": self.burst.to_json() if self.burst else None,
+                "ramp_up": self.ramp_up.to_json() if self.ramp_up else None}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Load:
+        """The load a result records (an older file lacks some: the defaults)."""
+        rate = obj.get("request_rate", "inf")
+        return cls(rate=math.inf if rate == "inf" else rate,
+                   burstiness=obj.get("burstiness") or 1.0,
+                   max_concurrency=obj.get("max_concurrency"),
+                   duration_s=obj.get("duration_limit_s"),
+                   num_requests=obj.get("num_requests_limit"), seed=obj.get("seed") or 0,
+                   burst=Burst.from_json(obj["burst"]) if obj.get("burst") else None,
+                   ramp_up=RampUp.from_json(obj["ramp_up"]) if obj.get("ramp_up") else None)

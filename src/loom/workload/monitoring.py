@@ -7,12 +7,12 @@ server's, and must not be mistaken for it).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from loom.workload.figures import PERCENTILES
+from loom.workload.figures import Latency
 from loom.workload.jsonview import JsonView
 from loom.workload.requests import RequestResult
 
@@ -27,24 +27,21 @@ CLIENT_CPU_SHARE = 0.9     # of one core: the client's process had no CPU to spa
 
 
 @dataclass(frozen=True)
-class LatencySummary(JsonView):
-    """count, mean and percentiles in ms of a server-side latency (a histogram's estimate,
-    or a simulation's exact values)."""
+class Gauge:
+    """A server gauge over a run's timeline: its peak and its mean (None: never reported)."""
 
-    count: int = 0
-    mean_ms: float | None = None
-    p50_ms: float | None = None
-    p90_ms: float | None = None
-    p95_ms: float | None = None
-    p99_ms: float | None = None
+    peak: float | None = None
+    mean: float | None = None
 
     @classmethod
-    def exact(cls, values_s: list[float]) -> LatencySummary:
-        if not values_s:
-            return cls()
-        ms = np.asarray(values_s) * 1000.0
-        return cls(len(values_s), float(ms.mean()),
-                   *(float(v) for v in np.percentile(ms, PERCENTILES)))
+    def of(cls, timeline: list[Sample], name: str) -> Gauge:
+        values = [e[name] for e in timeline if e.get(name) is not None]
+        return cls(max(values), float(np.mean(values))) if values else cls()
+
+
+# a gauge's timeline name -> its figures' names in a result (`kv_cache_usage_peak`, ...)
+GAUGES = {"kv_usage": "kv_cache_usage", "running": "num_requests_running",
+          "waiting": "num_requests_waiting"}
 
 
 @dataclass(frozen=True)
@@ -53,34 +50,41 @@ class ServerFigures(JsonView):
     run, peaks and means of its gauges over the timeline; None where it exports nothing."""
 
     metrics_source: str | None = None
-    queue_time: LatencySummary | None = None
-    server_ttft: LatencySummary | None = None
+    kv_cache_usage: Gauge = field(default_factory=Gauge)
+    queue_time: Latency | None = None
+    server_ttft: Latency | None = None
+    num_requests_running: Gauge = field(default_factory=Gauge)
     preemptions: int | None = None
-    prefix_cache_hit_rate: float | None = None
     server_rejected: int | None = None
-    kv_cache_usage_peak: float | None = None
-    kv_cache_usage_mean: float | None = None
-    num_requests_running_peak: float | None = None
-    num_requests_running_mean: float | None = None
-    num_requests_waiting_peak: float | None = None
-    num_requests_waiting_mean: float | None = None
+    num_requests_waiting: Gauge = field(default_factory=Gauge)
+    prefix_cache_hit_rate: float | None = None
+
+    @classmethod
+    def of(cls, timeline: list[Sample], **counted: Any) -> ServerFigures:
+        """The gauges from the timeline, the rest (`counted`) as the caller counted it."""
+        return cls(**counted, **{key: Gauge.of(timeline, name) for name, key in GAUGES.items()})
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"metrics_source": self.metrics_source}
+        for key in ("queue_time", "server_ttft"):
+            latency = getattr(self, key)
+            out[key] = latency.summary() if latency else None
+        out.update(preemptions=self.preemptions, prefix_cache_hit_rate=self.prefix_cache_hit_rate,
+                   server_rejected=self.server_rejected)
+        for key in GAUGES.values():
+            gauge = getattr(self, key)
+            out.update({f"{key}_peak": gauge.peak, f"{key}_mean": gauge.mean})
+        return out
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> ServerFigures:
-        read = super().from_json(obj)
-        return replace(read, **{key: LatencySummary.from_json(obj[key])
-                                for key in ("queue_time", "server_ttft") if obj.get(key)})
-
-
-def gauge_figures(timeline: list[Sample]) -> dict[str, float | None]:
-    """Peak and mean of the running, waiting and KV usage gauges over a timeline."""
-    out: dict[str, float | None] = {}
-    for gauge, key in (("kv_usage", "kv_cache_usage"), ("running", "num_requests_running"),
-                       ("waiting", "num_requests_waiting")):
-        values = [e[gauge] for e in timeline if e.get(gauge) is not None]
-        out[f"{key}_peak"] = max(values) if values else None
-        out[f"{key}_mean"] = float(np.mean(values)) if values else None
-    return out
+        return cls(obj.get("metrics_source"), **{
+            key: Gauge(obj.get(f"{key}_peak"), obj.get(f"{key}_mean"))
+            for key in GAUGES.values()}, **{
+            key: Latency.from_summary(obj[key]) for key in ("queue_time", "server_ttft")
+            if obj.get(key)}, preemptions=obj.get("preemptions"),
+            server_rejected=obj.get("server_rejected"),
+            prefix_cache_hit_rate=obj.get("prefix_cache_hit_rate"))
 
 
 @dataclass(frozen=True)
@@ -89,14 +93,14 @@ class ClientFigures(JsonView):
 
     send_lag_p95_ms: float | None = None
     send_lag_max_ms: float | None = None
+    limited: bool = False
     in_flight_peak: float | None = None
     in_flight_mean: float | None = None
+    limited_reasons: list[str] | None = None  # None: a result from before they were kept
     cpu_s: float | None = None
     cpu_share: float | None = None
     loop_lag_p95_ms: float | None = None
     loop_lag_max_ms: float | None = None
-    limited_reasons: list[str] | None = None  # None: a result from before they were kept
-    limited: bool = False
 
 
 def client_figures(results: list[RequestResult], timeline: list[Sample],

@@ -13,12 +13,11 @@ import math
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from loom.config import flag_help
-from loom.workload.arrivals import Burst, RampUp
 from loom.workload.figures import CLASS_KEYS, Figures, offered_rate, per_class, request_figures
 from loom.workload.jsonview import JsonView, plain
 from loom.workload.load import Load
@@ -39,35 +38,35 @@ def utc_now() -> str:
 
 
 @dataclass(frozen=True)
+class Origin(JsonView):
+    """Where and how a run was measured: when, by what command, against which server and
+    model (`server`: what the server said of itself), on which machine (`hardware`)."""
+
+    date: str | None = None
+    command: str | None = None
+    server: dict[str, Any] = field(default_factory=dict)
+    backend: str | None = None
+    endpoint: str | None = None
+    base_url: str | None = None
+    hardware: dict[str, Any] = field(default_factory=dict)
+    model_id: str | None = None
+    tokenizer_id: str | None = None
+
+
+@dataclass(frozen=True)
 class RunResult(JsonView):
     """One run: a trace replayed at one offered load, and everything measured meanwhile.
-    `server` and `hardware` are what the server and this machine said of themselves (free
-    form); `metrics` what the server's /metrics said of the run; `client` how the load
+    `metrics` is what the server's /metrics said of the run, `client` how the load
     generator kept its schedule."""
 
     label: str | None
-    request_rate: float | str  # req/s, "inf" (all at once / closed loop) or "trace"
+    load: Load
     duration: float
     offered_rate: float
     figures: Figures
     requests: list[RequestResult]
-    max_concurrency: int | None = None
-    burstiness: float = 1.0
-    duration_limit_s: float | None = None
-    num_requests_limit: int | None = None
-    seed: int = 0
-    burst: Burst | None = None
-    ramp_up: RampUp | None = None
-    date: str | None = None
-    command: str | None = None
-    backend: str | None = None
-    endpoint: str | None = None
-    base_url: str | None = None
-    model_id: str | None = None
-    tokenizer_id: str | None = None
-    server: dict[str, Any] = field(default_factory=dict)
+    origin: Origin = field(default_factory=Origin)
     trace: TraceInfo = field(default_factory=TraceInfo)
-    hardware: dict[str, Any] = field(default_factory=dict)
     slo: str | None = None
     metrics: ServerFigures = field(default_factory=ServerFigures)
     server_memory: ServerMemory | None = None
@@ -84,25 +83,29 @@ class RunResult(JsonView):
     ci: dict[str, list[float]] = field(default_factory=dict)  # figure -> 95% interval
     result_version: int = RESULT_VERSION
 
-    _HEAD = ("result_version", "label", "date", "command", "backend", "endpoint", "base_url",
-             "model_id", "tokenizer_id", "server", "trace", "hardware", "request_rate",
-             "burstiness", "max_concurrency", "duration_limit_s", "num_requests_limit", "seed",
-             "burst", "ramp_up", "slo", "duration", "offered_rate")
-    _TAIL = ("client", "over_saturated_at_s")
-
     @classmethod
     def of(cls, sent: list[RequestResult], duration: float, load: Load, trace: Trace,
-           slo: Slo | None, label: str | None, timeline: list[Sample], **measured: Any
-           ) -> RunResult:
-        """The result of sending `sent` at `load`: its figures computed here, what the
-        caller measured besides (server, metrics, client, ...) given by field name."""
-        return cls(label=label, duration=duration, offered_rate=offered_rate(sent, duration),
-                   figures=request_figures(sent, duration, slo), requests=sent,
-                   command=shlex.join(sys.argv), tokenizer_id=trace.header.get("tokenizer"),
-                   trace=trace.describe(), slo=str(slo) if slo else None,
-                   per_class=per_class(sent, duration, slo),
+           slo: Slo | None, label: str | None, timeline: list[Sample], origin: Origin,
+           **measured: Any) -> RunResult:
+        """The result of sending `sent` at `load`: its figures computed here; `origin` and
+        what the caller measured besides (metrics, client, ...) given by field name."""
+        origin = replace(origin, command=shlex.join(sys.argv),
+                         tokenizer_id=trace.header.get("tokenizer"))
+        return cls(label, load, duration, offered_rate(sent, duration),
+                   request_figures(sent, duration, slo), sent, origin, trace.describe(),
+                   str(slo) if slo else None, per_class=per_class(sent, duration, slo),
                    errors=sorted({r.error for r in sent if r.error})[:20], timeline=timeline,
-                   **load.describe(), **measured)
+                   **measured)
+
+    @property
+    def request_rate(self) -> float | str:
+        """req/s, "inf" (all at once, or the closed loop of max_concurrency users) or
+        "trace", as the file says it."""
+        return self.load.rate_name
+
+    @property
+    def max_concurrency(self) -> int | None:
+        return self.load.max_concurrency
 
     @property
     def closed_loop(self) -> bool:
@@ -120,12 +123,18 @@ class RunResult(JsonView):
         return self.request_rate if isinstance(self.request_rate, (int, float)) else math.inf
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": "run"}
-        out.update({k: plain(getattr(self, k)) for k in self._HEAD})
+        origin = self.origin.to_json()
+        out: dict[str, Any] = {"kind": "run", "result_version": self.result_version,
+                               "label": self.label}
+        out.update({k: origin[k] for k in ("date", "command", "backend", "endpoint",
+                                           "base_url", "model_id", "tokenizer_id", "server")})
+        out.update(trace=self.trace.to_json(), hardware=origin["hardware"])
+        out.update(self.load.to_json())
+        out.update(slo=self.slo, duration=self.duration, offered_rate=self.offered_rate)
         out.update(self.figures.to_json())
         out.update(self.metrics.to_json())
-        out["server_memory"] = plain(self.server_memory)
-        out.update({k: plain(getattr(self, k)) for k in self._TAIL})
+        out.update(server_memory=plain(self.server_memory), client=self.client.to_json(),
+                   over_saturated_at_s=self.over_saturated_at_s)
         out["per_class"] = {c: f.to_json(CLASS_KEYS) for c, f in self.per_class.items()}
         out.update(errors=self.errors, timeline=self.timeline,
                    requests=[r.to_json() for r in self.requests])
@@ -140,22 +149,20 @@ class RunResult(JsonView):
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> RunResult:
         """A run as a file (or a JSON-shaped mapping) holds it."""
-        simple = {k: obj[k] for k in (*cls._HEAD, "over_saturated_at_s", "errors", "timeline",
-                                      "limits_crossed", "simulated", "simulation", "repeats",
-                                      "repeat_figures", "ci", "max_concurrency")
-                  if obj.get(k) is not None}
-        simple.update(label=obj.get("label"),
-                      burst=Burst.from_json(obj["burst"]) if obj.get("burst") else None,
-                      ramp_up=RampUp.from_json(obj["ramp_up"]) if obj.get("ramp_up") else None,
-                      trace=TraceInfo.from_json(obj.get("trace") or {}))
-        return cls(**simple, figures=Figures.from_json(obj),
-                   requests=[RequestResult.from_json(r) for r in obj.get("requests", [])],
+        rest = {k: obj[k] for k in ("slo", "over_saturated_at_s", "errors", "timeline",
+                                    "limits_crossed", "simulated", "simulation", "repeats",
+                                    "repeat_figures", "ci", "result_version")
+                if obj.get(k) is not None}
+        return cls(obj.get("label"), Load.from_json(obj), obj["duration"], obj["offered_rate"],
+                   Figures.from_json(obj),
+                   [RequestResult.from_json(r) for r in obj.get("requests", [])],
+                   Origin.from_json(obj), TraceInfo.from_json(obj.get("trace") or {}),
                    metrics=ServerFigures.from_json(obj),
                    server_memory=ServerMemory.from_json(obj["server_memory"])
                    if obj.get("server_memory") else None,
                    client=ClientFigures.from_json(obj.get("client") or {}),
                    per_class={c: Figures.from_json(f)
-                              for c, f in (obj.get("per_class") or {}).items()})
+                              for c, f in (obj.get("per_class") or {}).items()}, **rest)
 
 
 @dataclass(frozen=True)
@@ -180,7 +187,7 @@ class Limits(JsonView):
         (from /metrics); a server without it is judged by p95 TTFT, which includes it."""
         reasons = []
         queue = run.metrics.queue_time
-        queue_ms, what = (queue.p95_ms if queue else None), "p95 queue time"
+        queue_ms, what = (queue.p95 if queue else None), "p95 queue time"
         if queue_ms is None:
             queue_ms, what = run.figures.ttft.p95, "p95 TTFT (no server queue metric)"
         if queue_ms is not None and queue_ms > 1000 * self.max_p95_queue_s:

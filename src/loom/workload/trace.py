@@ -38,9 +38,9 @@ class TraceRequest:
     previous one's answer ends, as a user or an agent would."""
 
     max_tokens: int
+    cls: str = "default"
     prompt: str | None = None
     prompt_len: int | None = None
-    cls: str = "default"
     arrival_s: float | None = None
     cancel_after_s: float | None = None
     priority: int | None = None
