@@ -142,7 +142,7 @@ def build_specs(args: argparse.Namespace) -> dict[str, ServerSpec]:
              " ".join(f"{k}={v}" for k, v in env.items()
                       if k.startswith(("VLLM_CPU", "VLLM_USE", "LD_"))))
 
-    loom = [sys.executable, "-m", "loom.entrypoints.cli", "serve", "--model", gguf]
+    loom = [sys.executable, "-m", "loom.cli", "serve", "--model", gguf]
     flags = shlex.split(args.loom_flags)
     dtype = f"dtype {loom_dtype(flags)}"
     specs["loom"] = ServerSpec("loom", "loom", [*loom, *flags],
@@ -190,7 +190,7 @@ def warm_up(url: str) -> None:
 
 def bench_cmd(args: argparse.Namespace, url: str, pid: int, concurrency: int, out: Path,
               label: str) -> list[str]:
-    cmd = [sys.executable, "-m", "loom.entrypoints.cli", "bench", "run", "--base-url", url,
+    cmd = [sys.executable, "-m", "loom.cli", "bench", "run", "--base-url", url,
            "--server-pid", str(pid), "--trace", str(args.trace), "--rate", "inf",
            "--max-concurrency", str(concurrency), "--out", str(out), "--label", label,
            "--request-timeout", str(args.request_timeout)]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loom.bench.tokens import PromptSynth, load_tokenizer
+from loom.workload.tokens import PromptSynth, load_tokenizer
 
 
 def bundled_synth() -> PromptSynth:

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loom.bench.arrivals import gaps, schedule
-from loom.bench.trace import TraceRequest
+from loom.workload.arrivals import gaps, schedule
+from loom.workload.trace import TraceRequest
 
 pytestmark = pytest.mark.unit
 

@@ -7,18 +7,13 @@ import json
 
 import pytest
 
-from loom.bench.client import OK, RequestResult
 from loom.bench.diagnose import bound, diagnose, what_bounds
-from loom.bench.results import (
-    client_figures,
-    load_result,
-    per_class,
-    request_figures,
-    save_json,
-    server_figures,
-)
-from loom.bench.scrape import Histogram, Snapshot
-from loom.entrypoints.cli import main
+from loom.bench.scrape import Histogram, Snapshot, server_figures
+from loom.cli.main import main
+from loom.workload.figures import per_class, request_figures
+from loom.workload.monitoring import client_figures
+from loom.workload.requests import OK, RequestResult
+from loom.workload.results import load_result, save_json
 
 pytestmark = pytest.mark.unit
 

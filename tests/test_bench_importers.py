@@ -12,9 +12,10 @@ from bench_helpers import bundled_synth
 
 from loom.bench.anonymize import anonymize, block_hashes
 from loom.bench.importers import Classifier, import_log
-from loom.bench.tokens import PromptSynth
-from loom.bench.trace import ArrivalSpec, CancelSpec, generate_mix, load_trace, parse_mix
-from loom.entrypoints.cli import main
+from loom.cli.main import main
+from loom.workload.mix import ArrivalSpec, CancelSpec, generate_mix, parse_mix
+from loom.workload.tokens import PromptSynth
+from loom.workload.trace import load_trace
 
 pytestmark = pytest.mark.unit
 

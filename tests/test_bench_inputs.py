@@ -14,8 +14,8 @@ import pytest
 from bench_helpers import bundled_synth, write_trace_file
 
 from loom.bench.importers import Classifier, import_log
-from loom.bench.trace import load_trace
-from loom.entrypoints.cli import main
+from loom.cli.main import main
+from loom.workload.trace import load_trace
 
 pytestmark = pytest.mark.unit
 
@@ -218,7 +218,7 @@ def test_compare_checks_its_output_dir_first(trace: Path, tmp_path: Path, capsys
 def test_scorecard_markdown_goes_into_a_new_folder(tmp_path: Path, capsys) -> None:
     from test_bench_diagnose import make_run
 
-    from loom.bench.results import save_json
+    from loom.workload.results import save_json
 
     save_json(make_run(), tmp_path / "run.json")
     md = tmp_path / "new" / "folder" / "card.md"
@@ -231,7 +231,7 @@ def test_scorecard_markdown_goes_into_a_new_folder(tmp_path: Path, capsys) -> No
 def test_compare_simulates_a_gpu_named_by_model_and_gpus(tmp_path: Path) -> None:
     """`simulate:--model M --gpus G` writes its sweep under the GPU's name (h100-sxm-tp1);
     compare finds it and files it, and its runs, under the configuration's own name."""
-    from loom.bench.results import load_result
+    from loom.workload.results import load_result
 
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps({"id": str(i), "prompt_len": 100 + i, "max_tokens": 16,

@@ -18,15 +18,19 @@ from pathlib import Path
 import pytest
 from fake_openai_server import running_fake_server
 
-from loom.bench.arrivals import Burst
-from loom.bench.compare import compare
+from loom.bench.compare import ServerMeasure, compare
 from loom.bench.diagnose import diagnose
 from loom.bench.overload import burst_outcomes
-from loom.bench.replay import Load, Target, replay
+from loom.bench.replay import Target, replay
 from loom.bench.report import write_decision_report
-from loom.bench.results import Slo, load_result
-from loom.bench.sweep import Limits, sweep
-from loom.bench.trace import Trace, TraceRequest, write_trace
+from loom.bench.sweep import sweep
+from loom.cli import simulate
+from loom.workload.arrivals import Burst
+from loom.workload.load import Load
+from loom.workload.results import Limits, load_result
+from loom.workload.slo import Slo
+from loom.workload.sweeps import SweepSpec
+from loom.workload.trace import Trace, TraceRequest, write_trace
 
 pytestmark = pytest.mark.integration
 
@@ -37,8 +41,9 @@ FAKE = Path(__file__).parent / "fake_openai_server.py"
 # scheduler, the client still kept its schedule within 0.12 s).
 STARVED_CLIENT = """
 import asyncio, json, os, sys
-from loom.bench.replay import Load, Target, replay
-from loom.bench.trace import Trace, TraceRequest
+from loom.bench.replay import replay, Target
+from loom.workload.load import Load
+from loom.workload.trace import Trace, TraceRequest
 url, core, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 trace = Trace([TraceRequest(max_tokens=2, prompt="a b c", id=str(i)) for i in range(12)])
 os.sched_setaffinity(0, {core})
@@ -48,7 +53,7 @@ sys.stdin.readline()
 result = asyncio.run(replay(trace, Load(rate=24.0), Target(url, scrape_interval_s=0.5),
                             progress=False))
 with open(out, "w") as f:
-    json.dump(result, f)
+    json.dump(result.to_json(), f)
 """
 HOG = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
 
@@ -147,10 +152,13 @@ def test_compare_with_repeats_and_a_simulated_config_then_the_report(tmp_path: P
     server_cmd = f"{shlex.quote(sys.executable)} {shlex.quote(str(FAKE))} --port {{port}}"
     out = tmp_path / "cmp"
     slo = Slo.parse("ttft_p95=5,e2e_p95=20")
-    compare(trace, [("fast", "--ttft 0.1 --itl 0.01"), ("slow", "--ttft 0.4 --itl 0.03"),
-                    ("model", f"simulate:--profile {profile}")],
-            out, Load(max_concurrency=4), Limits(), server_cmd, concurrencies=[4], slo=slo,
-            target_options={"scrape_interval_s": 0.2}, health_timeout_s=60, progress=False,
+    def server(flags: str) -> ServerMeasure:
+        return ServerMeasure(server_cmd, flags, {"scrape_interval_s": 0.2}, 60, progress=False)
+
+    compare(trace, [("fast", server("--ttft 0.1 --itl 0.01")),
+                    ("slow", server("--ttft 0.4 --itl 0.03")),
+                    ("model", simulate.measure(f"simulate:--profile {profile}", None, 0))],
+            SweepSpec(Load(max_concurrency=4), Limits(), concurrencies=[4], slo=slo), out,
             repeats=2)
     logs = sorted(p.name for p in out.glob("*.server.log"))
     assert logs == ["fast.repeat1.server.log", "fast.repeat2.server.log",
@@ -204,7 +212,7 @@ def test_report_reads_an_old_result_file(tmp_path: Path) -> None:
 
 def test_cli_run_repeats_and_a_server_that_cannot_reset_its_cache(tmp_path: Path,
                                                                      capsys) -> None:
-    from loom.entrypoints.cli import main
+    from loom.cli.main import main
 
     write_trace(_trace(6), tmp_path / "t.jsonl")
     out = tmp_path / "run.json"

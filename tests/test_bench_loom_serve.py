@@ -10,9 +10,10 @@ import httpx
 import pytest
 from bench_helpers import write_trace_file
 
-from loom.bench.replay import Load, Target, replay
+from loom.bench.replay import Target, replay
 from loom.bench.server import LOOM_SERVE, LocalServer
-from loom.bench.trace import load_trace
+from loom.workload.load import Load
+from loom.workload.trace import load_trace
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +45,7 @@ def test_bench_repeats_reset_loom_serves_prefix_cache(tmp_path) -> None:
     """The documented `bench run --repeats N --reset-prefix-cache` against loom serve (the
     engine in its own process): each repeat after the first starts with no cached prefix, so
     the second repeat finds in the cache what the first did, not its every prompt."""
-    from loom.entrypoints.cli import main
+    from loom.cli.main import main
 
     prompts = ["A shared document, long enough for a few KV blocks. " * 4 + f"Q{i}?"
                for i in range(4)]

@@ -6,15 +6,17 @@ import random
 
 import pytest
 
-from loom.bench.arrivals import Burst, RampUp, schedule, time_warp
 from loom.bench.checklist import FAIL, NOT_MEASURED, PASS, answer
-from loom.bench.client import OK, REJECTED, TIMEOUT, RequestResult
 from loom.bench.fairness import fairness, jain
 from loom.bench.overload import burst_outcomes, recovery_s
 from loom.bench.repeats import aggregate, bootstrap_ci, differences, merge_sweeps
-from loom.bench.results import Slo, client_figures, per_class, request_figures
 from loom.bench.scorecard import markdown
-from loom.bench.trace import TraceRequest
+from loom.workload.arrivals import Burst, RampUp, schedule, time_warp
+from loom.workload.figures import per_class, request_figures
+from loom.workload.monitoring import client_figures
+from loom.workload.requests import OK, REJECTED, TIMEOUT, RequestResult
+from loom.workload.slo import Slo
+from loom.workload.trace import TraceRequest
 
 pytestmark = pytest.mark.unit
 

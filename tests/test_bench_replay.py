@@ -15,12 +15,13 @@ import pytest
 from bench_helpers import write_trace_file
 from fake_openai_server import running_fake_server
 
-from loom.bench.replay import Load, Target, replay
-from loom.bench.results import load_result
+from loom.bench.replay import Target, replay
 from loom.bench.scrape import sample_value
-from loom.bench.sweep import Limits, sweep
-from loom.bench.trace import Trace, TraceRequest
-from loom.entrypoints.cli import main
+from loom.bench.sweep import sweep
+from loom.cli.main import main
+from loom.workload.load import Load
+from loom.workload.results import Limits, load_result
+from loom.workload.trace import Trace, TraceRequest
 
 pytestmark = pytest.mark.integration
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from loom.bench.client import CANCELLED, OK, REJECTED, RequestResult
-from loom.bench.results import Slo, offered_rate, request_figures
 from loom.bench.scorecard import markdown, print_scorecard, rows
 from loom.bench.scrape import Histogram, parse_metrics, sample_value
+from loom.workload.figures import offered_rate, request_figures
+from loom.workload.requests import CANCELLED, OK, REJECTED, RequestResult
+from loom.workload.slo import Slo
 
 pytestmark = pytest.mark.unit
 

@@ -10,21 +10,11 @@ import pytest
 from bench_helpers import bundled_synth
 
 from loom.bench.client import completion_payload
-from loom.bench.tokens import PromptSynth
-from loom.bench.trace import (
-    CLASSES,
-    ArrivalSpec,
-    CancelSpec,
-    Trace,
-    TraceRequest,
-    fill_prompts,
-    generate_mix,
-    import_sharegpt,
-    load_trace,
-    parse_mix,
-    write_trace,
-)
-from loom.entrypoints.cli import main
+from loom.bench.importers import import_sharegpt
+from loom.cli.main import main
+from loom.workload.mix import CLASSES, ArrivalSpec, CancelSpec, generate_mix, parse_mix
+from loom.workload.tokens import PromptSynth
+from loom.workload.trace import Trace, TraceRequest, fill_prompts, load_trace, write_trace
 
 pytestmark = pytest.mark.unit
 

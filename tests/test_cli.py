@@ -14,7 +14,7 @@ from bench_helpers import write_trace_file
 
 import loom
 from loom.bench.server import free_port
-from loom.entrypoints.cli import COMMANDS, build_parser, main, parse_args
+from loom.cli.main import COMMANDS, build_parser, main, parse_args
 
 pytestmark = pytest.mark.unit
 
@@ -27,7 +27,7 @@ def _run_python(code: str) -> subprocess.CompletedProcess:
 def test_loom_help_imports_no_torch() -> None:
     result = _run_python(
         "import sys\n"
-        "from loom.entrypoints.cli import main\n"
+        "from loom.cli.main import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
         "assert 'torch' not in sys.modules, 'loom --help imported torch'\n")
     assert result.returncode == 0, result.stderr
@@ -42,9 +42,9 @@ def test_loom_bench_imports_no_torch() -> None:
         "import loom.bench\n"
         "for m in pkgutil.iter_modules(loom.bench.__path__):\n"
         "    importlib.import_module('loom.bench.' + m.name)\n"
-        "from loom.bench.tokens import load_tokenizer\n"
+        "from loom.workload.tokens import load_tokenizer\n"
         "load_tokenizer(None)\n"
-        "from loom.entrypoints.cli import build_parser\n"
+        "from loom.cli.main import build_parser\n"
         "build_parser(['bench']); build_parser(['diagnose'])\n"
         "assert 'torch' not in sys.modules, 'loom.bench imported torch'\n")
     assert result.returncode == 0, result.stderr
@@ -229,3 +229,45 @@ def test_serve_api_key_help_names_every_open_route(capsys) -> None:
     out = " ".join(capsys.readouterr().out.split())
     for route in ("/health", "/metrics", "/version", "/tokenize", "/detokenize", "OpenAPI"):
         assert route in out
+
+
+# -- flags generated from dataclasses (cli/flags.py) ------------------------------------------
+
+def test_flags_from_a_dataclass_with_a_short_option_a_positional_and_a_second_spelling(
+        capsys) -> None:
+    from dataclasses import dataclass
+
+    from loom.cli.flags import add_flags, opt, required
+    from loom.config import from_cli_args
+    from loom.workload.load import parse_count
+
+    def split(text: str) -> tuple[str, ...]:
+        return tuple(text.split(","))
+
+    @dataclass(frozen=True)
+    class Options:
+        out: str = required("where to write")
+        path: str = opt("", "a file", positional=True)
+        count: int | None = opt(None, "how many; default: all", short="-c", parse=parse_count)
+        names: tuple[str, ...] | None = opt(None, "names; default: none", flag="--name",
+                                           aliases=("--names",), parse=split)
+        loud: bool = opt(False, "say more")
+
+    parser = argparse.ArgumentParser(prog="t")
+    add_flags(parser, Options)
+    args = parser.parse_args(["f.txt", "-c", "3", "--names", "a,b", "--loud", "--out", "o"])
+    assert from_cli_args(Options, args) == Options("o", "f.txt", 3, ("a", "b"), True)
+    assert from_cli_args(Options, parser.parse_args(["g", "--out", "o", "--no-loud"])) == \
+        Options("o", "g", None, None, False)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["f", "--out", "o", "-c", "0"])  # the parse function's ValueError
+    assert "argument -c/--count: expected an integer >= 1, got '0'" in capsys.readouterr().err
+    help_text = parser.format_help()
+    assert "-c COUNT, --count COUNT" in help_text and "--name NAME, --names NAME" in help_text
+    assert "(default: off)" in help_text
+
+
+def test_python_m_loom_cli_is_the_loom_command() -> None:
+    out = subprocess.run([sys.executable, "-m", "loom.cli", "--version"], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == f"loom {loom.__version__}"

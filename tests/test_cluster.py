@@ -25,10 +25,10 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from loom import LLM  # noqa: E402
+from loom.admission import AdmissionConfig as ReplicaLimits  # noqa: E402
 from loom.bench.server import free_port  # noqa: E402
 from loom.cluster.config import ClusterConfig  # noqa: E402
 from loom.cluster.launch import Cluster, deploy  # noqa: E402
-from loom.cluster.replica import ReplicaLimits  # noqa: E402
 from loom.config import EngineConfig  # noqa: E402
 from loom.entrypoints.openai.server import ServerConfig, build_app  # noqa: E402
 from loom.sampling import SamplingParams  # noqa: E402

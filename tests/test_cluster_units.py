@@ -8,11 +8,11 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loom.cli.main import parse_args
 from loom.cluster.config import ClusterConfig
 from loom.cluster.metrics import merge_replica_texts
 from loom.config import from_cli_args
 from loom.engine.metrics import EngineMetrics
-from loom.entrypoints.cli import parse_args
 
 pytestmark = pytest.mark.unit
 
@@ -55,7 +55,7 @@ def test_routing_policy_imports_neither_ray_nor_torch() -> None:
 
 
 def test_serve_with_one_replica_imports_no_ray() -> None:
-    code = ("from loom.entrypoints.cli import parse_args\n"
+    code = ("from loom.cli.main import parse_args\n"
             "import loom.entrypoints.openai.server\n"
             "parse_args(['serve', '--data-parallel-size', '1'])")
     assert "ray" not in _heavy_modules_after(code)

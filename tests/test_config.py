@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from loom.cli.main import build_parser
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
-from loom.entrypoints.cli import build_parser
 
 
 @pytest.mark.unit
@@ -70,7 +70,7 @@ def test_parse_size_units() -> None:
 @pytest.mark.integration
 def test_loom_generate_prints_the_completion() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "loom.entrypoints.cli", "generate",
+        [sys.executable, "-m", "loom.cli", "generate",
          "What is the capital of France?", "--chat", "--max-tokens", "16",
          "--kv-cache-memory", "64MiB"],
         capture_output=True, text=True, timeout=600)  # a model load on a busy machine
@@ -81,7 +81,7 @@ def test_loom_generate_prints_the_completion() -> None:
 @pytest.mark.integration
 def test_loom_generate_reports_a_bad_model_path_cleanly() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "loom.entrypoints.cli", "generate", "hi", "--model", "/nope.gguf"],
+        [sys.executable, "-m", "loom.cli", "generate", "hi", "--model", "/nope.gguf"],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 2
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr

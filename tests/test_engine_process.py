@@ -115,7 +115,7 @@ def test_the_engine_exits_with_the_server() -> None:
 
 
 def _serve_and_fail(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "loom.entrypoints.cli", "serve", "--port",
+    return subprocess.run([sys.executable, "-m", "loom.cli", "serve", "--port",
                            "0", *flags], capture_output=True, text=True, timeout=HANG_S)
 
 

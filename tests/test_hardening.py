@@ -177,7 +177,7 @@ def test_access_log_skips_health_and_metrics(guarded) -> None:
 
 
 def _serve_and_fail(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "loom.entrypoints.cli", "serve", *flags],
+    return subprocess.run([sys.executable, "-m", "loom.cli", "serve", *flags],
                           capture_output=True, text=True, timeout=300)
 
 

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
+from loom.cli.plan import add_parser
 from loom.model.arch import arch_from_hf_config
 from loom.model.memory import KVCacheSpec
 from loom.plan.catalogue import PlanError, builtin_catalogue, parse_prices, resolve_gpus
-from loom.plan.cli import add_parser
 from loom.plan.models import PlanModel, known_models, resolve_model
 from loom.plan.planner import PlanSettings, capacity, plan
 from loom.plan.roofline import Efficiency, StepWork
@@ -263,7 +263,7 @@ def test_cli_table_runs_on_the_bundled_gguf(capsys):
 
 def test_plan_does_not_import_torch():
     code = ("import argparse, sys\n"
-            "from loom.plan.cli import add_parser\n"
+            "from loom.cli.plan import add_parser\n"
             "p = argparse.ArgumentParser(); add_parser(p.add_subparsers())\n"
             "a = p.parse_args(['plan', '--model', 'llama-3.1-70b', '--gpus', 'h200', "
             "'--tensor-parallel-size', '2', '--max-model-len', '8192', '--json'])\n"

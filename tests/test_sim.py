@@ -8,18 +8,19 @@ import math
 
 import pytest
 
+from loom.admission import AdmissionConfig as ServerLimits
 from loom.bench.diagnose import diagnose
-from loom.bench.replay import Load
-from loom.bench.results import load_result, save_json
 from loom.bench.scorecard import markdown
-from loom.bench.trace import Trace, TraceRequest, write_trace
+from loom.cli.simulate import add_parser
 from loom.config import CacheConfig, SchedulerConfig
 from loom.plan.roofline import ModelShape, StepModel, StepWork
 from loom.sim.calibrate import Sample, errors, fit
-from loom.sim.cli import add_parser
 from loom.sim.profile import Profile
-from loom.sim.replay import ServerLimits, prompt_token_ids
+from loom.sim.replay import prompt_token_ids
 from loom.sim.result import SimConfig, simulate_run
+from loom.workload.load import Load
+from loom.workload.results import load_result, save_json
+from loom.workload.trace import Trace, TraceRequest, write_trace
 
 pytestmark = pytest.mark.unit
 
@@ -160,7 +161,7 @@ def test_shared_prefix_hits_the_prefix_cache():
     trace = Trace([TraceRequest(max_tokens=8, prompt=text + f" question {i}", cls="rag",
                                 arrival_s=float(i), id=str(i)) for i in range(10)],
                   {"tokenizer": "bundled"})
-    from loom.bench.tokens import load_tokenizer
+    from loom.workload.tokens import load_tokenizer
 
     config = SimConfig("test", _profile(), SchedulerConfig(), CacheConfig())
     ids = prompt_token_ids(trace, load_tokenizer(None), 0)

@@ -86,7 +86,7 @@ def test_the_loom_command_defers_them_and_generates_what_the_whole_torch_does(
     expected = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))
     result = run_python(
         "import contextlib, io, json\n"
-        "from loom.entrypoints.cli import main\n"
+        "from loom.cli.main import main\n"
         "from loom import torch_import as t\n"
         "out = io.StringIO()\n"
         "with contextlib.redirect_stdout(out):\n"

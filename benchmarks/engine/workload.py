@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from loom import SamplingParams
-from loom.bench.tokens import PromptSynth, load_tokenizer
-from loom.bench.trace import CLASSES
 from loom.engine.core import EngineCore
+from loom.workload.mix import CLASSES
+from loom.workload.tokens import PromptSynth, load_tokenizer
 
 MIX = {"chat": 0.60, "long": 0.15, "rag": 0.25}
 

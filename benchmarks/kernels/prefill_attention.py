@@ -57,9 +57,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.kernels.decode_kernel import kernel_at  # noqa: E402
 from loom import LLM, SamplingParams, host  # noqa: E402
-from loom.bench.trace import load_trace  # noqa: E402
 from loom.model import attention  # noqa: E402
 from loom.model.kernels import paged_attention_ops  # noqa: E402
+from loom.workload.trace import load_trace  # noqa: E402
 
 MIXED_64 = Path(__file__).resolve().parents[1] / "traces" / "mixed-64.jsonl"
 

@@ -20,11 +20,13 @@ import random
 import time
 from typing import Any
 
-from loom.bench.replay import Load
-from loom.bench.trace import Trace, TraceRequest
-from loom.entrypoints.cli import build_parser
+from loom.config import EngineConfig, ModelConfig
 from loom.host import describe
+from loom.plan.planner import PlanFlags
+from loom.sim.configs import SimSetup, sim_configs
 from loom.sim.result import simulate_run
+from loom.workload.load import Load
+from loom.workload.trace import Trace, TraceRequest
 
 
 def _args() -> argparse.Namespace:
@@ -67,13 +69,9 @@ def _traffic(args: argparse.Namespace, num_requests: int, num_documents: int
 
 
 def _config(args: argparse.Namespace) -> Any:
-    """The roofline configuration of one replica, from `loom simulate`'s own flags."""
-    from loom.sim.cli import _configs
-
-    cli = build_parser().parse_args(
-        ["simulate", "--model", args.model, "--gpus", args.gpu, "--max-model-len", "8192"])
-    cli.replicas, cli.router = [1], ["prefix"]
-    return _configs(cli)[0][0]
+    """The roofline configuration of one replica, as `loom simulate --gpus` makes it."""
+    engine = EngineConfig(ModelConfig(model=args.model, max_model_len=8192))
+    return sim_configs(SimSetup(engine, gpus=PlanFlags(gpus=(args.gpu,))))[0][0]
 
 
 def _run(config: Any, trace: Trace, ids: list[list[int]], replicas: int, router: str,
@@ -84,8 +82,7 @@ def _run(config: Any, trace: Trace, ids: list[list[int]], replicas: int, router:
                                 router=router)
     wall = time.perf_counter()
     result = simulate_run(fleet, trace, ids, Load(rate=rate, seed=seed))
-    result["wall_s"] = time.perf_counter() - wall
-    return result
+    return {**result.to_json(), "wall_s": time.perf_counter() - wall}
 
 
 def _row(result: dict[str, Any], replicas: int, router: str) -> str:

@@ -29,15 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from loom import host
-from loom.bench.replay import Load, Target, replay
+from loom.bench.replay import Target, replay
 from loom.bench.server import LOOM_SERVE, LocalServer
-from loom.bench.sweep import Limits
-from loom.bench.tokens import PromptSynth, load_tokenizer, tokenizer_path
-from loom.bench.trace import ArrivalSpec, CancelSpec, generate_mix, parse_mix
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.sim.profile import Profile
 from loom.sim.replay import prompt_token_ids
 from loom.sim.result import SimConfig, simulate_run
+from loom.workload.load import Load
+from loom.workload.mix import ArrivalSpec, CancelSpec, generate_mix, parse_mix
+from loom.workload.results import Limits, RunResult
+from loom.workload.tokens import PromptSynth, load_tokenizer, tokenizer_path
 
 # (result key, label, allowed relative error)
 TARGETS = [("request_throughput", "completed req/s", 0.10),
@@ -64,13 +65,13 @@ def simulated_knee(config: SimConfig, trace: Any, ids: list[list[int]], limits: 
     return good
 
 
-def measured(flags: list[str], trace: Any, load: Load, log: Path) -> dict[str, Any]:
+def measured(flags: list[str], trace: Any, load: Load, log: Path) -> RunResult:
     with LocalServer(LOOM_SERVE, shlex.join(flags), log) as server:
         target = Target(server.url, server_pid=server.pid)
         return asyncio.run(replay(trace, load, target, progress=False))
 
 
-def compare(name: str, real: dict[str, Any], sim: dict[str, Any],
+def compare(name: str, real: RunResult, sim: RunResult,
             preemptions: bool = False) -> list[dict[str, Any]]:
     rows = []
     checks = [(k, label, tol) for k, label, tol in TARGETS]
@@ -153,7 +154,7 @@ def main() -> None:
         real = measured(engine_flags + cfg.flags()[2:], trace, load, work / f"server-{i}.log")
         sim = simulate_run(cfg, trace, ids, load)
         rows += compare(name, real, sim, preemptions="small KV" in name)
-        results.append({"name": name, "measured": real, "simulated": sim})
+        results.append({"name": name, "measured": real.to_json(), "simulated": sim.to_json()})
     header = (f"host: {host.describe()}; profile: {profile.source}, fit held-out error "
               f"{profile.meta.get('fit_error_held_out')}; knee {knee:.3g} req/s; "
               f"{args.num_requests} requests per run")

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: be
 from benchmarks.harness import CHECKOUT, commit, host_line  # noqa: E402
 from loom import host  # noqa: E402
 from loom.bench.server import LOOM_SERVE, LocalServer  # noqa: E402
-from loom.bench.trace import Trace, TraceRequest, load_trace, write_trace  # noqa: E402
+from loom.workload.trace import Trace, TraceRequest, load_trace, write_trace  # noqa: E402
 
 REPO = CHECKOUT
 MIXED = REPO / "benchmarks/traces/mixed-40.jsonl"
@@ -112,7 +112,7 @@ def run(name: str, flags: str, trace: Path, concurrency: int, out_dir: Path) -> 
         hits0 = scrape(server.url, "loom:prefix_cache_hits_total")
         queries0 = scrape(server.url, "loom:prefix_cache_queries_total")
         result_path = out_dir / f"{tag}.json"
-        cmd = [sys.executable, "-m", "loom.entrypoints.cli", "bench", "run",
+        cmd = [sys.executable, "-m", "loom.cli", "bench", "run",
                "--base-url", server.url, "--trace", str(trace), "--rate", "inf",
                "--max-concurrency", str(concurrency), "--out", str(result_path),
                "--label", f"{name} x{concurrency}"]

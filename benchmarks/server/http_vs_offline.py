@@ -36,9 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: be
 from benchmarks.engine.workload import WorkItem, bundled_tokenizer, mixed_workload  # noqa: E402
 from benchmarks.harness import host_line  # noqa: E402
 from loom import LLM, SamplingParams  # noqa: E402
-from loom.bench.client import OK, RequestResult, send  # noqa: E402
+from loom.bench.client import send  # noqa: E402
 from loom.bench.server import LOOM_SERVE, LocalServer  # noqa: E402
-from loom.bench.trace import TraceRequest  # noqa: E402
+from loom.workload.requests import OK, RequestResult  # noqa: E402
+from loom.workload.trace import TraceRequest  # noqa: E402
 
 
 @dataclass

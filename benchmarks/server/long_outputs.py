@@ -7,7 +7,7 @@ Run from the repository root, e.g.:
     python benchmarks/server/long_outputs.py --src base=/tmp/wt-base/src --src head=src \\
         --concurrency 8 --max-tokens 400 --logprobs 5 --rounds 2
 
-Each run is a fresh server (`python -m loom.entrypoints.cli serve`, the engine process by
+Each run is a fresh server (`python -m loom.cli serve`, the engine process by
 default) with that tree first on PYTHONPATH; the trees alternate (A B, B A, ...) and the table
 gives medians over rounds. One untimed start per tree first builds its C++ kernels.
 """

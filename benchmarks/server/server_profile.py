@@ -71,7 +71,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, LocalServer(
             LOOM_SERVE, args.server_flags, Path(tmp) / "server.log") as server:
         bench = subprocess.Popen(
-            [sys.executable, "-m", "loom.entrypoints.cli", "bench", "run", "--base-url",
+            [sys.executable, "-m", "loom.cli", "bench", "run", "--base-url",
              server.url, "--trace", args.trace, "--rate", "inf", "--max-concurrency",
              str(args.concurrency), "--duration", str(args.seconds + 30),
              "--out", str(Path(tmp) / "run.json")], stdout=subprocess.DEVNULL)

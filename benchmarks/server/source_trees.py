@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-SERVE = f"{sys.executable} -m loom.entrypoints.cli serve --port {{port}}"
+SERVE = f"{sys.executable} -m loom.cli serve --port {{port}}"
 
 
 def add_src_argument(parser: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ one or more source trees (each with flags of its own if need be) side by side, t
     python benchmarks/server/startup.py --src old=/tmp/wt-base/src --src new=src --rounds 3
     python benchmarks/server/startup.py --src thread=src=--engine-in-process --src process=src
 
-Each run is a fresh server process (`python -m loom.entrypoints.cli serve`) with that tree
+Each run is a fresh server process (`python -m loom.cli serve`) with that tree
 first on PYTHONPATH. One untimed start per tree first builds its C++ kernels. Memory is the
 VmHWM (peak resident) and VmRSS from /proc once it answers, summed over the server's
 process tree (with an engine process, two peaks added: an upper bound of the tree's).

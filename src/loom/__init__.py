@@ -5,12 +5,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from loom.version import __version__
+
 if TYPE_CHECKING:
     from loom.entrypoints.llm import LLM
     from loom.outputs import CompletionOutput, RequestOutput
     from loom.sampling import SamplingParams
-
-__version__ = "0.1.0"
 
 # Before anything loads torch: libgomp reads its wait policy only then (loom/threads.py: why).
 from loom.threads import default_wait_policy as _default_wait_policy  # noqa: E402

@@ -17,8 +17,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import replace
 
-from loom.bench.tokens import PromptSynth
-from loom.bench.trace import Trace
+from loom.workload.tokens import PromptSynth
+from loom.workload.trace import Trace
 
 DEFAULT_BLOCK_SIZE = 16  # loom's (and vLLM's) KV block: the unit a prefix cache shares
 

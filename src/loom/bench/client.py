@@ -7,8 +7,8 @@ Only what any OpenAI-compatible server does is assumed: SSE chunks of `choices[0
 `choices[0].delta.content`), an optional usage chunk, `data: [DONE]`; on /v1/responses, typed
 events (`response.output_text.delta`, then `response.completed` or `response.incomplete` with
 the usage, or `error`) and no `[DONE]`. Output lengths are the trace's because the request
-asks for `ignore_eos` with its token budget. Every request ends in exactly one status, so
-nothing a server refuses or breaks goes uncounted.
+asks for `ignore_eos` with its token budget. Every request ends in exactly one status
+(workload/requests.py), so nothing a server refuses or breaks goes uncounted.
 """
 
 from __future__ import annotations
@@ -17,62 +17,16 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from loom.bench.trace import TraceRequest
-
-OK, CANCELLED, REJECTED, ERROR, TIMEOUT = "ok", "cancelled", "rejected", "error", "timeout"
+from loom.workload.requests import CANCELLED, ERROR, OK, REJECTED, TIMEOUT, RequestResult
+from loom.workload.trace import TraceRequest
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
              "responses": "/v1/responses"}
 RESPONSES_ENDS = ("response.completed", "response.incomplete")  # the stream's last event
-
-
-@dataclass
-class RequestResult:
-    """Client-side timings (seconds) of one request. `scheduled_s`/`start_s` are offsets from
-    the run's start: when the arrival process wanted it sent, and when it was."""
-
-    id: str | None
-    cls: str
-    prompt_len: int | None
-    max_tokens: int
-    scheduled_s: float
-    start_s: float = 0.0
-    status: str = ERROR
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    itls_s: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    http_status: int | None = None
-    retry_after: str | None = None
-    error: str | None = None
-    tenant: str | None = None
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first, as vllm bench serve defines it."""
-        if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
-
-    def to_json(self) -> dict[str, Any]:
-        """A shallow dict (asdict deep-copies every field: the bulk of writing a large
-        simulated run); `itls_s` is shared with the result, not copied."""
-        out = dict(self.__dict__)
-        out["class"] = out.pop("cls")
-        out["tpot_s"] = self.tpot_s
-        return out
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> RequestResult:
-        obj = dict(obj)
-        obj["cls"] = obj.pop("class")
-        obj.pop("tpot_s", None)
-        return cls(**obj)
 
 
 def completion_payload(request: TraceRequest, model: str,

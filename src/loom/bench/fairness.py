@@ -11,11 +11,12 @@ alike and 1/n when one group takes all the delay.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
-from loom.bench.client import OK, RequestResult
+from loom.workload.jsonview import JsonView
+from loom.workload.requests import OK, RequestResult
 
 BEST = 5  # percentile of the run's speeds taken as "ideal"
 
@@ -48,30 +49,54 @@ def slowdown(r: RequestResult, speeds: tuple[float, float]) -> float | None:
     return max(1.0, r.e2e_s / ideal) if ideal > 0 else None
 
 
+@dataclass(frozen=True)
+class Slowdowns(JsonView):
+    """One group's requests and how much slower than their ideal they were served."""
+
+    requests: int
+    completed: int
+    mean_slowdown: float | None
+    p95_slowdown: float | None
+
+
 def by_group(requests: list[RequestResult], key: Callable[[RequestResult], str | None],
-             speeds: tuple[float, float]) -> dict[str, dict[str, Any]]:
+             speeds: tuple[float, float]) -> dict[str, Slowdowns]:
     """Mean and p95 slowdown and counts per group (requests whose key is None are left out)."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, Slowdowns] = {}
     for name in sorted({k for r in requests if (k := key(r)) is not None}):
         members = [r for r in requests if key(r) == name]
         values = [s for r in members if (s := slowdown(r, speeds)) is not None]
-        out[name] = {"requests": len(members), "completed": len(values),
-                     "mean_slowdown": float(np.mean(values)) if values else None,
-                     "p95_slowdown": float(np.percentile(values, 95)) if values else None}
+        out[name] = Slowdowns(len(members), len(values),
+                              float(np.mean(values)) if values else None,
+                              float(np.percentile(values, 95)) if values else None)
     return out
 
 
-def fairness(requests: list[RequestResult]) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class Fairness(JsonView):
+    """Slowdowns per request class and per tenant, and Jain's index over each (None with
+    fewer than two groups)."""
+
+    ideal_prefill_ms_per_token: float
+    ideal_tpot_ms: float
+    by_class: dict[str, Slowdowns]
+    jain_class: float | None
+    by_tenant: dict[str, Slowdowns]
+    jain_tenant: float | None
+
+
+def fairness(requests: list[RequestResult]) -> Fairness | None:
     """Per-class and per-tenant slowdowns and their Jain indices; None when nothing
     completed."""
     speeds = ideal_speeds(requests)
     if speeds is None:
         return None
-    out: dict[str, Any] = {"ideal_prefill_ms_per_token": 1000 * speeds[0],
-                           "ideal_tpot_ms": 1000 * speeds[1]}
-    for name, key in (("class", lambda r: r.cls), ("tenant", lambda r: r.tenant)):
-        groups = by_group(requests, key, speeds)
-        means = [g["mean_slowdown"] for g in groups.values() if g["mean_slowdown"] is not None]
-        out[f"by_{name}"] = groups
-        out[f"jain_{name}"] = jain(means) if len(means) > 1 else None
-    return out
+    by_class = by_group(requests, lambda r: r.cls, speeds)
+    by_tenant = by_group(requests, lambda r: r.tenant, speeds)
+    return Fairness(1000 * speeds[0], 1000 * speeds[1], by_class, _jain_of(by_class),
+                    by_tenant, _jain_of(by_tenant))
+
+
+def _jain_of(groups: dict[str, Slowdowns]) -> float | None:
+    means = [g.mean_slowdown for g in groups.values() if g.mean_slowdown is not None]
+    return jain(means) if len(means) > 1 else None

@@ -1,6 +1,7 @@
-"""Traces from production logs: `loom bench trace --from-log FILE --format FORMAT`.
+"""Traces from outside data: production logs (`loom bench trace --from-log FILE --format
+FORMAT`) and ShareGPT-style conversations (`--from-sharegpt FILE`).
 
-Three formats, each read from its published columns:
+Three log formats, each read from its published columns:
 
 - `openai`: JSONL of logged requests, one per line: a timestamp (`timestamp`, `created` or
   `time`: epoch seconds or milliseconds, or ISO 8601), the request body (under `request` or
@@ -26,6 +27,7 @@ import csv
 import datetime
 import json
 import operator
+import random
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -38,8 +40,9 @@ from loom.bench.anonymize import (
     block_hashes,
     shared_prefix_lens,
 )
-from loom.bench.tokens import PromptSynth
-from loom.bench.trace import TRACE_VERSION, Trace, TraceRequest
+from loom.workload.mix import ArrivalSpec, CancelSpec, drawn_header
+from loom.workload.tokens import PromptSynth
+from loom.workload.trace import Trace, TraceRequest, decode, header, jsonl_records
 
 FORMATS = ("openai", "azure", "mooncake")
 DEFAULT_RULES = "rag:prefix_len>=256,long:prompt_len>=500,chat:*"
@@ -138,28 +141,17 @@ def import_log(path: str | Path, fmt: str, synth: PromptSynth, classify: Classif
                                                            record.prompt_len, block_size))
             request.prompt_len = synth.count(request.prompt)
         requests.append(request)
-    header = {"format": "loom-trace", "version": TRACE_VERSION, "kind": "log", "seed": seed,
-              "num_requests": len(requests), "tokenizer": tokenizer_name,
-              "token_counts": "prompt_len/max_tokens in the tokenizer's tokens, no special tokens",
-              "source": {"format": fmt, "file": Path(path).name, "time_scale": time_scale,
-                         "classify": classify.text,
-                         **({"hash_block_size": hash_block_size} if fmt == "mooncake" else {})}}
-    return Trace(requests, header)
+    made = header("log", seed, len(requests), tokenizer_name)
+    made["source"] = {"format": fmt, "file": Path(path).name, "time_scale": time_scale,
+                      "classify": classify.text,
+                      **({"hash_block_size": hash_block_size} if fmt == "mooncake" else {})}
+    return Trace(requests, made)
 
 
 # -- readers -----------------------------------------------------------------------------------
 
 def _jsonl(path: str | Path) -> Iterable[tuple[int, dict[str, Any]]]:
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not JSON ({e})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object (a logged "
-                                 f"request), got {type(obj).__name__}")
-            yield number, obj
+    return jsonl_records(decode(Path(path).read_bytes(), path), path, "a logged request")
 
 
 def _seconds(value: Any, where: str) -> float:
@@ -279,3 +271,65 @@ def _mooncake(path: str | Path, block_size: int) -> list[Record]:
         records.append(Record(float(stamp) / 1000, max(1, length), max(1, output),
                               blocks=tuple(hash_ids)))
     return records
+
+
+# -- ShareGPT ---------------------------------------------------------------------------------
+
+def import_sharegpt(path: str | Path, n: int | None, seed: int, synth: PromptSynth,
+                    arrivals: ArrivalSpec, cancels: CancelSpec, tokenizer_name: str,
+                    max_prompt_len: int = 1024, max_total_len: int = 2048) -> Trace:
+    """ShareGPT-style conversations -> trace: the first user turn is the prompt, the token
+    count of the reply after it the output length. Filters as `vllm bench serve` does:
+    prompt and reply >= 4 tokens, prompt <= max_prompt_len, both <= max_total_len."""
+    rng = random.Random(seed)
+    pairs = [p for p in (_first_exchange(c) for c in _read_conversations(path)) if p]
+    rng.shuffle(pairs)
+    requests: list[TraceRequest] = []
+    for prompt, reply in pairs:
+        if n is not None and len(requests) >= n:
+            break
+        prompt_len, output_len = synth.count(prompt), synth.count(reply)
+        if (prompt_len < 4 or output_len < 4 or prompt_len > max_prompt_len
+                or prompt_len + output_len > max_total_len):
+            continue
+        requests.append(TraceRequest(max_tokens=output_len, prompt=prompt, prompt_len=prompt_len,
+                                     cls="sharegpt", id=f"sharegpt-{len(requests):05d}"))
+    if not requests:
+        raise ValueError(f"{path}: no usable conversations")
+    for r, arrival in zip(requests, arrivals.times(len(requests), rng)):
+        r.arrival_s, r.cancel_after_s = arrival, cancels.draw(rng)
+    made = drawn_header("sharegpt", seed, len(requests), tokenizer_name, arrivals, cancels)
+    made["source"] = {"file": Path(path).name, "max_prompt_len": max_prompt_len,
+                      "max_total_len": max_total_len}
+    return Trace(requests, made)
+
+
+def _read_conversations(path: str | Path) -> Iterable[Any]:
+    """A JSON list or JSONL of conversations; a line that is not JSON is named."""
+    text = decode(Path(path).read_bytes(), path)
+    if text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
+    return [obj for _, obj in jsonl_records(text, path)]
+
+
+def _first_exchange(conversation: Any) -> tuple[str, str] | None:
+    """(first user turn, the assistant reply after it) of a ShareGPT or messages record;
+    None for anything else (a record of another shape is skipped, not a crash)."""
+    if not isinstance(conversation, dict):
+        return None
+    turns = conversation.get("conversations") or conversation.get("messages") or []
+    if not isinstance(turns, list):
+        return None
+    turns = [t for t in turns if isinstance(t, dict)]
+    for turn, reply in zip(turns, turns[1:]):
+        role = turn.get("from", turn.get("role"))
+        reply_role = reply.get("from", reply.get("role"))
+        if role in ("human", "user") and reply_role in ("gpt", "assistant", "chatgpt"):
+            prompt, answer = turn.get("value", turn.get("content")), reply.get(
+                "value", reply.get("content"))
+            if isinstance(prompt, str) and isinstance(answer, str):
+                return prompt, answer
+    return None

@@ -4,6 +4,7 @@ configuration, and a timeline of running / waiting / KV usage from the /metrics 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,30 +14,34 @@ matplotlib.use("Agg")  # files only: no display on servers and in tests
 
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
+from loom.workload.results import RunResult  # noqa: E402
 
-def _x(run: dict[str, Any]) -> float:
+Series = dict[str, list[RunResult]]  # configuration -> its runs
+Value = Callable[[RunResult], float | None]
+
+
+def _x(run: RunResult) -> float:
     """The load axis: configured rate, else concurrency (closed loop), else measured rate."""
-    rate = run["request_rate"]
+    rate = run.request_rate
     if isinstance(rate, (int, float)) and math.isfinite(rate):
         return rate
-    if rate == "inf" and run.get("max_concurrency"):
-        return run["max_concurrency"]
-    return run["offered_rate"]
+    if run.closed_loop and run.max_concurrency:
+        return run.max_concurrency
+    return run.offered_rate
 
 
-def _seconds(key: str) -> Any:
-    """A run -> its figure `key` (ms) in seconds."""
-    return lambda run: None if run[key] is None else run[key] / 1000
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
 
 
-def _x_label(series: dict[str, list[dict[str, Any]]]) -> str:
+def _x_label(series: Series) -> str:
     runs = [r for rs in series.values() for r in rs]
-    if all(r["request_rate"] == "inf" and r.get("max_concurrency") for r in runs):
+    if all(r.closed_loop and r.max_concurrency for r in runs):
         return "concurrent requests (closed loop)"
     return "offered load (req/s)"
 
 
-def _lines(ax: Any, series: dict[str, list[dict[str, Any]]], value: Any, ylabel: str) -> None:
+def _lines(ax: Any, series: Series, value: Value, ylabel: str) -> None:
     for name, runs in series.items():
         points = sorted((_x(r), value(r)) for r in runs if value(r) is not None)
         if points:
@@ -45,14 +50,14 @@ def _lines(ax: Any, series: dict[str, list[dict[str, Any]]], value: Any, ylabel:
     ax.grid(alpha=0.3)
 
 
-def plot_sweeps(series: dict[str, list[dict[str, Any]]], out_dir: Path) -> list[Path]:
+def plot_sweeps(series: Series, out_dir: Path) -> list[Path]:
     """throughput.png and latency.png for {configuration name: its runs}."""
     out_dir.mkdir(parents=True, exist_ok=True)
     xlabel = _x_label(series)
     paths = []
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    _lines(ax1, series, lambda r: r["request_throughput"], "completed req/s")
-    _lines(ax2, series, lambda r: r["output_throughput"], "output tok/s")
+    _lines(ax1, series, lambda r: r.figures.request_throughput, "completed req/s")
+    _lines(ax2, series, lambda r: r.figures.output_throughput, "output tok/s")
     if xlabel.startswith("offered"):
         top = max((_x(r) for rs in series.values() for r in rs), default=1)
         ax1.plot([0, top], [0, top], ls=":", color="grey", label="offered")
@@ -60,22 +65,22 @@ def plot_sweeps(series: dict[str, list[dict[str, Any]]], out_dir: Path) -> list[
     paths.append(_save(fig, (ax1, ax2), xlabel, out_dir / "throughput.png"))
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    _lines(ax1, series, _seconds("p95_ttft_ms"), "p95 TTFT (s)")
-    _lines(ax2, series, _seconds("p95_e2el_ms"), "p95 end-to-end (s)")
+    _lines(ax1, series, lambda r: _seconds(r.figures.ttft.p95), "p95 TTFT (s)")
+    _lines(ax2, series, lambda r: _seconds(r.figures.e2el.p95), "p95 end-to-end (s)")
     fig.suptitle("Tail latency vs offered load")
     paths.append(_save(fig, (ax1, ax2), xlabel, out_dir / "latency.png"))
     return paths
 
 
-def plot_timeline(name: str, runs: list[dict[str, Any]], path: Path) -> Path | None:
+def plot_timeline(name: str, runs: list[RunResult], path: Path) -> Path | None:
     """Running, waiting (and the client's in-flight count) and KV usage over a sweep's runs,
     laid end to end; None when no run has a timeline."""
-    if not any(r.get("timeline") for r in runs):
+    if not any(r.timeline for r in runs):
         return None
     fig, axes = plt.subplots(3, 1, figsize=(11, 7), sharex=True)
     offset = 0.0
     for run in runs:
-        timeline = run.get("timeline") or []
+        timeline = run.timeline
         t = [offset + e["t"] for e in timeline]
         for ax, key, label in ((axes[0], "running", "running"),
                                (axes[0], "client_in_flight", "client in flight"),
@@ -87,9 +92,9 @@ def plot_timeline(name: str, runs: list[dict[str, Any]], path: Path) -> Path | N
                         color={"running": "C0", "client_in_flight": "C7", "waiting": "C1",
                                "kv_usage": "C2"}[key])
         axes[0].axvline(offset, color="grey", lw=0.5)
-        axes[0].annotate(run.get("label") or "", (offset, 1), xycoords=("data", "axes fraction"),
+        axes[0].annotate(run.label or "", (offset, 1), xycoords=("data", "axes fraction"),
                          fontsize=7, rotation=90, va="top")
-        offset += max([e["t"] for e in timeline], default=run["duration"]) + 1.0
+        offset += max([e["t"] for e in timeline], default=run.duration) + 1.0
     axes[0].set_ylabel("requests")
     axes[0].legend(loc="upper right", fontsize=8)
     axes[1].set_ylabel("waiting")

@@ -12,12 +12,16 @@ difference whose interval holds 0 is noise.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from loom.bench.results import Slo, per_class, request_figures, requests_of
+from loom.workload.figures import per_class, request_figures
+from loom.workload.jsonview import JsonView
+from loom.workload.results import RunResult, SweepResult, as_runs, as_sweep
+from loom.workload.slo import Slo
 
 # The figures a scorecard cell shows with its interval; "higher" says which way is better.
 FIGURES: dict[str, bool] = {
@@ -47,88 +51,95 @@ def difference_ci(a: list[float], b: list[float], seed: int = 0) -> tuple[float,
     return float(np.percentile(diffs, tail)), float(np.percentile(diffs, 100 - tail))
 
 
-def aggregate(runs: list[dict[str, Any]], slo: Slo | None = None) -> dict[str, Any]:
+def aggregate(runs: Sequence[RunResult | Mapping[str, Any]],
+              slo: Slo | None = None) -> RunResult:
     """One run result standing for K repeats of the same point: counts over all their
     requests, each figure of FIGURES the median of the repeats' with its interval in `ci`,
     the per-repeat figures in `repeat_figures`, the first repeat's timeline."""
+    runs = as_runs(runs)
     if len(runs) == 1:
         return runs[0]
-    requests = [r for run in runs for r in requests_of(run)]
-    total = sum(run["duration"] for run in runs)
-    out = {**runs[0], **request_figures(requests, total, slo)}
-    out["per_class"] = per_class(requests, total, slo)
-    out["requests"] = [r for run in runs for r in run["requests"]]
-    out["duration"] = total
-    out["repeats"] = len(runs)
-    out["repeat_figures"] = [_figures(run) for run in runs]
-    out["ci"] = {}
+    requests = [r for run in runs for r in run.requests]
+    total = sum(run.duration for run in runs)
+    medians, ci = {}, {}
     for key in FIGURES:
-        values = [run[key] for run in runs if run.get(key) is not None]
+        values = [v for run in runs if (v := run.figures.get(key)) is not None]
         if values:
-            out[key] = float(np.median(values))
-            out["ci"][key] = list(bootstrap_ci(values))
-    preemptions = [run["preemptions"] for run in runs if run.get("preemptions") is not None]
-    out["preemptions"] = sum(preemptions) if preemptions else None
-    peaks = [run["kv_cache_usage_peak"] for run in runs
-             if run.get("kv_cache_usage_peak") is not None]
-    out["kv_cache_usage_peak"] = max(peaks) if peaks else None
-    limited = [run for run in runs if (run.get("client") or {}).get("limited")]
-    if limited:
-        out["client"] = limited[0]["client"]
-    return out
+            medians[key] = float(np.median(values))
+            ci[key] = list(bootstrap_ci(values))
+    preemptions = [p for run in runs if (p := run.metrics.preemptions) is not None]
+    peaks = [p for run in runs if (p := run.metrics.kv_cache_usage.peak) is not None]
+    kv = replace(runs[0].metrics.kv_cache_usage, peak=max(peaks) if peaks else None)
+    metrics = replace(runs[0].metrics, preemptions=sum(preemptions) if preemptions else None,
+                      kv_cache_usage=kv)
+    client = next((run.client for run in runs if run.client.limited), runs[0].client)
+    return replace(runs[0], figures=request_figures(requests, total, slo).replaced(medians),
+                   per_class=per_class(requests, total, slo), requests=requests,
+                   duration=total, metrics=metrics, client=client, repeats=len(runs),
+                   repeat_figures=[_figures(run) for run in runs], ci=ci)
 
 
-def _figures(run: dict[str, Any]) -> dict[str, Any]:
-    keep = ("date", "duration", "completed", "num_prompts", "preemptions", *FIGURES)
-    out = {k: run.get(k) for k in keep}
-    out["client_limited"] = bool((run.get("client") or {}).get("limited"))
-    return out
+def _figures(run: RunResult) -> dict[str, Any]:
+    """What the scorecard and checklist read of one repeat."""
+    return {"date": run.origin.date, "duration": run.duration, "completed": run.figures.completed,
+            "num_prompts": run.figures.num_prompts, "preemptions": run.metrics.preemptions,
+            **{key: run.figures.get(key) for key in FIGURES},
+            "client_limited": run.client.limited}
 
 
-def values_of(run: dict[str, Any], key: str) -> list[float]:
+def values_of(run: RunResult, key: str) -> list[float]:
     """The per-repeat values of a figure (one value for a run without repeats)."""
-    if run.get("repeat_figures"):
-        return [f[key] for f in run["repeat_figures"] if f.get(key) is not None]
-    return [run[key]] if run.get(key) is not None else []
+    if run.repeat_figures:
+        return [f[key] for f in run.repeat_figures if f.get(key) is not None]
+    value = run.figures.get(key)
+    return [] if value is None else [value]
 
 
-def point(run: dict[str, Any]) -> tuple[Any, Any]:
-    return run["request_rate"], run.get("max_concurrency")
-
-
-def merge_sweeps(sweeps: list[dict[str, Any]], slo: Slo | None = None) -> dict[str, Any]:
+def merge_sweeps(sweeps: Sequence[SweepResult | Mapping[str, Any]],
+                 slo: Slo | None = None) -> SweepResult:
     """K sweeps of one configuration -> one sweep whose runs aggregate each point's repeats
     (a point that only some repeats reached aggregates those)."""
+    sweeps = [as_sweep(s) for s in sweeps]
     if len(sweeps) == 1:
         return sweeps[0]
-    by_point: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    by_point: dict[tuple[Any, Any], list[RunResult]] = {}
     for s in sweeps:
-        for run in s["runs"]:
-            by_point.setdefault(point(run), []).append(run)
-    runs = [aggregate(group, slo) for group in by_point.values()]
-    runs.sort(key=lambda r: (r["max_concurrency"] or 0, _rate(r)))
-    knees = [s["knee_rate"] for s in sweeps if s.get("knee_rate") is not None]
-    return {**sweeps[0], "runs": runs, "repeats": len(sweeps),
-            "knee_rate": float(np.median(knees)) if knees else None,
-            "knee_rates": [s.get("knee_rate") for s in sweeps]}
+        for run in s.runs:
+            by_point.setdefault(run.point, []).append(run)
+    runs = sorted((aggregate(group, slo) for group in by_point.values()),
+                  key=lambda r: (r.max_concurrency or 0, r.rate_order))
+    knees = [s.knee_rate for s in sweeps if s.knee_rate is not None]
+    return replace(sweeps[0], runs=runs, repeats=len(sweeps),
+                   knee_rate=float(np.median(knees)) if knees else None,
+                   knee_rates=[s.knee_rate for s in sweeps])
 
 
-def _rate(run: dict[str, Any]) -> float:
-    rate = run["request_rate"]
-    return rate if isinstance(rate, (int, float)) else math.inf
+@dataclass(frozen=True)
+class Difference(JsonView):
+    """One figure of one configuration against the first at the same point."""
+
+    point: tuple[Any, Any]
+    config: str
+    baseline: str
+    figure: str
+    baseline_median: float
+    median: float
+    difference_ci: tuple[float, float]
+    verdict: str  # "noise" (the interval holds 0), "better" or "worse"
 
 
-def differences(groups: list[tuple[str, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+def differences(groups: Sequence[tuple[str, Sequence[RunResult | Mapping[str, Any]]]]
+                ) -> list[Difference]:
     """Each configuration against the first at the same points, figure by figure: the
     difference of medians, its interval, and "noise" when the interval holds 0 (needs
     repeats on both sides)."""
     if len(groups) < 2:
         return []
-    base_name, base_runs = groups[0]
+    base_name, base_runs = groups[0][0], as_runs(groups[0][1])
     out = []
     for name, runs in groups[1:]:
-        for run in runs:
-            base = next((b for b in base_runs if point(b) == point(run)), None)
+        for run in as_runs(runs):
+            base = next((b for b in base_runs if b.point == run.point), None)
             if base is None:
                 continue
             for key, higher in FIGURES.items():
@@ -138,8 +149,6 @@ def differences(groups: list[tuple[str, list[dict[str, Any]]]]) -> list[dict[str
                 low, high = difference_ci(a, b)
                 better = (float(np.median(b)) > float(np.median(a))) == higher
                 verdict = "noise" if low <= 0 <= high else ("better" if better else "worse")
-                out.append({"point": point(run), "config": name, "baseline": base_name,
-                            "figure": key, "baseline_median": float(np.median(a)),
-                            "median": float(np.median(b)), "difference_ci": [low, high],
-                            "verdict": verdict})
+                out.append(Difference(run.point, name, base_name, key, float(np.median(a)),
+                                      float(np.median(b)), (low, high), verdict))
     return out

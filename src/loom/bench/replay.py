@@ -8,13 +8,9 @@ timeline the plots and `loom diagnose` read.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime
 import gc
 import math
-import shlex
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -23,96 +19,19 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from loom.bench import results as R
-from loom.bench.arrivals import TRACE_RATE, Burst, RampUp, schedule
-from loom.bench.client import ENDPOINTS, RequestResult, send
-from loom.bench.scrape import Snapshot, parse_metrics
+from loom.bench.client import ENDPOINTS, send
+from loom.bench.scrape import Snapshot, parse_metrics, server_figures
 from loom.bench.sysinfo import hardware, process_memory
-from loom.bench.trace import Trace, TraceRequest
 from loom.config import flag_help
+from loom.workload.arrivals import schedule
+from loom.workload.load import Load
+from loom.workload.monitoring import Sample, ServerMemory, client_figures
+from loom.workload.requests import RequestResult
+from loom.workload.results import Origin, RunResult, utc_now
+from loom.workload.slo import Slo
+from loom.workload.trace import Trace, TraceRequest
 
-
-def parse_rate(text: str) -> float | str:
-    """A --rate: requests/s > 0, 'inf' (all at once) or 'trace' (as recorded)."""
-    if text in (TRACE_RATE, "inf"):
-        return text if text == TRACE_RATE else math.inf
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"a rate is requests/s > 0, 'inf' or 'trace'; got "
-                                         f"{text!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class Load:
-    """The offered load of one run.
-
-    rate: requests/s, math.inf, or "trace" (the trace's arrival_s). max_concurrency caps
-    requests in flight; with rate inf it is the closed loop of N users. Without duration_s
-    or num_requests the trace is sent once; with them it is cycled as far as needed.
-    """
-
-    CLI_GROUP = "Load"
-
-    rate: float | str = field(default=math.inf, metadata=flag_help(
-        "offered req/s, 'inf' (all at once) or 'trace' (arrival_s as recorded); give it, "
-        "--max-concurrency, or both", parse=parse_rate))
-    burstiness: float = field(default=1.0, metadata=flag_help(
-        "gamma shape of inter-arrival gaps: 1 = Poisson, < 1 burstier"))
-    max_concurrency: int | None = field(default=None, metadata=flag_help(
-        "requests in flight at most; alone (rate inf): closed loop of N users; default: no "
-        "cap"))
-    duration_s: float | None = field(default=None, metadata=flag_help(
-        "seconds to keep sending (cycling the trace); in-flight ones finish; default: send "
-        "the trace (or -n requests) once", flag="--duration"))
-    burst: Burst | None = field(default=None, metadata=flag_help(
-        "a burst phase: FACTOR times the rate for SECONDS, from START (default 10 s), e.g. "
-        "5x:30s or 5x:30s@20s; default: none", parse=Burst.parse))
-    ramp_up: RampUp | None = field(default=None, metadata=flag_help(
-        "grow the rate from 0 over the first seconds, e.g. linear:60s; default: full rate "
-        "from the start", parse=RampUp.parse))
-    over_saturation_s: float | None = field(default=None, metadata=flag_help(
-        "stop sending at a load once the requests in flight have kept growing for this many "
-        "seconds (choose it above a request's E2E); the sweep stops there; default: never",
-        flag="--over-saturation-stop"))
-    num_requests: int | None = None  # flag shared with `loom bench trace`: see bench/cli.py
-    seed: int = 0  # likewise
-
-    def __post_init__(self) -> None:
-        """Refuse a load that would send nothing or divide by zero, naming the flag, before
-        any connection is opened."""
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
-        if not 0 < self.burstiness < math.inf:
-            raise ValueError(f"--burstiness must be > 0, got {self.burstiness:g}")
-        for flag, value in (("--duration", self.duration_s),
-                            ("--over-saturation-stop", self.over_saturation_s)):
-            if value is not None and not 0 < value < math.inf:
-                raise ValueError(f"{flag} must be > 0 s, got {value:g}")
-        if self.num_requests is not None and self.num_requests < 1:
-            raise ValueError(f"-n must be >= 1, got {self.num_requests}")
-
-    def check_runnable(self, trace: Trace) -> None:
-        """Refuse what only the schedule would find, mid-run: a burst or ramp-up without a
-        finite rate, an unlimited rate that never stops, --rate trace without arrivals."""
-        if self.rate == math.inf and (self.burst or self.ramp_up):
-            raise ValueError("--burst and --ramp-up need a finite --rate (or --rate trace)")
-        if self.rate == math.inf and self.max_concurrency is None and self.duration_s:
-            raise ValueError("an unlimited rate with --duration never stops sending; "
-                             "give --rate or --max-concurrency")
-        if self.rate == TRACE_RATE and any(r.arrival_s is None for r in trace.requests):
-            raise ValueError("--rate trace needs arrival_s on every request of the trace")
-
-    def describe(self) -> dict[str, Any]:
-        rate = self.rate if self.rate == TRACE_RATE or math.isfinite(self.rate) else "inf"
-        return {"request_rate": rate, "burstiness": self.burstiness,
-                "max_concurrency": self.max_concurrency, "duration_limit_s": self.duration_s,
-                "num_requests_limit": self.num_requests, "seed": self.seed,
-                "burst": self.burst.describe() if self.burst else None,
-                "ramp_up": self.ramp_up.describe() if self.ramp_up else None}
+Endpoint = Literal["completions", "chat", "responses"]  # the keys of client.ENDPOINTS
 
 
 @dataclass(frozen=True)
@@ -132,13 +51,12 @@ class Target:
         "seconds between /metrics samples for the timeline", flag="--scrape-interval"))
     request_timeout_s: float = field(default=600.0, metadata=flag_help(
         "seconds before a request counts as failed", flag="--request-timeout"))
-    endpoint: Literal["completions", "chat", "responses"] = field(
-        default="completions", metadata=flag_help(
-            "the API to replay on: completions (/v1/completions), chat (/v1/chat/completions, "
-            "for servers that offer only chat: each prompt is one user message, so the "
-            "server's chat template adds its tokens to every prompt) or responses "
-            "(/v1/responses, OpenAI's Responses API that agent frameworks call: each prompt "
-            "is the input, through the chat template as well)"))
+    endpoint: Endpoint = field(default="completions", metadata=flag_help(
+        "the API to replay on: completions (/v1/completions), chat (/v1/chat/completions, for "
+        "servers that offer only chat: each prompt is one user message, so the server's chat "
+        "template adds its tokens to every prompt) or responses (/v1/responses, OpenAI's "
+        "Responses API that agent frameworks call: each prompt is the input, through the chat "
+        "template as well)"))
 
     def __post_init__(self) -> None:
         """Refuse timeouts that could never be met."""
@@ -247,7 +165,7 @@ class _Monitor:
     def __init__(self, client: httpx.AsyncClient, target: Target, has_metrics: bool) -> None:
         self.client, self.target = client, target
         self.start = time.perf_counter()  # reset when sending starts
-        self.timeline: list[dict[str, Any]] = []
+        self.timeline: list[Sample] = []
         self.in_flight = 0
         self.has_metrics = has_metrics
         self.memory_peak: dict[str, int] | None = None
@@ -277,8 +195,8 @@ class _Monitor:
         return recent[-1] - recent[0] > 2 and sum(d >= 0 for d in steps) >= 0.75 * len(steps)
 
     async def sample(self) -> None:
-        entry: dict[str, Any] = {"t": round(time.perf_counter() - self.start, 3),
-                                 "client_in_flight": self.in_flight}
+        entry: Sample = {"t": round(time.perf_counter() - self.start, 3),
+                         "client_in_flight": self.in_flight}
         if self.has_metrics:
             snap = await scrape(self.client, self.target)
             if snap:  # a scrape that fails mid-run (server too busy) leaves a gap
@@ -312,9 +230,9 @@ def _progress(enabled: bool) -> Progress:
                     console=Console(stderr=True), disable=not enabled)
 
 
-async def replay(trace: Trace, load: Load, target: Target, slo: R.Slo | None = None,
-                 label: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run `trace` at `load` against `target`; returns the run result (see results.py)."""
+async def replay(trace: Trace, load: Load, target: Target, slo: Slo | None = None,
+                 label: str | None = None, progress: bool = True) -> RunResult:
+    """Run `trace` at `load` against `target`; returns the run result."""
     load.check_runnable(trace)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(target.request_timeout_s, connect=30.0)
@@ -322,7 +240,7 @@ async def replay(trace: Trace, load: Load, target: Target, slo: R.Slo | None = N
         server = await probe_server(client, target)
         model = model_name(target, server)
         before = await scrape(client, target)
-        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        date = utc_now()
         monitor = _Monitor(client, target, has_metrics=before is not None)
         # A full garbage collection over a large heap (a process that imported torch) stalls
         # the event loop for a few hundred ms and inflates every timestamp taken meanwhile;
@@ -423,30 +341,17 @@ async def _send_all(client: httpx.AsyncClient, trace: Trace, load: Load, target:
 
 def build_result(sent: list[RequestResult], duration: float, monitor: _Monitor,
                  before: Snapshot | None, after: Snapshot | None, server: dict[str, Any],
-                 model: str, trace: Trace, load: Load, target: Target, slo: R.Slo | None,
-                 label: str | None, date: str) -> dict[str, Any]:
-    result: dict[str, Any] = {
-        "kind": "run", "result_version": R.RESULT_VERSION, "label": label, "date": date,
-        "command": shlex.join(sys.argv), "backend": f"openai-{target.endpoint}",
-        "endpoint": ENDPOINTS[target.endpoint], "base_url": target.base_url, "model_id": model,
-        "tokenizer_id": trace.header.get("tokenizer"), "server": server,
-        "trace": trace.describe(), "hardware": hardware(), **load.describe(),
-        "slo": str(slo) if slo else None, "duration": duration,
-        "offered_rate": R.offered_rate(sent, duration),
-    }
-    result.update(R.request_figures(sent, duration, slo))
-    result.update(R.server_figures(before, after, monitor.timeline))
-    result["server_memory"] = None if monitor.memory_peak is None else {
-        "pid": target.server_pid, "peak_rss_bytes": monitor.memory_peak["rss_bytes"],
-        "peak_hwm_bytes": monitor.memory_peak["hwm_bytes"],
-        "peak_gpu_bytes": monitor.memory_peak["gpu_bytes"]}
-    result["client"] = R.client_figures(sent, monitor.timeline,
-                                        getattr(monitor, "client_stats", None),
-                                        getattr(monitor, "loop_lags_s", None),
-                                        closed_loop=load.max_concurrency is not None)
-    result["over_saturated_at_s"] = getattr(monitor, "over_saturated_at", None)
-    result["per_class"] = R.per_class(sent, duration, slo)
-    result["errors"] = sorted({r.error for r in sent if r.error})[:20]
-    result["timeline"] = monitor.timeline
-    result["requests"] = [r.to_json() for r in sent]
-    return result
+                 model: str, trace: Trace, load: Load, target: Target, slo: Slo | None,
+                 label: str | None, date: str) -> RunResult:
+    peak = monitor.memory_peak
+    origin = Origin(date, server=server, backend=f"openai-{target.endpoint}",
+                    endpoint=ENDPOINTS[target.endpoint], base_url=target.base_url,
+                    hardware=hardware(), model_id=model)
+    return RunResult.of(
+        sent, duration, load, trace, slo, label, monitor.timeline, origin,
+        metrics=server_figures(before, after, monitor.timeline),
+        server_memory=None if peak is None else ServerMemory(
+            target.server_pid, peak["rss_bytes"], peak["hwm_bytes"], peak["gpu_bytes"]),
+        client=client_figures(sent, monitor.timeline, monitor.client_stats,
+                              monitor.loop_lags_s, closed_loop=load.max_concurrency is not None),
+        over_saturated_at_s=monitor.over_saturated_at)

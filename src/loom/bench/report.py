@@ -15,14 +15,12 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from loom.bench.checklist import Answer, answer
 from loom.bench.diagnose import diagnose
 from loom.bench.fairness import fairness
-from loom.bench.overload import burst_outcomes
+from loom.bench.overload import PHASES, burst_outcomes
 from loom.bench.plots import plot_fairness, plot_sweeps, plot_timeline
-from loom.bench.results import Slo, groups, load_result, requests_of
 from loom.bench.scorecard import (
     class_rows,
     difference_rows,
@@ -30,8 +28,11 @@ from loom.bench.scorecard import (
     rows,
     shown_label,
 )
+from loom.workload.results import RunResult, groups, load_result
+from loom.workload.slo import Slo, parse_slo
 
 Table = list[dict[str, str]]
+Named = list[tuple[str, list[RunResult]]]
 
 
 def write_decision_report(path: Path, slo: Slo | None = None,
@@ -44,8 +45,7 @@ def write_decision_report(path: Path, slo: Slo | None = None,
     grouped = groups(obj)
     runs = [run for _, rs, _ in grouped for run in rs]
     if slo is None:
-        text = next((r["slo"] for r in runs if r.get("slo")), None)
-        slo = Slo.parse(text) if text else None
+        slo = parse_slo(next((r.slo for r in runs if r.slo), None))
     chosen, answers = answer(grouped, main, slo, gpu_cost_per_hour)
     named = [(name, rs) for name, rs, _ in grouped]
     sections = [
@@ -65,19 +65,18 @@ def write_decision_report(path: Path, slo: Slo | None = None,
     return html_path, md_path
 
 
-def fairness_rows(named: list[tuple[str, list[dict[str, Any]]]]) -> Table:
+def fairness_rows(named: Named) -> Table:
     out = []
     for name, runs in named:
-        f = fairness([r for run in runs for r in requests_of(run)])
+        f = fairness([r for run in runs for r in run.requests])
         if f is None:
             continue
-        for kind in ("class", "tenant"):
-            for group, g in f[f"by_{kind}"].items():
+        for kind, by, index in (("class", f.by_class, f.jain_class),
+                                ("tenant", f.by_tenant, f.jain_tenant)):
+            for group, g in by.items():
                 out.append({"Configuration": name, kind.title(): group,
-                            "Requests": str(g["requests"]),
-                            "mean slowdown": _x(g["mean_slowdown"]),
-                            "p95 slowdown": _x(g["p95_slowdown"]),
-                            f"Jain ({kind})": _x(f[f"jain_{kind}"])})
+                            "Requests": str(g.requests), "mean slowdown": _x(g.mean_slowdown),
+                            "p95 slowdown": _x(g.p95_slowdown), f"Jain ({kind})": _x(index)})
     return out
 
 
@@ -85,28 +84,28 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def burst_rows(runs: list[dict[str, Any]], slo: Slo | None) -> Table:
+def burst_rows(runs: list[RunResult], slo: Slo | None) -> Table:
     out = []
     for run in runs:
         o = burst_outcomes(run, slo)
         if o is None:
             continue
-        for phase in ("before", "during", "after"):
-            p = o[phase]
-            out.append({"Run": shown_label(run), "Phase": phase, "Sent": str(p["sent"]),
-                        "Answered": str(p["completed"]), "Refused": str(p["rejected"]),
-                        "Timed out": str(p["timeouts"]), "Cancelled": str(p["cancelled"]),
-                        "Errors": str(p["errors"]),
-                        "p95 TTFT s": "-" if p["p95_ttft_ms"] is None
-                        else f"{p['p95_ttft_ms'] / 1000:.2f}",
-                        "Response": o["response"] if phase == "during" else "",
-                        "Recovery s": ("-" if o["recovery_s"] is None
-                                       else f"{o['recovery_s']:.1f}") if phase == "after" else "",
-                        "Paid most": o["paid"].get("class", "-") if phase == "during" else ""})
+        for phase in PHASES:
+            p = getattr(o, phase)
+            out.append({"Run": shown_label(run), "Phase": phase, "Sent": str(p.sent),
+                        "Answered": str(p.completed), "Refused": str(p.rejected),
+                        "Timed out": str(p.timeouts), "Cancelled": str(p.cancelled),
+                        "Errors": str(p.errors),
+                        "p95 TTFT s": "-" if p.p95_ttft_ms is None
+                        else f"{p.p95_ttft_ms / 1000:.2f}",
+                        "Response": o.response if phase == "during" else "",
+                        "Recovery s": ("-" if o.recovery_s is None
+                                       else f"{o.recovery_s:.1f}") if phase == "after" else "",
+                        "Paid most": o.paid.get("class", "-") if phase == "during" else ""})
     return out
 
 
-def _plots(named: list[tuple[str, list[dict[str, Any]]]], out_dir: Path) -> list[tuple[str, Path]]:
+def _plots(named: Named, out_dir: Path) -> list[tuple[str, Path]]:
     """(title, PNG) of every plot: throughput and latency against load, fairness per class,
     one timeline per configuration; written beside the report as report-*.png."""
     plots = []
@@ -116,10 +115,10 @@ def _plots(named: list[tuple[str, list[dict[str, Any]]]], out_dir: Path) -> list
             plots.append((title, Path(shutil.move(path, out_dir / f"report-{path.name}"))))
     slowdowns = {}
     for name, runs in named:
-        f = fairness([r for run in runs for r in requests_of(run)])
+        f = fairness([r for run in runs for r in run.requests])
         if f:
-            slowdowns[name] = {c: g["mean_slowdown"] for c, g in f["by_class"].items()
-                               if g["mean_slowdown"] is not None}
+            slowdowns[name] = {c: g.mean_slowdown for c, g in f.by_class.items()
+                               if g.mean_slowdown is not None}
     if path := plot_fairness(slowdowns, out_dir / "report-fairness.png"):
         plots.append(("Slowdown per request class", path))
     for name, runs in named:
@@ -129,21 +128,20 @@ def _plots(named: list[tuple[str, list[dict[str, Any]]]], out_dir: Path) -> list
     return plots
 
 
-def _context(runs: list[dict[str, Any]], chosen: str, slo: Slo | None) -> list[str]:
+def _context(runs: list[RunResult], chosen: str, slo: Slo | None) -> list[str]:
     first = runs[0]
-    hw = first.get("hardware") or {}
-    dates = sorted(d for r in runs for d in [r.get("date")]
-                   + [f.get("date") for f in r.get("repeat_figures", [])] if d)
-    trace = first.get("trace") or {}
+    hw = first.origin.hardware
+    dates = sorted(d for r in runs for d in [r.origin.date]
+                   + [f.get("date") for f in r.repeat_figures] if d)
+    trace = first.trace
     return [f"Decided on: {chosen}",
             f"SLO: {slo}" if slo else "SLO: none given (latency not judged)",
-            f"Trace: {trace.get('path')} (sha256 {trace.get('sha256')}, "
-            f"{trace.get('num_requests')} requests)",
+            f"Trace: {trace.path} (sha256 {trace.sha256}, {trace.num_requests} requests)",
             f"Host: {hw.get('cpu_model', '?')}, {hw.get('cpu_count', '?')} CPUs, "
             f"{(hw.get('ram_bytes') or 0) / 2**30:.0f} GiB RAM, "
             f"{len(hw.get('gpus') or [])} GPUs",
             f"Measured: {dates[0]} to {dates[-1]}" if dates else "Measured: ?",
-            "Simulated figures included" if any(r.get("simulated") for r in runs)
+            "Simulated figures included" if any(r.simulated for r in runs)
             else "All figures measured"]
 
 

@@ -9,7 +9,7 @@ In a terminal narrower than the table only the key columns are shown (`wide` for
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rich import box
@@ -17,7 +17,12 @@ from rich.console import Console
 from rich.table import Table
 
 from loom.bench.repeats import differences
-from loom.bench.results import Slo, request_figures, requests_of, run_label
+from loom.workload.figures import Figures, Goodput, request_figures
+from loom.workload.results import RunResult, as_runs, run_label
+from loom.workload.slo import Slo
+
+Runs = Sequence[RunResult | Mapping[str, Any]]  # typed runs, or as their files hold them
+Groups = Sequence[tuple[str, Runs]]
 
 # The columns that decide between configurations; they fit an 80-column terminal.
 KEY_COLUMNS = ("Run", "Class", "Offered req/s", "Completed req/s", "Output tok/s", "p95 TTFT s",
@@ -26,10 +31,10 @@ _NARROW_DROPS = {"Scorecard": ("p95 E2E s",)}  # at 80 columns; the per-class ta
 _ALL_COLUMNS_WIDTH = 220
 
 
-def shown_label(run: dict[str, Any]) -> str:
+def shown_label(run: RunResult) -> str:
     """A run's name wherever it is shown; a simulated run says so."""
     label = run_label(run)
-    return f"{label} (simulated)" if run.get("simulated") and "simulated" not in label else label
+    return f"{label} (simulated)" if run.simulated and "simulated" not in label else label
 
 
 def _s(ms: float | None) -> str:
@@ -40,38 +45,34 @@ def _ms(ms: float | None) -> str:
     return "-" if ms is None else f"{ms:.0f}"
 
 
-def _ci(run: dict[str, Any], key: str, fmt: Callable[[Any], str]) -> str:
+def _ci(run: RunResult, key: str, fmt: Callable[[Any], str]) -> str:
     """A figure, and with repeats its median's 95% interval: '1.23 [1.10-1.40]'."""
-    value = run.get(key)
+    value = run.figures.get(key)
     text = "-" if value is None else fmt(value)
-    interval = (run.get("ci") or {}).get(key)
+    interval = run.ci.get(key)
     return f"{text} [{fmt(interval[0])}-{fmt(interval[1])}]" if interval else text
 
 
-def offered(run: dict[str, Any]) -> str:
-    if run["request_rate"] == "inf" and run.get("max_concurrency"):
-        return f"{run['max_concurrency']} users"
-    return f"{run['offered_rate']:.2f}"
+def offered(run: RunResult) -> str:
+    if run.closed_loop and run.max_concurrency:
+        return f"{run.max_concurrency} users"
+    return f"{run.offered_rate:.2f}"
 
 
-def _goodput(run: dict[str, Any], slo: Slo | None) -> dict[str, Any] | None:
+def _goodput(run: RunResult, slo: Slo | None) -> Goodput | None:
     """The run's goodput under `slo` (recomputed from its requests), or as recorded."""
     if slo is None:
-        return run.get("goodput")
-    return request_figures(requests_of(run), run["duration"], slo)["goodput"]
+        return run.figures.goodput
+    return request_figures(run.requests, run.duration, slo).goodput
 
 
-def client_limited(run: dict[str, Any]) -> bool:
-    """Did the load generator fall behind in this run (see results.client_limits)?"""
-    return bool((run.get("client") or {}).get("limited"))
-
-
-def rows(runs: list[dict[str, Any]], slo: Slo | None = None,
+def rows(runs: Runs, slo: Slo | None = None,
          gpu_cost_per_hour: float | None = None) -> list[dict[str, str]]:
+    runs = as_runs(runs)
     out = []
-    flag_clients = any(client_limited(run) for run in runs)
+    flag_clients = any(run.client.limited for run in runs)
     for run in runs:
-        queue = (run.get("queue_time") or {}).get("p95_ms")
+        queue = run.metrics.queue_time.p95 if run.metrics.queue_time else None
         row = {
             "Run": shown_label(run), "Offered req/s": offered(run),
             "Completed req/s": _ci(run, "request_throughput", "{:.2f}".format),
@@ -83,41 +84,44 @@ def rows(runs: list[dict[str, Any]], slo: Slo | None = None,
             "p95 queue s": _s(queue),
             "p95 E2E s": _ci(run, "p95_e2el_ms", _s),
             "Error rate": _ci(run, "error_rate", "{:.1%}".format),
-            "Preemptions": "-" if run.get("preemptions") is None else str(run["preemptions"]),
-            "KV peak": "-" if run.get("kv_cache_usage_peak") is None
-            else f"{run['kv_cache_usage_peak']:.0%}",
+            "Preemptions": "-" if run.metrics.preemptions is None
+            else str(run.metrics.preemptions),
+            "KV peak": "-" if run.metrics.kv_cache_usage.peak is None
+            else f"{run.metrics.kv_cache_usage.peak:.0%}",
         }
         if flag_clients:
-            row["Client"] = "LIMITED" if client_limited(run) else "ok"
+            row["Client"] = "LIMITED" if run.client.limited else "ok"
         goodput = _goodput(run, slo)
         if goodput:
-            row["Goodput req/s"] = f"{goodput['request_goodput']:.2f}"
-            row["SLO met"] = {True: "yes", False: "no", None: "-"}[goodput["slo_met"]]
+            row["Goodput req/s"] = f"{goodput.request_goodput:.2f}"
+            row["SLO met"] = {True: "yes", False: "no", None: "-"}[goodput.slo_met]
         if gpu_cost_per_hour is not None:
-            accepted = goodput["good"] if goodput else run["completed"]
-            cost = gpu_cost_per_hour * run["duration"] / 3600
+            accepted = goodput.good if goodput else run.figures.completed
+            cost = gpu_cost_per_hour * run.duration / 3600
             row["$ / accepted answer"] = f"{cost / accepted:.3g}" if accepted else "-"
         out.append(row)
     return out
 
 
-def class_rows(runs: list[dict[str, Any]], slo: Slo | None = None) -> list[dict[str, str]]:
+def class_rows(runs: Runs, slo: Slo | None = None) -> list[dict[str, str]]:
     out = []
-    for run in runs:
-        requests = requests_of(run) if slo else None
-        for cls, f in run["per_class"].items():
-            if requests is not None:
-                f = request_figures([r for r in requests if r.cls == cls], run["duration"], slo)
-            row = {"Run": shown_label(run), "Class": cls, "Requests": str(f["num_prompts"]),
-                   "Completed": str(f["completed"]), "Failed": str(f["failed"]),
-                   "Cancelled": str(f["cancelled"]),
-                   "Completed req/s": f"{f['request_throughput']:.2f}",
-                   "p50 TTFT s": _s(f["median_ttft_ms"]), "p95 TTFT s": _s(f["p95_ttft_ms"]),
-                   "mean TPOT ms": _ms(f["mean_tpot_ms"]), "p95 E2E s": _s(f["p95_e2el_ms"])}
-            if f.get("request_goodput") is not None:
-                row["Goodput req/s"] = f"{f['request_goodput']:.2f}"
-            out.append(row)
+    for run in as_runs(runs):
+        for cls, f in run.per_class.items():
+            if slo is not None:
+                f = request_figures([r for r in run.requests if r.cls == cls], run.duration, slo)
+            out.append(_class_row(shown_label(run), cls, f))
     return out
+
+
+def _class_row(label: str, cls: str, f: Figures) -> dict[str, str]:
+    row = {"Run": label, "Class": cls, "Requests": str(f.num_prompts),
+           "Completed": str(f.completed), "Failed": str(f.failed),
+           "Cancelled": str(f.cancelled), "Completed req/s": f"{f.request_throughput:.2f}",
+           "p50 TTFT s": _s(f.ttft.median), "p95 TTFT s": _s(f.ttft.p95),
+           "mean TPOT ms": _ms(f.tpot.mean), "p95 E2E s": _s(f.e2el.p95)}
+    if f.request_goodput is not None:
+        row["Goodput req/s"] = f"{f.request_goodput:.2f}"
+    return row
 
 
 def _columns(table: list[dict[str, str]]) -> list[str]:
@@ -131,17 +135,17 @@ def markdown_table(table: list[dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def _notes(slo: Slo | None, runs: list[dict[str, Any]], cost: float | None) -> str:
-    slo_text = str(slo) if slo else next((r["slo"] for r in runs if r.get("slo")), None)
+def _notes(slo: Slo | None, runs: list[RunResult], cost: float | None) -> str:
+    slo_text = str(slo) if slo else next((r.slo for r in runs if r.slo), None)
     notes = ["Completed req/s counts requests that finished; error rate = failed "
              "(errors + 503 rejections) / sent; p95 queue is the server's own queue-time "
              "histogram (- when it exports none)."]
     if slo_text:
         notes.append(f"Goodput: completed req/s of requests within the SLO {slo_text} "
                      "(per request: TTFT and E2E within the limits).")
-    for run in (r for r in runs if client_limited(r)):
+    for run in (r for r in runs if r.client.limited):
         notes.append(f"Client LIMITED in {shown_label(run)}: "
-                     f"{'; '.join(run['client']['limited_reasons'])}. The client, not the "
+                     f"{'; '.join(run.client.limited_reasons or [])}. The client, not the "
                      "server, limited this run: its figures measure the client (loom diagnose "
                      "says what to change).")
     if cost is not None:
@@ -150,17 +154,17 @@ def _notes(slo: Slo | None, runs: list[dict[str, Any]], cost: float | None) -> s
     return "\n".join(notes)
 
 
-def difference_rows(groups: list[tuple[str, list[dict[str, Any]]]]) -> list[dict[str, str]]:
+def difference_rows(groups: Groups) -> list[dict[str, str]]:
     """Each configuration against the first, per point and figure, with repeats: the two
     medians, the difference's 95% interval and whether it is inside the noise."""
     out = []
     for d in differences(groups):
-        fmt = _FIGURE_FORMATS[d["figure"]]
-        low, high = d["difference_ci"]
-        out.append({"Point": _point_text(d["point"]), "Figure": d["figure"],
-                    d["baseline"]: fmt(d["baseline_median"]), "vs": d["config"],
-                    "median": fmt(d["median"]), "difference 95% CI": f"{fmt(low)} to {fmt(high)}",
-                    "Verdict": "inside the noise" if d["verdict"] == "noise" else d["verdict"]})
+        fmt = _FIGURE_FORMATS[d.figure]
+        low, high = d.difference_ci
+        out.append({"Point": _point_text(d.point), "Figure": d.figure,
+                    d.baseline: fmt(d.baseline_median), "vs": d.config,
+                    "median": fmt(d.median), "difference 95% CI": f"{fmt(low)} to {fmt(high)}",
+                    "Verdict": "inside the noise" if d.verdict == "noise" else d.verdict})
     return out
 
 
@@ -178,9 +182,9 @@ def _point_text(point: tuple[Any, Any]) -> str:
     return f"{rate}/s" if isinstance(rate, (int, float)) else str(rate)
 
 
-def markdown(runs: list[dict[str, Any]], slo: Slo | None = None,
-             gpu_cost_per_hour: float | None = None, title: str = "Scorecard",
-             groups: list[tuple[str, list[dict[str, Any]]]] | None = None) -> str:
+def markdown(runs: Runs, slo: Slo | None = None, gpu_cost_per_hour: float | None = None,
+             title: str = "Scorecard", groups: Groups | None = None) -> str:
+    runs = as_runs(runs)
     parts = [f"# {title}", "", markdown_table(rows(runs, slo, gpu_cost_per_hour)), "",
              _notes(slo, runs, gpu_cost_per_hour)]
     diffs = difference_rows(groups or [])
@@ -190,7 +194,7 @@ def markdown(runs: list[dict[str, Any]], slo: Slo | None = None,
                   "Figures are medians over the repeats with a bootstrap 95% interval; a "
                   "difference whose interval holds 0 is inside the noise."]
     parts += ["", "## Per request class (fairness)", "", markdown_table(class_rows(runs, slo))]
-    traces = sorted({r["trace"]["sha256"] for r in runs if r["trace"].get("sha256")})
+    traces = sorted({r.trace.sha256 for r in runs if r.trace.sha256})
     if traces:
         parts += ["", "Trace sha256: " + ", ".join(traces)]
     return "\n".join(parts) + "\n"
@@ -211,10 +215,10 @@ def _rich(table: list[dict[str, str]], title: str, columns: list[str],
     return out
 
 
-def print_scorecard(runs: list[dict[str, Any]], slo: Slo | None = None,
+def print_scorecard(runs: Runs, slo: Slo | None = None,
                     gpu_cost_per_hour: float | None = None,
                     console: Console | None = None, wide: bool = False,
-                    groups: list[tuple[str, list[dict[str, Any]]]] | None = None) -> None:
+                    groups: Groups | None = None) -> None:
     """The scorecard and per-class table. A log file or pipe gets every column; a terminal
     narrower than that only the key columns, unless `wide`."""
     if console is None:
@@ -222,6 +226,7 @@ def print_scorecard(runs: list[dict[str, Any]], slo: Slo | None = None,
         if not console.is_terminal:  # a log file or pipe: room for every column, no wrapping
             console = Console(width=_ALL_COLUMNS_WIDTH)
     narrow = not wide and console.width < _ALL_COLUMNS_WIDTH
+    runs = as_runs(runs)
     for table, title in ((rows(runs, slo, gpu_cost_per_hour), "Scorecard"),
                          (class_rows(runs, slo), "Per request class")):
         columns = _columns(table)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from loom.workload.figures import PERCENTILES, Latency
+from loom.workload.monitoring import Sample, ServerFigures
 
 # canonical -> sample names, first match wins; (how label sets combine: sum or max)
 GAUGES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -72,14 +74,16 @@ class Histogram:
             lower_bound, lower_count = le, count
         return lower_bound
 
-    def summary(self) -> dict[str, Any]:
-        """count, mean and percentiles in ms, the shape results use for server histograms."""
-        out: dict[str, Any] = {"count": int(self.count),
-                               "mean_ms": 1000 * self.sum / self.count if self.count else None}
-        for p in (50, 90, 95, 99):
-            value = self.quantile(p / 100)
-            out[f"p{p}_ms"] = None if value is None else 1000 * value
-        return out
+    def summary(self) -> dict[str, float | None]:
+        """count, mean and percentiles in ms, as result files hold a server's latencies."""
+        return self.latency().summary()
+
+    def latency(self) -> Latency:
+        """The histogram's estimate of the latency it counts."""
+        ms = {p: self.quantile(p / 100) for p in PERCENTILES}
+        return Latency(1000 * self.sum / self.count if self.count else None,
+                       {p: None if v is None else 1000 * v for p, v in ms.items()},
+                       count=int(self.count))
 
 
 @dataclass
@@ -139,3 +143,28 @@ def parse_metrics(text: str) -> Snapshot:
             hist.count = sum(v for _, v in samples_by_name.get(name + "_count", []))
             snap.histograms[canon] = hist
     return snap
+
+
+def server_figures(before: Snapshot | None, after: Snapshot | None,
+                   timeline: list[Sample]) -> ServerFigures:
+    """What the server's /metrics said about a run: deltas of counters and histograms
+    between the scrapes before and after it, peaks and means of gauges over the timeline."""
+    if after is None:
+        return ServerFigures()
+    summaries = {key: after.histograms[canon].minus(
+        before.histograms.get(canon) if before else None).latency()
+        for canon, key in (("queue_time", "queue_time"), ("ttft", "server_ttft"))
+        if canon in after.histograms}
+
+    def delta(name: str) -> float | None:
+        if name not in after.counters:
+            return None
+        return after.counters[name] - (before.counters.get(name, 0.0) if before else 0.0)
+
+    preemptions, rejected = delta("preemptions"), delta("rejected")
+    queries, hits = delta("prefix_cache_queries"), delta("prefix_cache_hits")
+    return ServerFigures.of(
+        timeline, metrics_source=after.source, **summaries,
+        preemptions=None if preemptions is None else int(preemptions),
+        server_rejected=None if rejected is None else int(rejected),
+        prefix_cache_hit_rate=hits / queries if queries and hits is not None else None)

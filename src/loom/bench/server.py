@@ -20,7 +20,7 @@ import httpx
 logger = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 10.0
-LOOM_SERVE = f"{shlex.quote(sys.executable)} -m loom.entrypoints.cli serve --port {{port}}"
+LOOM_SERVE = f"{shlex.quote(sys.executable)} -m loom.cli serve --port {{port}}"
 
 
 def free_port() -> int:

@@ -15,9 +15,10 @@ import ray
 from ray import serve
 
 from loom import host
+from loom.admission import AdmissionConfig
 from loom.cluster.client import ClusterEngine
 from loom.cluster.config import ClusterConfig
-from loom.cluster.replica import MetricsHub, ReplicaLimits, deployment
+from loom.cluster.replica import MetricsHub, deployment
 from loom.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def init_ray(config: ClusterConfig, engine_config: EngineConfig) -> bool:
     return True
 
 
-def deploy(config: ClusterConfig, engine_config: EngineConfig, limits: ReplicaLimits,
+def deploy(config: ClusterConfig, engine_config: EngineConfig, limits: AdmissionConfig,
            app_name: str = APP_PREFIX) -> Cluster:
     """Deploy `config.data_parallel_size` replicas as `app_name` and wait until all run."""
     owns_ray = init_ray(config, engine_config)

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from loom.admission import AdmissionConfig
 from loom.config import EngineConfig
 from loom.engine.async_engine import (
     AsyncEngine,
@@ -36,14 +37,6 @@ METRICS_STALE_AFTER_S = 5 * METRICS_PUSH_INTERVAL_S
 # What a replica yields: ("outputs", [OutputDelta, ...]) as they come (RemoteStream rebuilds the
 # RequestOutputs), or one of these with a message, after which the call ends.
 REJECTED, INVALID, DEAD = "rejected", "invalid", "dead"
-
-
-@dataclass(frozen=True)
-class ReplicaLimits:
-    """Admission control, applied by each replica to its own queue."""
-
-    max_num_queued_reqs: int | None = None
-    queue_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -77,13 +70,13 @@ class MetricsHub:
 class LoomReplica:
     """The deployment class; `deployment()` wraps it with the cluster's options."""
 
-    def __init__(self, config: EngineConfig, limits: ReplicaLimits, hub_name: str) -> None:
+    def __init__(self, config: EngineConfig, limits: AdmissionConfig, hub_name: str) -> None:
         self.tag = serve.get_replica_context().replica_id.unique_id
         logging.basicConfig(  # the tag is the `replica` label of this replica's metrics
             level=logging.INFO,
             format=f"%(asctime)s %(levelname)s %(name)s [replica {self.tag}]: %(message)s")
         self.engine = AsyncEngine.from_config(config, limits.max_num_queued_reqs,
-                                              limits.queue_timeout)
+                                              limits.queue_timeout_s)
         self.engine.start()
         self._hub = ray.get_actor(hub_name)
         self._stop = threading.Event()
@@ -140,7 +133,7 @@ class LoomReplica:
         self.engine.shutdown(timeout=5.0)
 
 
-def deployment(config: EngineConfig, limits: ReplicaLimits, hub_name: str, num_replicas: int,
+def deployment(config: EngineConfig, limits: AdmissionConfig, hub_name: str, num_replicas: int,
                router_kwargs: dict[str, Any], max_ongoing_requests: int) -> serve.Application:
     """The replicas as a Serve application, routed by loom's RequestRouter."""
     from ray.serve.config import RequestRouterConfig

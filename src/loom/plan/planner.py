@@ -5,11 +5,12 @@ have, a roofline estimate of decode and prefill speed, and the flags that size t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
+from loom.config import flag_help, parse_size
 from loom.model.memory import KVCacheLayout, KVCacheSpec
-from loom.plan.catalogue import GpuSpec, PlanError
+from loom.plan.catalogue import GpuSpec, PlanError, load_catalogue, resolve_gpus
 from loom.plan.models import PlanModel
 from loom.plan.roofline import Efficiency, ModelShape, StepModel, StepWork, roofline_step_model
 from loom.plan.sizing import KV_DTYPES, activation_bytes, weight_bytes_per_gpu
@@ -62,6 +63,89 @@ class PlanSettings:
             raise PlanError(f"safety margin must be in [0, 1), got {self.safety_margin}")
         if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise PlanError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+def csv_ints(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4)."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def csv_names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+@dataclass(frozen=True)
+class PlanFlags:
+    """What `loom plan` is asked, as its flags give it; `settings` resolves it. The GPU
+    fields (GPU_FIELDS) are `loom simulate --gpus`'s too, which takes the sizes from its
+    engine flags instead."""
+
+    CLI_GROUP = "Plan"
+
+    gpus: tuple[str, ...] | None = field(default=None, metadata=flag_help(
+        "GPUs from the catalogue, 'this' (measured) or --gpu-spec; default: every catalogued "
+        "GPU", parse=csv_names))
+    tensor_parallel_size: tuple[int, ...] = field(default=(1,), metadata=flag_help(
+        "GPUs per replica, one value or a list, e.g. 1,2,4", parse=csv_ints))
+    weight_dtype: Literal["auto", "float32", "bf16", "fp16", "fp8", "int8", "int4", "gguf"] = \
+        field(default="auto", metadata=flag_help(
+            "weight storage (int4: weight-only, AWQ/GPTQ-style, computing in 16-bit); auto = "
+            "the GGUF's own for a .gguf, else bf16"))
+    kv_dtype: Literal["float32", "bf16", "fp16", "fp8"] = field(
+        default="bf16", metadata=flag_help("KV cache dtype"))
+    safety_margin: float = field(default=0.10, metadata=flag_help(
+        "share of GPU memory kept free"))
+    runtime_overhead: str = field(default="1GiB", metadata=flag_help(
+        "fixed framework memory per GPU (CUDA context, workspaces, allocator)"))
+    efficiency: str | None = field(default=None, metadata=flag_help(
+        "roofline factors, e.g. bandwidth=0.8,compute=0.6,interconnect=0.7,"
+        "step_overhead_s=0.002,seq_overhead_s=2e-5,allreduce_latency_s=1e-5; default: those "
+        "values"))
+    gpu_spec: list[str] | None = field(default=None, metadata=flag_help(
+        'extra GPUs: JSON {"gpus": {"name": {"memory_gb": .., "memory_bandwidth_gbs": .., '
+        '"bf16_tflops": .., ...}}} (repeatable); default: the catalogue only'))
+    price: str | None = field(default=None, metadata=flag_help(
+        "$ per GPU-hour as you were quoted, e.g. h100-sxm=2.4,h200=3.1, for GPUs in --gpus "
+        "(loom ships no prices); default: no costs"))
+    max_model_len: int | None = field(default=None, metadata=flag_help(
+        "prompt + output tokens per sequence; default: the model's context"))
+    concurrency: tuple[int, ...] = field(default=(1,), metadata=flag_help(
+        "concurrent sequences of max_model_len, one value or a list", parse=csv_ints))
+    block_size: int = field(default=16, metadata=flag_help("tokens per KV block"))
+    max_num_batched_tokens: int = field(default=2048, metadata=flag_help(
+        "tokens per step (sizes the activations)"))
+    max_num_seqs: int = field(default=128, metadata=flag_help(
+        "sequences per step (sizes the logits)"))
+
+    GPU_FIELDS = ("gpus", "tensor_parallel_size", "weight_dtype", "kv_dtype", "safety_margin",
+                  "runtime_overhead", "efficiency", "gpu_spec", "price")
+
+
+def settings(model: PlanModel, flags: PlanFlags) -> PlanSettings:
+    """The settings `flags` ask for on `model` (auto dtypes and defaults resolved)."""
+    weight_dtype = flags.weight_dtype
+    if weight_dtype == "auto":
+        weight_dtype = "gguf" if model.gguf_weight_bytes is not None else "bf16"
+    max_model_len = flags.max_model_len  # 0 is refused by PlanSettings, not the default
+    return PlanSettings(
+        max_model_len=model.arch.max_position_embeddings if max_model_len is None
+        else max_model_len,
+        concurrencies=tuple(dict.fromkeys(flags.concurrency)),
+        tensor_parallel_sizes=tuple(dict.fromkeys(flags.tensor_parallel_size)),
+        weight_dtype=weight_dtype, kv_dtype=flags.kv_dtype, block_size=flags.block_size,
+        safety_margin=flags.safety_margin, framework_bytes=parse_size(flags.runtime_overhead),
+        max_num_batched_tokens=flags.max_num_batched_tokens, max_num_seqs=flags.max_num_seqs,
+        efficiency=Efficiency.parse(flags.efficiency))
+
+
+def gpus_of(flags: PlanFlags) -> list[GpuSpec]:
+    """The GPUs `flags` name (each once, however often named), or the whole catalogue."""
+    catalogue = load_catalogue(flags.gpu_spec)
+    names = dict.fromkeys(n.lower() for n in flags.gpus) if flags.gpus else sorted(catalogue)
+    return resolve_gpus(list(names), catalogue)
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,13 @@ prefill tokens x decode sequences x context length, and fit the roofline-shaped 
 per KV byte read; per FLOP) to the measured steps, in relative error. One grid point in four
 is held back from the fit and the fit's error on those is reported.
 
-The engine runs through its public surface: `LLM(...)`, `LLM.engine.add_request` and
-`LLM.engine.step()` (synchronous). Each measured step is the scheduler's own output, read as
-it leaves `schedule()`, so the fit sees exactly the work that was timed.
+The engine runs through its public surface: `EngineCore(config)`, its `add_request` and
+`step()` (synchronous, as `LLM` drives it). Each measured step is the scheduler's own output,
+read as it leaves `schedule()`, so the fit sees exactly the work that was timed.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import logging
 import random
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from loom import host
-from loom.config import EngineConfig, check_device
+from loom.config import EngineConfig
 from loom.plan.roofline import ModelShape, StepModel, StepWork
 from loom.sim.profile import Profile
 
@@ -51,10 +50,9 @@ class _Bench:
     """An engine with a spy on its scheduler: what each step scheduled, and how long it took."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from loom.entrypoints.llm import LLM
+        from loom.engine.core import EngineCore
 
-        self.llm = LLM.from_config(config)
-        self.engine = self.llm.engine
+        self.engine = EngineCore(config)
         self.vocab = self.engine.tokenizer.vocab_size
         self.rng = random.Random(0)
         self._ids = 0
@@ -177,25 +175,3 @@ def calibrate(config: EngineConfig, grid_name: str, repeats: int) -> Profile:
               "samples": [{"work": vars(s.work), "seconds": s.seconds} for s in samples],
               "engine_config": {k: vars(getattr(config, k)) for k in config.SECTIONS},
               "note": "weights are read once per step, so their cost is in step_s"})
-
-
-def run_calibrate(args: argparse.Namespace) -> int:
-    from loom.bench.results import check_writable
-
-    check_writable(args.calibrate_output, "--output")  # not after minutes of measuring
-    config = EngineConfig.from_cli_args(args)
-    check_device(config.model.device)
-    logging.getLogger("loom.sim.calibrate").setLevel(logging.INFO)
-    profile = calibrate(config, args.grid, args.repeats)
-    profile.save(args.calibrate_output)
-    held, train = profile.meta["fit_error_held_out"], profile.meta["fit_error_train"]
-    m = profile.step_model
-    print(f"step model: {m.step_s * 1e3:.2f} ms/step + {m.seq_s * 1e6:.1f} us/seq + "
-          f"{m.token_s * 1e6:.2f} us/token + {m.byte_s * 1e12:.3g} ps/KV byte + "
-          f"{m.flop_s * 1e12:.3g} ps/FLOP ({1e-9 / m.flop_s if m.flop_s else 0:.1f} GFLOP/s)")
-    print(f"fit error: train {train['mean_abs_pct']:.1f}% mean / {train['max_abs_pct']:.1f}% "
-          f"max over {train['points']} points; held out {held['mean_abs_pct']:.1f}% mean / "
-          f"{held['max_abs_pct']:.1f}% max over {held['points']} points")
-    print(f"measured on {profile.meta['host']} in {profile.meta['measure_wall_s']:.0f} s; "
-          f"wrote {args.calibrate_output}")
-    return 0

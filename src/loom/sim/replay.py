@@ -17,33 +17,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from loom.bench.arrivals import schedule
-from loom.bench.client import CANCELLED, ERROR, OK, REJECTED, RequestResult
-from loom.bench.replay import Load
-from loom.bench.trace import Trace, TraceRequest
+from loom.admission import AdmissionConfig
 from loom.cluster.routing import RoutingPolicy, prompt_block_hashes
 from loom.request import Request
 from loom.sampling import SamplingParams
 from loom.sim.engine import SimEngine, SimStep
+from loom.workload.arrivals import schedule
+from loom.workload.load import Load
+from loom.workload.monitoring import Sample
+from loom.workload.requests import CANCELLED, ERROR, OK, REJECTED, RequestResult
+from loom.workload.trace import Trace, TraceRequest
 
+NO_LIMITS = AdmissionConfig()  # a server that admits everything
 # What comes first at one instant: a step's end, then client events, then new steps.
 _STEP_END, _CLIENT, _STEP_START = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """The HTTP server's admission control (`loom serve` flags of the same names)."""
-
-    max_num_queued_reqs: int | None = None
-    queue_timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        """The ranges `loom serve` accepts (its ServerConfig): below them every request
-        would be refused, and the run would look like a server that fails them all."""
-        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 1:
-            raise ValueError(f"max_num_queued_reqs must be >= 1, got {self.max_num_queued_reqs}")
-        if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
-            raise ValueError(f"queue_timeout must be > 0, got {self.queue_timeout_s}")
 
 
 @dataclass
@@ -63,17 +50,17 @@ class SimRun:
 
     sent: list[RequestResult]
     duration: float
-    timeline: list[dict[str, Any]]
+    timeline: list[Sample]
     queue_times: list[float] = field(default_factory=list)
     server_ttfts: list[float] = field(default_factory=list)
     preemptions: int = 0
     rejected: int = 0
+    requests_per_replica: list[int] = field(default_factory=list)
     prefix_queries: int = 0
     prefix_hits: int = 0
+    router_decisions: dict[str, int] = field(default_factory=dict)
     num_steps: int = 0
     busy_s: float = 0.0  # summed over the fleet's engines
-    requests_per_replica: list[int] = field(default_factory=list)
-    router_decisions: dict[str, int] = field(default_factory=dict)
 
 
 def prompt_token_ids(trace: Trace, tokenizer: Any | None, seed: int,
@@ -131,7 +118,8 @@ class Simulation:
     engine's clock jumps to the request's arrival."""
 
     def __init__(self, engines: SimEngine | list[SimEngine], trace: Trace,
-                 token_ids: list[list[int]], load: Load, limits: ServerLimits = ServerLimits(),
+                 token_ids: list[list[int]], load: Load,
+                 limits: AdmissionConfig = NO_LIMITS,
                  scrape_interval_s: float = 1.0, router: RoutingPolicy | None = None) -> None:
         self.engines = engines if isinstance(engines, list) else [engines]
         if router is None and len(self.engines) > 1:

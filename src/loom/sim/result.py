@@ -1,22 +1,26 @@
-"""A simulated run as the result JSON `loom bench run` writes (same builder, same keys), marked
-`"simulated": true`, so scorecard, plots, compare and diagnose read it unchanged."""
+"""A simulated run as the run result `loom bench run` makes (same builder, same keys), marked
+simulated, so scorecard, plots, compare and diagnose read it unchanged."""
 
 from __future__ import annotations
 
-import datetime
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from loom.bench import results as R
-from loom.bench.replay import Load, Target, build_result
-from loom.bench.scrape import Snapshot
-from loom.bench.trace import Trace
+from loom import host
+from loom.admission import AdmissionConfig
 from loom.cluster.routing import ROUTERS, RoutingPolicy, make_policy
 from loom.config import CacheConfig, SchedulerConfig
 from loom.sim.engine import SimEngine
 from loom.sim.profile import Profile
-from loom.sim.replay import ServerLimits, SimRun, Simulation
+from loom.sim.replay import SimRun, Simulation
+from loom.workload.figures import Latency
+from loom.workload.load import Load
+from loom.workload.monitoring import ServerFigures, client_figures
+from loom.workload.results import Origin, RunResult, utc_now
+from loom.workload.slo import Slo
+from loom.workload.trace import Trace
+
+ENDPOINT = "/v1/completions"  # what the simulated client sends to, as `loom bench run` does
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,7 @@ class SimConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     max_model_len: int | None = None
-    limits: ServerLimits = ServerLimits()
+    limits: AdmissionConfig = AdmissionConfig()
     replicas: int = 1     # engines behind a router (loom serve --data-parallel-size)
     router: str = "prefix"
     serve_commands: dict[str, str | None] = field(default_factory=dict, compare=False)
@@ -95,19 +99,11 @@ class SimConfig:
         return out
 
 
-@dataclass
-class _Timeline:
-    """What build_result reads from a live monitor."""
-
-    timeline: list[dict[str, Any]]
-    memory_peak: None = None
-
-
 def simulate_run(config: SimConfig, trace: Trace, token_ids: list[list[int]], load: Load,
-                 slo: R.Slo | None = None, label: str | None = None,
-                 scrape_interval_s: float = 1.0) -> dict[str, Any]:
+                 slo: Slo | None = None, label: str | None = None,
+                 scrape_interval_s: float = 1.0) -> RunResult:
     """Replay `trace` at `load` on the simulated `config`; returns the run result."""
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    date = utc_now()
     wall, cpu = time.perf_counter(), time.process_time()
     run = Simulation(config.engines(), trace, token_ids, load, config.limits,
                      scrape_interval_s, config.routing_policy(load.seed)).simulate()
@@ -116,34 +112,37 @@ def simulate_run(config: SimConfig, trace: Trace, token_ids: list[list[int]], lo
                  wall, cpu)
 
 
-def build(run: SimRun, config: SimConfig, trace: Trace, load: Load, slo: R.Slo | None,
-          label: str, date: str, wall_s: float, cpu_s: float) -> dict[str, Any]:
-    after = Snapshot(counters={"preemptions": run.preemptions, "rejected": run.rejected,
-                               "prefix_cache_queries": run.prefix_queries,
-                               "prefix_cache_hits": run.prefix_hits}, source="loom")
+def build(run: SimRun, config: SimConfig, trace: Trace, load: Load, slo: Slo | None,
+          label: str, date: str, wall_s: float, cpu_s: float) -> RunResult:
+    """The run result of a simulation: the server's figures are its exact counts."""
     profile = config.profile
+    queries = run.prefix_queries
+    metrics = ServerFigures.of(
+        run.timeline, metrics_source="loom", queue_time=Latency.of(run.queue_times),
+        server_ttft=Latency.of(run.server_ttfts), preemptions=run.preemptions,
+        prefix_cache_hit_rate=run.prefix_hits / queries if queries else None,
+        server_rejected=run.rejected)
     server = {"simulated": True, "cmdline": ["loom", "serve", *config.flags()],
               "profile": {"source": profile.source, "model": profile.model, **profile.meta}}
-    result = build_result(run.sent, run.duration, _Timeline(run.timeline), None, after, server,
-                          profile.model, trace, load, Target(f"simulated:{config.name}"), slo,
-                          label, date)
-    result["backend"] = "loom-simulate"
-    result["simulated"] = True
-    result["queue_time"] = R.exact_summary(run.queue_times)
-    result["server_ttft"] = R.exact_summary(run.server_ttfts)
-    result["simulation"] = {
-        "config": config.name, "profile_source": profile.source, "num_gpus": config.num_gpus,
-        "replicas": config.replicas, "router": config.router if config.replicas > 1 else None,
-        "requests_per_replica": run.requests_per_replica,
-        "router_decisions": run.router_decisions,
-        "num_kv_blocks": config.num_kv_blocks, "block_size": config.cache.block_size,
-        "max_model_len": config.model_len, "steps": run.num_steps,
-        "busy_fraction": (run.busy_s / (run.duration * config.replicas)
-                          if run.duration else 0.0),
-        "wall_s": wall_s, "cpu_s": cpu_s,
-        "simulated_s_per_wall_s": run.duration / wall_s if wall_s > 0 else None,
-        "serve_commands": config.serve_commands,
-        "not_modelled": "EOS (requests end at their trace length), async scheduling "
-                        "(steps run back to back), HTTP/tokenization time outside the step"}
-    return result
-
+    origin = Origin(date, server=server, backend="loom-simulate", endpoint=ENDPOINT,
+                    base_url=f"simulated:{config.name}",
+                    hardware={**host.hardware(), "gpus": []}, model_id=profile.model)
+    return RunResult.of(
+        run.sent, run.duration, load, trace, slo, label, run.timeline, origin,
+        metrics=metrics, client=client_figures(run.sent, run.timeline,
+                                               closed_loop=load.max_concurrency is not None),
+        simulated=True, simulation={
+            "config": config.name, "profile_source": profile.source,
+            "num_gpus": config.num_gpus, "replicas": config.replicas,
+            "router": config.router if config.replicas > 1 else None,
+            "requests_per_replica": run.requests_per_replica,
+            "router_decisions": run.router_decisions,
+            "num_kv_blocks": config.num_kv_blocks, "block_size": config.cache.block_size,
+            "max_model_len": config.model_len, "steps": run.num_steps,
+            "busy_fraction": (run.busy_s / (run.duration * config.replicas)
+                              if run.duration else 0.0),
+            "wall_s": wall_s, "cpu_s": cpu_s,
+            "simulated_s_per_wall_s": run.duration / wall_s if wall_s > 0 else None,
+            "serve_commands": config.serve_commands,
+            "not_modelled": "EOS (requests end at their trace length), async scheduling "
+                            "(steps run back to back), HTTP/tokenization time outside the step"})

@@ -30,14 +30,12 @@ from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
-import loom
 from loom.cluster.config import ClusterConfig
 from loom.config import EngineConfig
 from loom.engine.async_engine import EngineRequest
 from loom.entrypoints.openai import http_server
 from loom.entrypoints.openai.errors import APIError, install_error_handlers
 from loom.entrypoints.openai.guards import ApiKeyGuard, BodyGuard, HostGuard, is_loopback
-from loom.entrypoints.openai.launch import ServerConfig
 from loom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,10 +48,12 @@ from loom.entrypoints.openai.protocol_responses import (
     ResponsesRequest,
 )
 from loom.entrypoints.openai.response_store import ResponseStore
+from loom.entrypoints.openai.server_config import ServerConfig
 from loom.entrypoints.openai.serving_chat import ChatServing
 from loom.entrypoints.openai.serving_completion import CompletionServing
 from loom.entrypoints.openai.serving_responses import ResponsesServing
 from loom.entrypoints.openai.serving_tokenize import add_tokenize_routes
+from loom.version import __version__
 
 # FastAPI imports pydantic.v1 (for its compatibility check) the first time it builds a route:
 # import it now, with the rest of the HTTP stack, while the engine process loads the model,
@@ -98,7 +98,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         yield
         engine.shutdown()
 
-    app = FastAPI(title="loom", version=loom.__version__, lifespan=lifespan)
+    app = FastAPI(title="loom", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     http_metrics = HTTPMetrics(engine.core.model_name)
     _add_guards(app, config, http_metrics)
@@ -156,7 +156,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
 
     @get("/version")
     async def version() -> dict[str, str]:
-        return {"version": loom.__version__}
+        return {"version": __version__}
 
     add_tokenize_routes(app, engine)
 
@@ -195,11 +195,11 @@ def _add_guards(app: FastAPI, config: ServerConfig, http_metrics: HTTPMetrics) -
 def serve_cluster(config: ServerConfig, sock: socket.socket, cluster_config: ClusterConfig,
                   engine_config: EngineConfig) -> int:
     """Serve `--data-parallel-size N` replicas on Ray Serve."""
+    from loom.admission import AdmissionConfig
     from loom.cluster.launch import deploy
-    from loom.cluster.replica import ReplicaLimits
 
     cluster = deploy(cluster_config, engine_config,
-                     ReplicaLimits(config.max_num_queued_reqs, config.queue_timeout))
+                     AdmissionConfig(config.max_num_queued_reqs, config.queue_timeout_s))
     try:
         return serve(config, sock, cluster.engine, exit_with_engine=False)
     finally:

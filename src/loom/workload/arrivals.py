@@ -10,16 +10,15 @@ burst phase is the same requests, packed `factor` times closer.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import random
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from loom.bench.trace import TraceRequest
+from loom.workload.trace import TraceRequest
 
 TRACE_RATE = "trace"  # --rate trace: replay arrival_s as recorded
 
@@ -27,7 +26,7 @@ TRACE_RATE = "trace"  # --rate trace: replay arrival_s as recorded
 def _match(pattern: str, text: str, expected: str) -> re.Match[str]:
     match = re.fullmatch(pattern, text.strip())
     if not match:
-        raise argparse.ArgumentTypeError(f"expected {expected}; got {text!r}")
+        raise ValueError(f"expected {expected}; got {text!r}")
     return match
 
 
@@ -46,16 +45,20 @@ class Burst:
                        "FACTORx:SECONDSs[@STARTs], e.g. 5x:30s or 5x:30s@10s")
         factor, length = float(match.group(1)), float(match.group(2))
         if factor <= 0 or length <= 0:
-            raise argparse.ArgumentTypeError("a burst needs a factor and a length > 0")
+            raise ValueError("a burst needs a factor and a length > 0")
         return cls(factor, length, float(match.group(3) or 10.0))
 
     @property
     def end_s(self) -> float:
         return self.start_s + self.length_s
 
-    def describe(self) -> dict[str, float]:
+    def to_json(self) -> dict[str, float]:
         return {"factor": self.factor, "length_s": self.length_s, "start_s": self.start_s,
                 "end_s": self.end_s}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, float]) -> Burst:
+        return cls(obj["factor"], obj["length_s"], obj["start_s"])
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,12 @@ class RampUp:
         return cls(float(_match(r"linear:([\d.]+)s?", text, "linear:SECONDSs, e.g. "
                                                               "linear:60s").group(1)))
 
-    def describe(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return {"kind": "linear", "length_s": self.length_s}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> RampUp:
+        return cls(obj["length_s"])
 
 
 def time_warp(burst: Burst | None, ramp: RampUp | None) -> Callable[[float], float]:

@@ -1,23 +1,23 @@
-"""The `loom` command.
+"""The `loom` command: the command table.
 
-Sub-commands are registered by name with the function that adds their parser, and only the
-one being run is imported: `loom --help` and `loom bench` then start without torch, and each
-sub-command's flags are spelled once, where that sub-command lives.
+Commands are registered by name with the function that adds their parser, and only the one
+being run is imported: `loom --help` and `loom bench` then start without torch, and each
+command's flags are spelled once, where that command lives (a module of this package, each
+`add_parser(sub)` + `main(args)`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import importlib.util
 import logging
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import loom
-from loom.config import EngineConfig, add_cli_args, check_device, flag_help, from_cli_args
+from loom.log import LOG_FORMAT
 from loom.torch_import import defer_unused_modules
+from loom.version import __version__
 
 DESCRIPTION = """\
 loom: a continuous-batching LLM inference engine and OpenAI-compatible server.
@@ -31,7 +31,7 @@ loom: a continuous-batching LLM inference engine and OpenAI-compatible server.
 
 @dataclass(frozen=True)
 class Command:
-    """A sub-command: `adder` ("module:function") adds its parser to the sub-parsers action
+    """A command: `adder` ("module:function") adds its parser to the sub-parsers action
     and sets `func`; it is imported only when this command runs."""
 
     name: str
@@ -51,109 +51,44 @@ class Command:
 
 
 COMMANDS = (
-    Command("generate", "loom.entrypoints.cli:add_generate_parser",
+    Command("generate", "loom.cli.generate:add_parser",
             "complete one prompt with the engine in this process"),
-    Command("serve", "loom.entrypoints.cli:add_serve_parser",
+    Command("serve", "loom.cli.serve:add_parser",
             "serve a model over an OpenAI-compatible HTTP API"),
-    Command("bench", "loom.bench.cli:add_bench_parser",
+    Command("bench", "loom.cli.bench:add_parser",
             "replay realistic traffic against any OpenAI-compatible server"),
-    Command("diagnose", "loom.bench.cli:add_diagnose_parser",
+    Command("diagnose", "loom.cli.diagnose:add_parser",
             "explain a disappointing loom bench result"),
-    Command("plan", "loom.plan.cli:add_parser",
+    Command("plan", "loom.cli.plan:add_parser",
             "size a deployment (memory, concurrency) before buying or starting it"),
-    Command("simulate", "loom.sim.cli:add_parser",
+    Command("simulate", "loom.cli.simulate:add_parser",
             "predict a configuration's latency and throughput without running the model"),
+    Command("eval", "loom.eval.cli:add_parser",  # listed once its module is written
+            "measure a served model's quality"),
 )
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the engine process's too
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _LOG_LEVEL = {"help": f"logging level: {', '.join(LOG_LEVELS)} (default: INFO)",
               "metavar": "LEVEL", "type": str.upper, "choices": LOG_LEVELS}
 
 
-# -- loom generate ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class GenerateConfig:
-    """What `loom generate` asks of the sampler (greedy by default, unlike SamplingParams:
-    a command line that prints a different answer each time is a poor first impression)."""
-
-    CLI_GROUP = "Sampling"
-
-    max_tokens: int = field(default=128, metadata=flag_help("tokens to generate at most"))
-    temperature: float = field(default=0.0, metadata=flag_help("0 = greedy"))
-    top_p: float = field(default=1.0, metadata=flag_help("nucleus sampling: keep this share"))
-    top_k: int = field(default=-1, metadata=flag_help("keep the k likeliest tokens; -1 = all"))
-    seed: int | None = field(default=None, metadata=flag_help(
-        "sampling seed, for reproducible text at temperature > 0; default: unseeded"))
-    ignore_eos: bool = field(default=False, metadata=flag_help(
-        "keep generating past the end-of-sequence token"))
-    stop: list[str] = field(default_factory=list, metadata=flag_help(
-        "stop at this string (repeatable); default: none"))
-    chat: bool = field(default=False, metadata=flag_help(
-        "wrap the prompt in the model's chat template"))
-
-
-def add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help=_help("generate"),
-                       description="Complete one prompt with the engine in this process.")
-    p.add_argument("prompt", help="the prompt text")
-    add_cli_args(p, GenerateConfig)
-    EngineConfig.add_cli_args(p)
-    p.set_defaults(func=_generate)
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from loom.sampling import SamplingParams
-
-    options = from_cli_args(GenerateConfig, args)
-    sampling = {k: v for k, v in dataclasses.asdict(options).items() if k != "chat"}
-    params = SamplingParams(**sampling)  # bad values fail here, before the model loads
-    config = EngineConfig.from_cli_args(args)
-    check_device(config.model.device)
-
-    from loom.entrypoints.llm import LLM
-
-    llm = LLM.from_config(config)
-    if options.chat:
-        output = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
-    else:
-        output = llm.generate(args.prompt, params)[0]
-    print(output.outputs[0].text)
-    return 0
-
-
-# -- loom serve ------------------------------------------------------------------------------
-
-def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from loom.entrypoints.openai.launch import add_serve_args, run_server
-
-    p = sub.add_parser("serve", help=_help("serve"),
-                       description="Serve a model over OpenAI's HTTP API (no arguments: the "
-                                   "bundled model on http://127.0.0.1:8000).")
-    add_serve_args(p)
-    EngineConfig.add_cli_args(p)
-    p.set_defaults(func=run_server)
-
-
-# -- the parser ------------------------------------------------------------------------------
-
-def _help(name: str) -> str:
+def help_of(name: str) -> str:
+    """A command's one-line help, as the table gives it."""
     return next(c.help for c in COMMANDS if c.name == name)
 
 
 def _chosen(argv: list[str]) -> str | None:
-    """The sub-command named on the command line, if any (the first word that is one)."""
+    """The command named on the command line, if any (the first word that is one)."""
     names = {c.name for c in COMMANDS}
     return next((a for a in argv if a in names), None)
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The `loom` parser. With `argv`, only the sub-command it names gets its full parser
+    """The `loom` parser. With `argv`, only the command it names gets its full parser
     (imported from its module); the others are listed by name and help alone."""
     parser = argparse.ArgumentParser(prog="loom", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"loom {loom.__version__}")
+    parser.add_argument("--version", action="version", version=f"loom {__version__}")
     parser.add_argument("--log-level", default="INFO", **_LOG_LEVEL)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = None if argv is None else _chosen(argv)
@@ -167,7 +102,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def _accept_log_level(parser: argparse.ArgumentParser) -> None:
-    """`--log-level` after the sub-command too (`loom serve --log-level DEBUG`)."""
+    """`--log-level` after the command too (`loom serve --log-level DEBUG`)."""
     if not any("--log-level" in a.option_strings for a in parser._actions):
         parser.add_argument("--log-level", default=argparse.SUPPRESS, **_LOG_LEVEL)
     for sub in _sub_actions(parser):
@@ -181,7 +116,7 @@ def _sub_actions(parser: argparse.ArgumentParser) -> list[argparse._SubParsersAc
 
 def _innermost(parser: argparse.ArgumentParser,
                args: argparse.Namespace) -> argparse.ArgumentParser:
-    """The parser of the (sub-)sub-command that was chosen, whose usage an error should show."""
+    """The parser of the (sub-)command that was chosen, whose usage an error should show."""
     for sub in _sub_actions(parser):
         name = getattr(args, sub.dest, None)
         if name in sub.choices:
@@ -199,8 +134,8 @@ def _compare_as_flag(argv: list[str]) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Parse `argv`; an unknown flag is reported with the usage of the sub-command it was
-    given to, not the top-level one."""
+    """Parse `argv`; an unknown flag is reported with the usage of the command it was given
+    to, not the top-level one."""
     argv = _compare_as_flag(argv)
     chosen = _chosen(argv)
     command = next((c for c in COMMANDS if c.name == chosen), None)
@@ -223,7 +158,3 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"loom: error: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

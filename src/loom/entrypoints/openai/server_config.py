@@ -1,0 +1,79 @@
+"""`loom serve`'s options (ServerConfig), in a module of their own: the start-up order
+(launch.py) and the HTTP server (server.py) both read them, and neither imports the other
+for them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from loom.admission import AdmissionConfig
+from loom.config import flag_help
+
+API_KEY_ENV = "LOOM_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerConfig(AdmissionConfig):
+    CLI_GROUP = "Server"
+
+    host: str = field(default="127.0.0.1", metadata=flag_help(
+        "address to listen on; 0.0.0.0 serves every network the machine is on (set "
+        "--api-key then)"))
+    port: int = field(default=8000, metadata=flag_help(
+        "TCP port to listen on, 0-65535 (0: any free one, which the log names)"))
+    served_model_name: str | None = field(default=None, metadata=flag_help(
+        "model name in /v1/models and responses; none = the model's own name"))
+    stream_interval: int = field(default=1, metadata=flag_help(
+        "tokens gathered per streamed chunk (fewer, larger chunks under load)"))
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = field(
+        default=None, metadata=flag_help(
+            "how tool calls are read from a chat answer with tool_choice auto; none = picked "
+            "from the model's chat template"))
+    api_key: str | None = field(default=None, metadata=flag_help(
+        f"require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise); default: "
+        f"${API_KEY_ENV} if set, else no key. Routes outside /v1 stay open: /health, "
+        "/metrics, /version, /tokenize, /detokenize and the OpenAPI schema and docs"))
+    allowed_origins: str | None = field(default=None, metadata=flag_help(
+        "comma-separated origins whose web pages may call the API (CORS), or '*'; "
+        "none = no cross-origin access"))
+    max_request_body_bytes: int = field(default=4 * 2**20, metadata=flag_help(
+        "largest request body accepted (413 beyond)", "Admission"))
+    read_timeout: float = field(default=10.0, metadata=flag_help(
+        "seconds a client has to send its request (head and body; 408 after the head), and "
+        "that an idle connection stays open"))
+    max_connections: int = field(default=512, metadata=flag_help(
+        "open connections at most (one more is answered 503 and closed); lowered to fit the "
+        "file-descriptor limit", "Admission"))
+    max_stored_responses: int = field(default=1024, metadata=flag_help(
+        "finished /v1/responses answers kept in memory for a later previous_response_id and "
+        "GET /v1/responses/{id}, oldest dropped first; 0 = keep none"))
+    shutdown_timeout: float = field(default=30.0, metadata=flag_help(
+        "on SIGTERM, seconds requests in flight may run on before they are aborted"))
+    engine_in_process: bool = field(default=False, metadata=flag_help(
+        "run the engine loop on a thread of the server's process, not in a process of its "
+        "own (slower to start and to serve; one process to debug)"))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.port <= 65535:  # else bind() raises OverflowError, not an OSError
+            raise ValueError(f"port must be in 0-65535, got {self.port}")
+        positive = {"stream_interval": self.stream_interval,
+                    "max_request_body_bytes": self.max_request_body_bytes,
+                    "max_connections": self.max_connections}
+        for name, value in positive.items():
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not self.read_timeout > 0:
+            raise ValueError(f"read_timeout must be > 0, got {self.read_timeout}")
+        if self.max_stored_responses < 0:
+            raise ValueError(f"max_stored_responses must be >= 0, got "
+                             f"{self.max_stored_responses}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty")
+
+    @property
+    def origins(self) -> list[str]:
+        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
