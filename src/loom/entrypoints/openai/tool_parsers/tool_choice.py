@@ -72,8 +72,14 @@ class ToolUse:
                 "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
 
     def _parameters(self, name: str | None) -> dict[str, Any]:
+        """A function's parameter schema as enforced: where it lists its properties and says
+        nothing of others, no others (a small model went on adding keys of its own until
+        max_tokens; the function could not have taken them)."""
         function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
-        return function.get("parameters") or _ANY_OBJECT
+        parameters = function.get("parameters") or _ANY_OBJECT
+        if "properties" in parameters and "additionalProperties" not in parameters:
+            return {**parameters, "additionalProperties": False}
+        return parameters
 
     def enforced_calls(self, text: str) -> list[ParsedToolCall]:
         """The calls of an answer that `schema()` constrained: for `required` those it
