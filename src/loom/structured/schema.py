@@ -19,7 +19,8 @@ Approximations, each a relaxation (every answer that satisfies the schema is sti
 a few that do not are too):
 
 - `uniqueItems` is dropped: items may repeat (pydantic's `set` fields parse such a list all
-  the same);
+  the same); where the items are one of an `enum` (pydantic's `set[SomeEnum]`), the array is
+  bounded by the enum's size instead (`maxItems`), since a unique list can hold no more;
 - `not` is dropped;
 - `if` / `then` / `else` becomes `anyOf: [allOf: [if, then], else]` when both branches are
   given; with only one of them the three are dropped;
@@ -49,14 +50,19 @@ _SCHEMA_ONE = ("items", "additionalProperties", "contains", "propertyNames", "ad
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 
 
-def prepare_schema(schema: Any, known_format: Callable[[str], bool]) -> Any:
+def prepare_schema(schema: Any, known_format: Callable[[str], bool], root: Any = None) -> Any:
     """A copy of `schema` bounded and approximated as the module says; `known_format` says
-    whether the grammar engine enforces a `format`. The schema's nesting was bounded before
-    it got here (limits.MAX_NESTING_DEPTH), so this recursion is too."""
+    whether the grammar engine enforces a `format`; `root` is the whole schema, for local
+    `$ref`s (default: `schema`). The schema's nesting was bounded before it got here
+    (limits.MAX_NESTING_DEPTH), so this recursion is too."""
     if not isinstance(schema, dict):
         return schema
+    root = schema if root is None else root
     node = dict(schema)
-    node.pop("uniqueItems", None)
+    if node.pop("uniqueItems", None) is True:
+        values = _enum_of(node.get("items"), root)
+        if values is not None:
+            node["maxItems"] = _lower(node.get("maxItems"), len(values))
     node.pop("not", None)
     _conditional(node)
     if isinstance(node.get("format"), str) and not known_format(node["format"]):
@@ -64,15 +70,28 @@ def prepare_schema(schema: Any, known_format: Callable[[str], bool]) -> Any:
     _bound(node)
     for key in _SCHEMA_MAPS:
         if isinstance(node.get(key), dict):
-            node[key] = {name: prepare_schema(sub, known_format)
+            node[key] = {name: prepare_schema(sub, known_format, root)
                          for name, sub in node[key].items()}
     for key in _SCHEMA_ONE:
         if isinstance(node.get(key), dict):
-            node[key] = prepare_schema(node[key], known_format)
+            node[key] = prepare_schema(node[key], known_format, root)
     for key in _SCHEMA_LISTS:
         if isinstance(node.get(key), list):
-            node[key] = [prepare_schema(sub, known_format) for sub in node[key]]
+            node[key] = [prepare_schema(sub, known_format, root) for sub in node[key]]
     return node
+
+
+def _enum_of(items: Any, root: Any) -> list[Any] | None:
+    """The values an array's `items` schema allows, where it is an enum (directly or through
+    one local `$ref` such as "#/$defs/Colour")."""
+    if isinstance(items, dict) and isinstance(items.get("$ref"), str):
+        target: Any = root
+        for part in items["$ref"].removeprefix("#/").split("/"):
+            target = target.get(part) if isinstance(target, dict) else None
+        items = target
+    if isinstance(items, dict) and isinstance(items.get("enum"), list):
+        return items["enum"]
+    return None
 
 
 def _conditional(node: dict[str, Any]) -> None:

@@ -63,13 +63,16 @@ class ToolUse:
             return self._parameters(self.named)
         if self.mode != "required":
             return None
+        defs: dict[str, Any] = {}  # every tool's own $defs, moved to the root they refer to
         options = [{"type": "object",
                     "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                   "parameters": self._parameters(t["function"]["name"])},
+                                   "parameters": _hoisted(
+                                       self._parameters(t["function"]["name"]), f"t{i}_", defs)},
                     "required": ["name", "parameters"], "additionalProperties": False}
-                   for t in self.tools]
-        return {"type": "array", "minItems": 1, "items": {"anyOf": options},
-                "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
+                   for i, t in enumerate(self.tools)]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": options},
+                  "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
+        return {**schema, "$defs": defs} if defs else schema
 
     def _parameters(self, name: str | None) -> dict[str, Any]:
         """A function's parameter schema as enforced: where it lists its properties and says
@@ -92,6 +95,28 @@ class ToolUse:
             return [ParsedToolCall(self.named, json.dumps(value, ensure_ascii=False))]
         return [ParsedToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
                 for item in complete_items(text)]
+
+
+def _hoisted(parameters: dict[str, Any], prefix: str, defs: dict[str, Any]) -> Any:
+    """A tool's parameter schema nested in the `required` schema: its `$defs` (pydantic's
+    models, enums) go to `defs`, renamed with `prefix` so tools cannot clash, and its local
+    `$ref`s follow them there."""
+    own = {**parameters.get("$defs", {}), **parameters.get("definitions", {})}
+    if not own:
+        return parameters
+    renamed = {f"#/{kind}/{name}": f"#/$defs/{prefix}{name}"
+               for kind in ("$defs", "definitions") for name in own}
+
+    def moved(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: renamed.get(v, v) if k == "$ref" and isinstance(v, str) else moved(v)
+                    for k, v in value.items() if k not in ("$defs", "definitions")}
+        if isinstance(value, list):
+            return [moved(v) for v in value]
+        return value
+
+    defs.update({f"{prefix}{name}": moved(schema) for name, schema in own.items()})
+    return moved(parameters)
 
 
 def complete_items(text: str) -> list[Any]:
