@@ -50,7 +50,8 @@ def test_bench_repeats_reset_loom_serves_prefix_cache(tmp_path) -> None:
     prompts = ["A shared document, long enough for a few KV blocks. " * 4 + f"Q{i}?"
                for i in range(4)]
     trace_path = write_trace_file(tmp_path / "t.jsonl", prompts, 2, ["rag"])
-    server = LocalServer(LOOM_SERVE, "--kv-cache-memory 128MiB", tmp_path / "serve.log",
+    server = LocalServer(LOOM_SERVE, "--kv-cache-memory 128MiB --enable-admin-routes",
+                         tmp_path / "serve.log",
                          health_timeout_s=180)
 
     def hits() -> float:

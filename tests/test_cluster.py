@@ -51,8 +51,9 @@ class Served:
 def _serve(cluster: Cluster) -> Served:
     """The cluster's engine client behind loom's app, on a real loopback port."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(cluster.engine, ServerConfig()),
-                                           host="127.0.0.1", port=port, log_level="warning"))
+    app = build_app(cluster.engine, ServerConfig(enable_admin_routes=True))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     _wait_for(lambda: _get(url, "/health") == 200, "the front end did not start")

@@ -191,10 +191,16 @@ def test_logprobs_are_the_models_own_not_the_masked_ones(llm: LLM) -> None:
 
 
 @pytest.mark.integration
-def test_a_bad_spec_is_refused_before_it_is_queued(llm: LLM) -> None:
-    with pytest.raises(ValueError, match="structured_outputs regex"):
-        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(
-            regex="a(b")))
+def test_a_bad_spec_fails_its_request_alone_naming_the_problem(llm: LLM) -> None:
+    """The compile (and so the check) runs on the engine's compile threads, never on the
+    step loop: a spec that fails there fails its own request, with the reason."""
+    from loom.structured import GRAMMAR_ERROR_PREFIX
+
+    failed, plain = llm.generate(["x", "The capital of France is"], [
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a(b")),
+        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)])
+    assert failed.error.startswith(f"{GRAMMAR_ERROR_PREFIX}regex: ") and "unclosed" in failed.error
+    assert plain.error is None and len(plain.outputs[0].token_ids) == 4
     assert not llm.engine.has_unfinished_requests()
 
 

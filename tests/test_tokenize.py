@@ -1,5 +1,5 @@
 """/tokenize and /detokenize (vLLM's shapes) on a real HTTP server on loopback: the app
-`build_app` makes, with `add_tokenize_routes` added, over the bundled model. Token counts agree
+`build_app` makes (admin routes on), over the bundled model. Token counts agree
 with `usage.prompt_tokens` of the same prompt or chat."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from loom.config import EngineConfig
 from loom.engine.async_engine import AsyncEngine
 from loom.engine.core import EngineCore
 from loom.entrypoints.openai.server import ServerConfig, build_app
-from loom.entrypoints.openai.serving_tokenize import add_tokenize_routes
 
 pytestmark = pytest.mark.integration
 
@@ -27,8 +26,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 def url() -> str:
     core = EngineCore(EngineConfig.from_kwargs(kv_cache_memory="128MiB", max_model_len=2048))
     engine = AsyncEngine(core, max_num_seqs=core.config.scheduler.max_num_seqs)
-    app = build_app(engine, ServerConfig())
-    add_tokenize_routes(app, engine)
+    app = build_app(engine, ServerConfig(enable_admin_routes=True))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

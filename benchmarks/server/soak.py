@@ -1,6 +1,7 @@
 """Soak `loom serve`: many requests over both endpoints, streamed and not, in bursts at several
 times capacity, with clients that disconnect or give up, against a KV cache small enough to
-preempt. Then check that nothing was lost or leaked:
+preempt; a share of the chat requests carry a JSON schema, a choice, a regex or tools.
+Then check that nothing was lost or leaked:
 
 - no 5xx, no stream without [DONE], no error event: every request is answered, or refused
   with 503, or was given up by its own client;
@@ -34,6 +35,26 @@ BURST = 5 * CAPACITY
 DISCONNECT_SHARE, TIMEOUT_SHARE = 0.10, 0.05
 CLIENT_TIMEOUT_S = 0.5
 WORDS = ("river", "lamp", "orbit", "seven", "quiet", "garden", "copper", "window", "story")
+# Chat requests that also carry a constraint or tools (compiled in the server's check
+# processes and the engine's compile pool, cached after the first), a share of them.
+STRUCTURED_SHARE = 0.3
+_TOOLS = [{"type": "function", "function": {
+    "name": "lookup", "parameters": {"type": "object", "required": ["word"],
+                                     "properties": {"word": {"type": "string", "maxLength": 12},
+                                                    "count": {"type": "integer"}}}}}]
+STRUCTURED = (
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {
+        "type": "object", "required": ["word", "score"],
+        "properties": {"word": {"enum": list(WORDS)}, "score": {"type": "number"},
+                       "tags": {"type": "array", "uniqueItems": True, "maxItems": 2,
+                                "items": {"type": "string", "maxLength": 8}}}}}}},
+    {"guided_choice": ["yes", "no", "maybe"]},
+    {"guided_regex": r"\d{2,4}-[a-z]{3}"},
+    {"response_format": {"type": "json_object"}},
+    {"tools": _TOOLS, "tool_choice": "required"},
+    {"tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}}},
+    {"tools": _TOOLS, "tool_choice": "auto"},
+)
 
 
 @dataclass
@@ -89,6 +110,8 @@ def _request(rng: random.Random) -> tuple[str, dict, str]:
         path, body["prompt"] = "/v1/completions", words
     else:
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": words}]
+        if rng.random() < STRUCTURED_SHARE:
+            body.update(rng.choice(STRUCTURED))
     draw = rng.random()
     behaviour = ("disconnect" if draw < DISCONNECT_SHARE
                  else "timeout" if draw < DISCONNECT_SHARE + TIMEOUT_SHARE else "finish")

@@ -8,6 +8,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from loom.structured.limits import (
+    MAX_NESTING_DEPTH,
+    MAX_SPEC_CHARS,
+    nested_deeper_than,
+    value_deeper_than,
+)
+
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: a 64-bit value
 _MAX_INT32 = 2**31 - 1  # counts (tokens, top-k) beyond this are no request, only a bug
 # Stop strings, and stop token ids, per request at most: every token a request generates is
@@ -59,6 +66,24 @@ class StructuredOutputsParams:
             raise SamplingParamsError("structured_outputs",
                                       f"choice may hold at most {MAX_CHOICES} strings, got "
                                       f"{len(self.choice)}")
+        self._check_size()
+
+    def _check_size(self) -> None:
+        """The spec's size and nesting, before anything parses it (limits.py says why)."""
+        value = getattr(self, self.kind)
+        if isinstance(value, (dict, list)):
+            if value_deeper_than(value):
+                raise SamplingParamsError("structured_outputs", f"{self.kind}: nests deeper "
+                                          f"than {MAX_NESTING_DEPTH} levels")
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            return
+        if len(value) > MAX_SPEC_CHARS:
+            raise SamplingParamsError("structured_outputs", f"{self.kind}: is {len(value)} "
+                                      f"characters long; at most {MAX_SPEC_CHARS} are taken")
+        if self.kind == "json" and nested_deeper_than(value):
+            raise SamplingParamsError("structured_outputs", f"{self.kind}: nests deeper than "
+                                      f"{MAX_NESTING_DEPTH} levels")
 
     @property
     def kind(self) -> str:

@@ -133,6 +133,25 @@ class Tokenizer:
     def _added_token_ids(self) -> frozenset[int]:
         return frozenset(self.backend.get_added_tokens_decoder())
 
+    @functools.cached_property
+    def special_token_texts(self) -> tuple[str, ...]:
+        """The texts of the special tokens ("<|im_end|>"): what encode() turns into control
+        tokens wherever they occur."""
+        return tuple(t.content for t in self.backend.get_added_tokens_decoder().values()
+                     if t.special)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` tokenized with any special-token text in it as plain text, never as the
+        control token (no BOS either): what a chat message's own text must become, so that a
+        user cannot write a turn of the template's."""
+        return self._plain_backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @functools.cached_property
+    def _plain_backend(self) -> HFTokenizer:
+        plain = HFTokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
     @property
     def template_has_tools(self) -> bool:
         """The chat template renders tools itself (Llama-3.1, Qwen2.5, Mistral do; SmolLM2's

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from loom.structured import GRAMMAR_ERROR_PREFIX
+from loom.structured.grammar import StructuredOutputsError, client_reason
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class GrammarState:
         if self._matcher is None and self.error is None and self._compiled.done():
             try:
                 self._matcher = self._compiled.result()
+            except StructuredOutputsError as e:
+                self.error = f"{GRAMMAR_ERROR_PREFIX}{e.kind}: {e.detail}"
             except Exception as e:  # noqa: BLE001 - the request fails alone, with the reason
                 self.error = f"{GRAMMAR_ERROR_PREFIX}{e}"
         return self._matcher is not None or self.error is not None
@@ -53,7 +56,7 @@ class GrammarState:
         (llguidance then forces a token its parser refuses): the client's constraint."""
         if self._matcher.consume_token(token_id):
             return True
-        reason = self._matcher.get_error().splitlines()[0]
+        reason = client_reason(self._matcher.get_error())
         logger.warning("request %s: the grammar refused token %d: %s", self.request_id,
                        token_id, reason)
         self.error = (f"{GRAMMAR_ERROR_PREFIX}the constraint needs text this model's "

@@ -3,7 +3,7 @@
 Bad input is a 400 naming the field, admission control and a dead engine are a 503 (with
 Retry-After when retrying helps), and anything unexpected is a 500 for that request alone,
 whose body says nothing of the exception: the log has it, a client (or an attacker) needs none
-of it.
+of it (guards.RequestContext answers those, and logs each once).
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ class APIError(Exception):
     """An error to answer with: raise it anywhere in a handler."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
+                 type_: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type = status, message, param, type_
+        self.headers = headers
 
 
 def error_body(message: str, type_: str, param: str | None = None) -> ErrorResponse:
@@ -66,7 +68,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.type)
+        return error_response(exc.status, exc.message, exc.param, exc.type, exc.headers)
 
     @app.exception_handler(RequestRejectedError)
     async def _rejected(request: Request, exc: RequestRejectedError) -> JSONResponse:
@@ -82,8 +84,3 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), type_="invalid_request_error",
                               headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("Request to %s failed", request.url.path)
-        return error_response(500, INTERNAL_ERROR, type_="internal_server_error")

@@ -120,7 +120,10 @@ class DrainingServer(uvicorn.Server):
     exits too).
 
     `interrupted` says whether a Ctrl-C started the shutdown; a second one while draining calls
-    `stop` at once (`aborted`); a third is uvicorn's force quit."""
+    `stop` at once (`aborted`); a third is uvicorn's force quit. `terminated` says whether a
+    SIGTERM did: uvicorn would raise it again as it returns, which with Ray's handler in
+    place (`--data-parallel-size`) exited 15 before the replicas were stopped; it is left to
+    the caller, which raises it once everything is stopped (exit status 143 in every mode)."""
 
     def __init__(self, config: uvicorn.Config, shutdown_timeout: float,
                  drain: Callable[[], None], stop: Callable[[], None],
@@ -129,7 +132,7 @@ class DrainingServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self._drain, self._stop = drain, stop
         self._engine_alive = engine_alive
-        self.engine_died = self.aborted = self.interrupted = False
+        self.engine_died = self.aborted = self.interrupted = self.terminated = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -148,6 +151,9 @@ class DrainingServer(uvicorn.Server):
             return
         self.interrupted |= sig == signal.SIGINT
         super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:
+            self.terminated = True
+            self._captured_signals = [s for s in self._captured_signals if s != sig]
 
     async def on_tick(self, counter: int) -> bool:
         """uvicorn's tick (every 0.1 s until shutdown), which also watches the engine."""

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import sys
 
@@ -40,7 +41,18 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def run_server(config: ServerConfig, cluster_config: ClusterConfig,
                engine_config: EngineConfig) -> int:
+    """Serve until stopped; the exit status (a SIGTERM ends the process by that signal, once
+    everything is stopped: status 143 in a shell, in every mode)."""
     sock = bind(config.host, config.port)  # before the model: fail in a second
+    status = _serve(config, sock, cluster_config, engine_config)
+    if status == 128 + signal.SIGTERM:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever a library installed (Ray's)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return status
+
+
+def _serve(config: ServerConfig, sock: socket.socket, cluster_config: ClusterConfig,
+           engine_config: EngineConfig) -> int:
     if cluster_config.data_parallel_size > 1:
         from loom.entrypoints.openai.server import serve_cluster
 

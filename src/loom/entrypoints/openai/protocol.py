@@ -252,7 +252,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # False: at most one call (`required`)
+    parallel_tool_calls: bool | None = None  # true: `required` may make several calls
 
 
 # -- responses -----------------------------------------------------------------------------------

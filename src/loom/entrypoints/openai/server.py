@@ -2,7 +2,8 @@
 order are `loom.entrypoints.openai.launch`'s).
 
 Routes: /v1/completions, /v1/chat/completions, /v1/responses (and GET/DELETE of a kept one),
-/v1/models, /tokenize, /detokenize, /reset_prefix_cache, /health, /metrics, /version.
+/v1/models (and /v1/models/{id}), /tokenize, /detokenize, /health, /metrics, /version, and
+with --enable-admin-routes /reset_prefix_cache.
 
 The app serves any engine client with AsyncEngine's surface (`EngineClient`): by default the
 engine in a child process (`loom.engine.process`: it loads the model while this process
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from loom.cluster.config import ClusterConfig
@@ -35,10 +37,19 @@ from loom.config import EngineConfig
 from loom.engine.async_engine import EngineRequest
 from loom.entrypoints.openai import http_server
 from loom.entrypoints.openai.errors import APIError, install_error_handlers
-from loom.entrypoints.openai.guards import ApiKeyGuard, BodyGuard, HostGuard, is_loopback
+from loom.entrypoints.openai.fairness import ClientLimiter
+from loom.entrypoints.openai.guards import (
+    ApiKeyGuard,
+    BodyGuard,
+    HostGuard,
+    RequestContext,
+    install_request_id_logging,
+    is_loopback,
+)
 from loom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     ModelCard,
     ModelList,
 )
@@ -53,6 +64,8 @@ from loom.entrypoints.openai.serving_chat import ChatServing
 from loom.entrypoints.openai.serving_completion import CompletionServing
 from loom.entrypoints.openai.serving_responses import ResponsesServing
 from loom.entrypoints.openai.serving_tokenize import add_tokenize_routes
+from loom.structured.checker import GrammarChecker
+from loom.structured.manager import compile_workers
 from loom.version import __version__
 
 # FastAPI imports pydantic.v1 (for its compatibility check) the first time it builds a route:
@@ -87,20 +100,31 @@ class EngineClient(Protocol):
 def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     """The app over an engine client; it starts and stops with the app's lifespan."""
     model_name = config.served_model_name or engine.core.model_name
-    completions = CompletionServing(engine, model_name, config.stream_interval)
+    http_metrics = HTTPMetrics(engine.core.model_name)
+    checker = GrammarChecker(compile_workers(), config.grammar_compile_timeout)
+    shared = {"checker": checker, "max_tokens_default": config.max_tokens_default or None,
+              "limiter": ClientLimiter(config.max_concurrent_per_client,
+                                       http_metrics.throttled.inc)}
+    completions = CompletionServing(engine, model_name, config.stream_interval, **shared)
     chat = ChatServing(engine, model_name, config.stream_interval,
-                       tool_call_parser=config.tool_call_parser)
+                       tool_call_parser=config.tool_call_parser,
+                       special_tokens_in_content=config.special_tokens_in_content, **shared)
     responses = ResponsesServing(chat, ResponseStore(config.max_stored_responses))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        checker.start()
         yield
+        checker.close()
         engine.shutdown()
 
-    app = FastAPI(title="loom", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="loom", version=__version__, lifespan=lifespan,
+                  responses={400: {"model": ErrorResponse,
+                                   "description": "Bad request: the error's param names the "
+                                                  "field"}})
+    app.openapi = partial(_openapi, app)  # type: ignore[method-assign]
     install_error_handlers(app)
-    http_metrics = HTTPMetrics(engine.core.model_name)
     _add_guards(app, config, http_metrics)
 
     @app.post("/v1/completions")
@@ -118,17 +142,18 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
 
     get = partial(app.api_route, methods=["GET", "HEAD"])  # HEAD: the same answer, no body
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Response:
-        """vLLM's: forget every cached prefix, so that benchmark repeats start cold
-        (`loom bench run --repeats N --reset-prefix-cache`)."""
-        reset = getattr(engine, "reset_prefix_cache", None)
-        if reset is None:  # replicas on Ray: each holds its own cache
-            raise APIError(501, "reset_prefix_cache is not available with "
-                           "--data-parallel-size above 1; restart the server instead")
-        done = reset()
-        await (asyncio.wrap_future(done) if isinstance(done, Future) else done)
-        return Response(status_code=200)
+    if config.enable_admin_routes:
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> Response:
+            """vLLM's: forget every cached prefix, so that benchmark repeats start cold
+            (`loom bench run --repeats N --reset-prefix-cache`)."""
+            reset = getattr(engine, "reset_prefix_cache", None)
+            if reset is None:  # replicas on Ray: each holds its own cache
+                raise APIError(501, "reset_prefix_cache is not available with "
+                               "--data-parallel-size above 1; restart the server instead")
+            done = reset()
+            await (asyncio.wrap_future(done) if isinstance(done, Future) else done)
+            return Response(status_code=200)
 
     @get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> ResponseObject:
@@ -138,10 +163,21 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     async def delete_response(response_id: str) -> DeletedResponse:
         return responses.delete(response_id)
 
+    def card() -> ModelCard:
+        return ModelCard(id=model_name, root=engine.core.model_name,
+                         max_model_len=engine.core.max_model_len)
+
     @get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=engine.core.model_name,
-                                         max_model_len=engine.core.max_model_len)])
+        return ModelList(data=[card()])
+
+    @get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        """The OpenAI SDK's `models.retrieve`: the served model by its name."""
+        if model_id != model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
+                           f"{model_name!r}", "model", type_="not_found_error")
+        return card()
 
     @get("/health")
     async def health() -> Response:
@@ -158,7 +194,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    add_tokenize_routes(app, engine)
+    add_tokenize_routes(app, engine, config.special_tokens_in_content)
 
     return app
 
@@ -172,24 +208,48 @@ class HTTPMetrics:
             "loom:http_requests_abandoned", "HTTP requests whose client left before the server "
             "read their body; they never reached the engine", ["model_name"],
             registry=self.registry).labels(model_name=model_name)
+        self.throttled = Counter(
+            "loom:http_requests_throttled", "HTTP requests answered 429 because their client "
+            "held --max-concurrent-per-client engine requests already; they never reached "
+            "the engine", ["model_name"], registry=self.registry).labels(model_name=model_name)
 
     def prometheus_text(self) -> bytes:
         return generate_latest(self.registry)
 
 
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, saying what the server sends for a body it refuses: 400 with an
+    OpenAI error body (errors.py), not FastAPI's 422 with its validation details."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        components = schema.get("components", {}).get("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            components.pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def _add_guards(app: FastAPI, config: ServerConfig, http_metrics: HTTPMetrics) -> None:
-    """Innermost first: the body limit, the key, the Host check, then CORS outermost (so a
-    browser's preflight is answered before the key is asked for)."""
+    """Innermost first: the body limit, the key, the Host check, CORS (so a browser's
+    preflight is answered before the key is asked for), then the request's id outermost
+    (on every answer, refusals included)."""
     app.add_middleware(BodyGuard, max_bytes=config.max_request_body_bytes,
                        read_timeout=config.read_timeout, on_abandoned=http_metrics.abandoned.inc)
-    if config.api_key is not None:
-        app.add_middleware(ApiKeyGuard, api_key=config.api_key)
+    if config.api_keys:
+        app.add_middleware(ApiKeyGuard, keys=config.api_keys,
+                           metrics_key=config.metrics_api_key,
+                           public_metrics=config.public_metrics)
     if is_loopback(config.host):
         app.add_middleware(HostGuard)
     if config.origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.origins,
                            allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"])
+    app.add_middleware(RequestContext)
 
 
 def serve_cluster(config: ServerConfig, sock: socket.socket, cluster_config: ClusterConfig,
@@ -208,10 +268,13 @@ def serve_cluster(config: ServerConfig, sock: socket.socket, cluster_config: Clu
 
 def serve(config: ServerConfig, sock: socket.socket, engine: EngineClient,
           exit_with_engine: bool = True) -> int:
-    """Serve the app over `engine` on `sock` until SIGTERM (then drain; the process ends by
-    the signal, re-raised) or Ctrl-C (then drain and return 130, a second one aborting what
-    still runs), or, with `exit_with_engine`, until the engine dies (then return 1). Replicas
-    on Ray do not: Ray Serve replaces a dead one."""
+    """Serve the app over `engine` on `sock` until SIGTERM (then drain and return 143, which
+    `launch.run_server` turns into the signal itself once everything is stopped) or Ctrl-C
+    (then drain and return 130, a second one aborting what still runs), or, with
+    `exit_with_engine`, until the engine dies (then return 1). Replicas on Ray do not: Ray
+    Serve replaces a dead one."""
+    install_request_id_logging()
+    warn_if_exposed(config)
     app = build_app(engine, config)
     logging.getLogger("uvicorn.access").addFilter(http_server.QuietPathsFilter())
     # log_config=None: uvicorn's lines go through loom's logging set-up, in one format.
@@ -219,12 +282,14 @@ def serve(config: ServerConfig, sock: socket.socket, engine: EngineClient,
         app, log_config=None, http=http_server.protocol_class(
             http_server.connection_cap(config.max_connections)),
         timeout_keep_alive=config.read_timeout,
-        timeout_graceful_shutdown=config.shutdown_timeout + _SHUTDOWN_GRACE_S)
+        timeout_graceful_shutdown=config.shutdown_timeout + _SHUTDOWN_GRACE_S,
+        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile)
     server = http_server.DrainingServer(
         uvicorn_config, config.shutdown_timeout, drain=engine.drain,
         stop=lambda: engine.stop("the server is shutting down: this request was aborted"),
         engine_alive=(lambda: engine.is_alive) if exit_with_engine else None)
-    logger.info("Serving %s on http://%s:%d%s", engine.core.model_name, config.host,
+    logger.info("Serving %s on %s://%s:%d%s", engine.core.model_name,
+                "http" if config.ssl_certfile is None else "https", config.host,
                 sock.getsockname()[1],  # the port bound: the one asked for, or --port 0's pick
                 "" if config.api_key is None else " (API key required)")
     try:
@@ -233,4 +298,15 @@ def serve(config: ServerConfig, sock: socket.socket, engine: EngineClient,
         pass  # uvicorn re-raises, at exit, the Ctrl-C it has drained for: handled, no crash
     if server.engine_died:
         return 1
+    if server.terminated:
+        return 128 + signal.SIGTERM
     return 128 + signal.SIGINT if server.interrupted else 0  # a shell's status for Ctrl-C
+
+
+def warn_if_exposed(config: ServerConfig) -> None:
+    """A non-loopback address without a key serves the model to anyone who can reach it."""
+    if not is_loopback(config.host) and config.api_key is None:
+        logger.warning("Listening on %s without an API key: anyone who can reach this port "
+                       "can use the model and read /metrics. Set LOOM_API_KEY (or --api-key), "
+                       "and serve over TLS (--ssl-certfile) where the network is not yours",
+                       config.host)

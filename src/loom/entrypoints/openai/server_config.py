@@ -4,6 +4,7 @@ for them."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -31,12 +32,39 @@ class ServerConfig(AdmissionConfig):
             "how tool calls are read from a chat answer with tool_choice auto; none = picked "
             "from the model's chat template"))
     api_key: str | None = field(default=None, metadata=flag_help(
-        f"require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise); default: "
-        f"${API_KEY_ENV} if set, else no key. Routes outside /v1 stay open: /health, "
-        "/metrics, /version, /tokenize, /detokenize and the OpenAPI schema and docs"))
+        f"require 'Authorization: Bearer KEY' on every route but /health (401 otherwise); "
+        "several keys, comma-separated, tell clients apart for --max-concurrent-per-client; "
+        f"default: ${API_KEY_ENV} if set, else no key"))
+    metrics_api_key: str | None = field(default=None, metadata=flag_help(
+        "a key /metrics takes besides the API keys (for a scraper that should not be able to "
+        "run the model); none = only the API keys"))
+    public_metrics: bool = field(default=False, metadata=flag_help(
+        "serve /metrics without any key, even with --api-key"))
+    enable_admin_routes: bool = field(default=False, metadata=flag_help(
+        "serve POST /reset_prefix_cache (vLLM's; `loom bench run --reset-prefix-cache` "
+        "uses it), which changes the server's state for every client"))
+    ssl_keyfile: str | None = field(default=None, metadata=flag_help(
+        "serve HTTPS with this private key (PEM), given with --ssl-certfile; none = HTTP"))
+    ssl_certfile: str | None = field(default=None, metadata=flag_help(
+        "the certificate (chain, PEM) for --ssl-keyfile; none = HTTP"))
+    special_tokens_in_content: bool = field(default=False, metadata=flag_help(
+        "read special-token text in chat messages (e.g. '<|im_start|>') as the control "
+        "tokens themselves, as the template's own are; by default it is plain text, so user "
+        "text cannot open a forged turn"))
     allowed_origins: str | None = field(default=None, metadata=flag_help(
         "comma-separated origins whose web pages may call the API (CORS), or '*'; "
         "none = no cross-origin access"))
+    max_concurrent_per_client: int | None = field(default=None, metadata=flag_help(
+        "answer 429 (with Retry-After) to a request that would give one client (its API key "
+        "among several, else its address) more than this many engine requests (prompts x n) "
+        "running or queued; none = no limit", "Admission"))
+    max_tokens_default: int = field(default=2048, metadata=flag_help(
+        "the answer's budget for chat and /v1/responses requests that give none (max_tokens, "
+        "max_completion_tokens, max_output_tokens), at most what the context has left; "
+        "0 = whatever the context has left (vLLM's)", "Admission"))
+    grammar_compile_timeout: float = field(default=10.0, metadata=flag_help(
+        "seconds a structured-output constraint (schema, regex, grammar, tools) may take to "
+        "compile before it is refused with a 400", "Admission"))
     max_request_body_bytes: int = field(default=4 * 2**20, metadata=flag_help(
         "largest request body accepted (413 beyond)", "Admission"))
     read_timeout: float = field(default=10.0, metadata=flag_help(
@@ -64,15 +92,35 @@ class ServerConfig(AdmissionConfig):
         for name, value in positive.items():
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if not self.read_timeout > 0:
-            raise ValueError(f"read_timeout must be > 0, got {self.read_timeout}")
+        if self.max_concurrent_per_client is not None and self.max_concurrent_per_client < 1:
+            raise ValueError(f"max_concurrent_per_client must be >= 1, got "
+                             f"{self.max_concurrent_per_client}")
+        if self.max_tokens_default < 0:
+            raise ValueError(f"max_tokens_default must be >= 0, got {self.max_tokens_default}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile are given together (or neither)")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name}: no such file {path!r}")
+        timeouts = {"read_timeout": self.read_timeout,
+                    "grammar_compile_timeout": self.grammar_compile_timeout}
+        for name, value in timeouts.items():
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         if self.max_stored_responses < 0:
             raise ValueError(f"max_stored_responses must be >= 0, got "
                              f"{self.max_stored_responses}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
-        if self.api_key == "":
-            raise ValueError("api_key must not be empty")
+        if self.api_key is not None and not all(self.api_key.split(",")):
+            raise ValueError("api_key must not be empty (nor hold an empty key)")
+        if self.metrics_api_key == "":
+            raise ValueError("metrics_api_key must not be empty")
+
+    @property
+    def api_keys(self) -> list[str]:
+        return [] if self.api_key is None else self.api_key.split(",")
 
     @property
     def origins(self) -> list[str]:

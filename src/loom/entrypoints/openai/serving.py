@@ -28,6 +28,7 @@ from loom.engine.async_engine import (
     RequestRejectedError,
 )
 from loom.entrypoints.openai.errors import INTERNAL_ERROR, APIError, error_body
+from loom.entrypoints.openai.fairness import ClientLimiter, client_of
 from loom.entrypoints.openai.protocol import (
     ErrorResponse,
     PromptTokensDetails,
@@ -42,7 +43,8 @@ from loom.sampling import (
     StructuredOutputsParams,
 )
 from loom.structured import GRAMMAR_ERROR_PREFIX
-from loom.structured.grammar import StructuredOutputsError, check_writable, grammar_for
+from loom.structured.checker import GrammarChecker
+from loom.structured.grammar import StructuredOutputsError, check_writable
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +83,12 @@ class ClientStream:
     disconnects (streaming or not), or the response ends, the stream is closed, which aborts
     whatever has not finished so its KV blocks are freed at the next step."""
 
-    def __init__(self, stream: OutputStream, request: Request) -> None:
+    def __init__(self, stream: OutputStream, request: Request,
+                 constraint_param: str = "structured_outputs",
+                 on_close: Callable[[], None] | None = None) -> None:
         self._stream = stream
+        self.constraint_param = constraint_param  # the field a failed constraint came from
+        self._on_close = on_close
         self._watcher = asyncio.create_task(self._close_on_disconnect(request))
 
     async def _close_on_disconnect(self, request: Request) -> None:
@@ -100,6 +106,18 @@ class ClientStream:
     def close(self) -> None:
         self._watcher.cancel()
         self._stream.close()
+        if self._on_close is not None:
+            self._on_close, on_close = None, self._on_close
+            on_close()
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A request's structured-output constraint and the field that carried it (what its
+    errors name)."""
+
+    params: StructuredOutputsParams
+    param: str
 
 
 @dataclass
@@ -131,7 +149,14 @@ C = TypeVar("C", bound=Choice)
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, stream_interval: int) -> None:
+    """`checker` checks constraints (one for every endpoint, so its cache and its child
+    processes are shared); `limiter` bounds each client's engine requests;
+    `max_tokens_default` bounds a chat answer that names no budget (None: the rest of the
+    context)."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, stream_interval: int, *,
+                 checker: GrammarChecker | None = None, limiter: ClientLimiter | None = None,
+                 max_tokens_default: int | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.core.tokenizer
         self.vocab_size = self.tokenizer.vocab_size
@@ -139,6 +164,9 @@ class OpenAIServing:
         self.kv_capacity = engine.core.num_kv_blocks * engine.core.block_size  # tokens
         self.model_name = model_name
         self.stream_interval = stream_interval
+        self.checker = checker or GrammarChecker(workers=1, timeout=10.0)
+        self.limiter = limiter or ClientLimiter(None)
+        self.max_tokens_default = max_tokens_default
 
     # -- turning a request into engine requests ----------------------------------------------
 
@@ -154,16 +182,17 @@ class OpenAIServing:
     def max_tokens(self, requested: int | None, num_prompt_tokens: int, prompt_param: str,
                    max_tokens_param: str = "max_tokens") -> int | None:
         """The output budget: as requested if prompt + output fit max_model_len, else a 400;
-        when not given, whatever room the context has left, up to what the whole KV cache
-        holds (the engine refuses requests that could outgrow it). Values that are no budget
-        at all (< 1) are left to SamplingParams to refuse."""
+        when not given, `max_tokens_default` or whatever room the context has left if less,
+        up to what the whole KV cache holds (the engine refuses requests that could outgrow
+        it). Values that are no budget at all (< 1) are left to SamplingParams to refuse."""
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(400, f"{prompt_param} has {num_prompt_tokens} tokens, but this "
                            f"model's max_model_len is {self.max_model_len} (prompt and at "
                            "least one output token must fit)", prompt_param)
         if requested is None:
-            return max(1, min(room, self.kv_capacity - num_prompt_tokens))
+            default = room if self.max_tokens_default is None else self.max_tokens_default
+            return max(1, min(room, default, self.kv_capacity - num_prompt_tokens))
         if requested > room:
             raise APIError(400, f"{max_tokens_param}={requested} is too large: the "
                            f"{prompt_param} has {num_prompt_tokens} tokens and max_model_len "
@@ -171,33 +200,30 @@ class OpenAIServing:
                            max_tokens_param)
         return requested
 
-    async def structured_outputs(self, request: SamplingRequest,
-                                 format_param: str = "response_format"
-                                 ) -> StructuredOutputsParams | None:
+    async def structured_outputs(self, request: SamplingRequest, raw_request: Request,
+                                 format_param: str = "response_format") -> Constraint | None:
         """The request's constraint, from whichever spelling it used (vLLM's
         `structured_outputs`, a `guided_*` field, OpenAI's `response_format`), checked here
-        on a worker thread so a spec that cannot compile, or a choice the vocabulary cannot
-        write, is a 400 naming the field; the engine finds the grammar in the same cache."""
+        (`checked_constraint`) so a spec that cannot compile, or a choice the vocabulary cannot
+        write, is a 400 naming the field."""
         found = _structured_spec(request, format_param)
-        return None if found is None else await self.checked_constraint(*found)
+        return None if found is None else await self.checked_constraint(*found, raw_request)
 
-    async def checked_constraint(self, param: str, fields: Mapping[str, object]
-                                 ) -> StructuredOutputsParams:
-        """StructuredOutputsParams of `fields`, compiled and checked against the vocabulary on
+    async def checked_constraint(self, param: str, fields: Mapping[str, object],
+                                 raw_request: Request) -> Constraint:
+        """The constraint of `fields`, its size checked at once, then compiled in one of the
+        checker's processes (bounded in time; cached) and checked against the vocabulary on
         a worker thread; what fails is a 400 naming `param`, the field it came from."""
         try:
             spec = StructuredOutputsParams(**fields)
-
-            def check() -> None:
-                grammar_for(spec)
-                check_writable(spec, self.tokenizer)
-
-            await asyncio.to_thread(check)
+            await self.checker.check(spec, client_of(raw_request.scope))
+            await asyncio.to_thread(check_writable, spec, self.tokenizer)
         except StructuredOutputsError as e:
-            raise APIError(400, f"{param}: {e.reason}", param) from e
+            raise APIError(400, f"{param}: {e.detail}", param) from e
         except SamplingParamsError as e:
-            raise APIError(400, f"{param} {e.reason}", param) from e
-        return spec
+            reason = e.reason.removeprefix(f"{fields_kind(fields)}: ")
+            raise APIError(400, f"{param}: {reason}", param) from e
+        return Constraint(spec, param)
 
     def sampling_params(self, request: SamplingRequest, choice: int,
                         api_names: Mapping[str, str], **kwargs: object) -> SamplingParams:
@@ -232,10 +258,19 @@ class OpenAIServing:
                       prompt_param: str, stream: bool,
                       events: Callable[[ClientStream, list[RequestOutput]], AsyncIterator[str]],
                       response: Callable[[dict[str, RequestOutput]], BaseModel],
-                      ending: StreamEnding = StreamEnding()) -> Response:
+                      ending: StreamEnding = StreamEnding(),
+                      constraint: Constraint | None = None) -> Response:
         """Submit, wait for the engine's first outputs, then stream `events` (ended as
-        `ending` says) or answer with `response` of the final outputs (by request id)."""
-        started = await self._start(raw_request, requests, prompt_param)
+        `ending` says) or answer with `response` of the final outputs (by request id). The
+        client's share of the engine (`limiter`) is held until the response ends."""
+        release = self.limiter.acquire(client_of(raw_request.scope), len(requests))
+        try:
+            started = await self._start(raw_request, requests, prompt_param,
+                                        "structured_outputs" if constraint is None
+                                        else constraint.param, release)
+        except BaseException:
+            release()
+            raise
         if started is None:
             return Response(status_code=CLIENT_CLOSED)
         client_stream, first = started
@@ -258,7 +293,7 @@ class OpenAIServing:
         outputs: list[RequestOutput] | None = first
         while outputs is not None:
             for output in outputs:
-                check_failed(output)
+                check_failed(output, stream.constraint_param)
                 choice = choices[output.request_id]
                 if (not output.finished
                         and choice.progress.pending(output.outputs[0]) < self.stream_interval):
@@ -273,12 +308,14 @@ class OpenAIServing:
             yield usage_chunk(finals)
 
     async def _start(self, raw_request: Request, requests: list[EngineRequest],
-                     prompt_param: str) -> tuple[ClientStream, list[RequestOutput]] | None:
+                     prompt_param: str, constraint_param: str, on_close: Callable[[], None]
+                     ) -> tuple[ClientStream, list[RequestOutput]] | None:
         """Submit and wait for the engine's first outputs; None if the client left first.
         Raises what the status should say: APIError(400) for a prompt the engine can never
         run or a constraint that failed, RequestRejectedError (503) from admission control,
         EngineDeadError (503)."""
-        stream = ClientStream(self.engine.submit(requests), raw_request)
+        stream = ClientStream(self.engine.submit(requests), raw_request, constraint_param,
+                              on_close)
         try:
             first = await anext(stream, None)
         except ValueError as e:
@@ -292,7 +329,7 @@ class OpenAIServing:
             return None
         try:
             for output in first:  # a request that failed at once: its status, not an event
-                check_failed(output)
+                check_failed(output, constraint_param)
         except APIError:
             stream.close()
             raise
@@ -309,7 +346,7 @@ class OpenAIServing:
             while outputs is not None:
                 for output in outputs:
                     if output.finished:
-                        check_failed(output)
+                        check_failed(output, stream.constraint_param)
                         finals[output.request_id] = output
                 outputs = await anext(stream, None)
         finally:
@@ -343,12 +380,20 @@ class OpenAIServing:
                                  headers={"Cache-Control": "no-cache"})
 
 
-def check_failed(output: RequestOutput) -> None:
+def check_failed(output: RequestOutput, constraint_param: str = "structured_outputs") -> None:
+    """Raise what a failed output answers: the client's constraint is a 400 naming the field
+    that carried it; anything else a 500 (the engine logged why)."""
     if output.error is None:
         return
     if output.error.startswith(GRAMMAR_ERROR_PREFIX):  # the client's constraint, not the server
-        raise APIError(400, output.error, "structured_outputs")
-    raise APIError(500, INTERNAL_ERROR, type_="internal_server_error")  # the engine logged why
+        reason = output.error.removeprefix(GRAMMAR_ERROR_PREFIX)
+        raise APIError(400, f"{constraint_param}: {reason}", constraint_param)
+    raise APIError(500, INTERNAL_ERROR, type_="internal_server_error")
+
+
+def fields_kind(fields: Mapping[str, object]) -> str:
+    """The one structured-output kind `fields` set (for error messages), or ""."""
+    return next((k for k, v in fields.items() if v not in (None, False)), "")
 
 
 def usage(finals: list[RequestOutput], num_prompt_tokens: int, num_cached_tokens: int = 0

@@ -22,6 +22,7 @@ import jinja2
 from fastapi import Request, Response
 
 from loom.engine.async_engine import EngineRequest
+from loom.entrypoints.openai.chat_prompt import encode_chat
 from loom.entrypoints.openai.errors import APIError
 from loom.entrypoints.openai.protocol import (
     AssistantMessage,
@@ -43,6 +44,7 @@ from loom.entrypoints.openai.protocol import (
 from loom.entrypoints.openai.serving import (
     Choice,
     ClientStream,
+    Constraint,
     OpenAIServing,
     sse,
     usage,
@@ -56,7 +58,6 @@ from loom.entrypoints.openai.tool_parsers import (
 from loom.entrypoints.openai.tool_parsers.base import ExtractedToolCalls, strict_json
 from loom.entrypoints.openai.tool_parsers.tool_choice import ToolUse
 from loom.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from loom.sampling import StructuredOutputsParams
 
 
 @dataclass
@@ -76,6 +77,7 @@ class ChatPlan:
     num_prompt_tokens: int
     requests: list[EngineRequest]
     choices: dict[str, ChatChoiceState]  # by engine request id
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -90,14 +92,16 @@ class ChatFields:
 
 
 class ChatServing(OpenAIServing):
-    def __init__(self, *args: Any, tool_call_parser: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tool_call_parser: str | None = None,
+                 special_tokens_in_content: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         name = tool_call_parser or parser_name_for_template(self.tokenizer.chat_template)
         self.tool_parser: ToolParser = TOOL_PARSERS[name]()
+        self.special_tokens_in_content = special_tokens_in_content
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-        plan = await self.plan(request, chat_id)
+        plan = await self.plan(request, chat_id, raw_request)
         created = int(time.time())
 
         def events(stream: ClientStream, first: list[RequestOutput]) -> AsyncIterator[str]:
@@ -113,16 +117,17 @@ class ChatServing(OpenAIServing):
                 usage=usage(outputs, plan.num_prompt_tokens, outputs[0].num_cached_tokens))
 
         return await self.respond(raw_request, plan.requests, "messages", request.stream,
-                                  events, response)
+                                  events, response, constraint=plan.constraint)
 
-    async def plan(self, request: ChatCompletionRequest, request_id: str,
+    async def plan(self, request: ChatCompletionRequest, request_id: str, raw_request: Request,
                    fields: ChatFields = ChatFields()) -> ChatPlan:
         """The request made ready to run (errors name the fields as `fields` says): its tool
         use, its prompt through the chat template, one engine request per choice."""
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
         tool_use = _tool_use(request)
-        structured = await self._structured(request, tool_use, fields.response_format)
+        constraint = await self._structured(request, tool_use, fields.response_format,
+                                            raw_request)
         token_ids = await asyncio.to_thread(self.render, request.messages, tool_use.tools,
                                             fields.messages)  # long chats take a while
         budget_param = fields.max_tokens or ("max_completion_tokens"
@@ -136,31 +141,34 @@ class ChatServing(OpenAIServing):
         requests = [EngineRequest(f"{request_id}-{i}", token_ids,
                                   self.sampling_params(request, i, api_names,
                                                        max_tokens=max_tokens, logprobs=logprobs,
-                                                       structured_outputs=structured),
+                                                       structured_outputs=constraint
+                                                       and constraint.params),
                                   request.priority)
                     for i in range(request.n)]
         return ChatPlan(tool_use, len(token_ids), requests,
-                        {r.request_id: ChatChoiceState(i) for i, r in enumerate(requests)})
+                        {r.request_id: ChatChoiceState(i) for i, r in enumerate(requests)},
+                        constraint)
 
     async def _structured(self, request: ChatCompletionRequest, tool_use: ToolUse,
-                          format_param: str) -> StructuredOutputsParams | None:
+                          format_param: str, raw_request: Request) -> Constraint | None:
         """The answer's constraint: the one tool_choice implies, or the request's own."""
-        asked = await self.structured_outputs(request, format_param)
+        asked = await self.structured_outputs(request, raw_request, format_param)
         schema = tool_use.schema()
         if schema is None:
             return asked
         if asked is not None:
             raise APIError(400, f"tool_choice {tool_use.mode!r} cannot be combined with "
                            f"{format_param} or structured outputs", "tool_choice")
-        return await self.checked_constraint("tools", {"json": schema})  # their parameters
+        return await self.checked_constraint("tools", {"json": schema},  # their parameters
+                                             raw_request)
 
     def render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,
                param: str = "messages") -> list[int]:
         """The conversation (and tools) through the model's chat template, as token ids;
         a conversation the template refuses is a 400 naming `param`."""
-        text = render_chat(self.tokenizer, messages, tools, add_generation_prompt=True,
-                           param=param)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return chat_prompt_ids(self.tokenizer, messages, tools, add_generation_prompt=True,
+                               param=param,
+                               special_tokens_in_content=self.special_tokens_in_content)
 
     def calls(self, tool_use: ToolUse, text: str) -> ExtractedToolCalls:
         """The answer's tool calls and its remaining content."""
@@ -174,9 +182,10 @@ class ChatServing(OpenAIServing):
                completion: CompletionOutput, index: int) -> ChatChoice:
         """A finished choice: its content and tool calls, logprobs, why it ended."""
         found = self.calls(tool_use, completion.text)
+        content = found.content if found.calls or tool_use.enforced else completion.text
         return ChatChoice(
             index=index,
-            message=AssistantMessage(content=found.content if found.calls else completion.text,
+            message=AssistantMessage(content=content,
                                      tool_calls=[_response_call(c) for c in found.calls]),
             logprobs=self.logprobs(request, completion.token_ids, completion.logprobs),
             finish_reason=_finish_reason(tool_use, completion, bool(found.calls)),
@@ -228,8 +237,8 @@ class ChatServing(OpenAIServing):
             sure = 0 if tool_use.mode == "required" else self.tool_parser.content_prefix(text)
             return _content_delta(choice, text, sure)
         found = self.calls(tool_use, text)
-        if not found.calls:
-            return _content_delta(choice, text, len(text))
+        if not found.calls:  # an enforced answer cut short is no content either
+            return None if tool_use.enforced else _content_delta(choice, text, len(text))
         choice.calls = found.calls
         content = found.content or ""
         return DeltaMessage(
@@ -284,21 +293,23 @@ def _tool_use(request: ChatCompletionRequest) -> ToolUse:
     choice = request.tool_choice
     try:
         return ToolUse.of(tools, choice if isinstance(choice, str) or choice is None
-                          else choice.model_dump(), request.parallel_tool_calls is not False)
+                          else choice.model_dump(), request.parallel_tool_calls is True)
     except ValueError as e:  # its message starts with the field it names
         field = str(e).split(":", 1)[0]
         raise APIError(400, str(e), field if field == "tools" else "tool_choice") from e
 
 
-def render_chat(tokenizer: Any, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
-                add_generation_prompt: bool, param: str = "messages") -> str:
-    """The conversation (and tools) through the tokenizer's chat template, as text: what
-    /v1/chat/completions and /tokenize both render. A conversation the template refuses (or
-    a tool call whose arguments are not JSON) is a 400 naming `param`."""
+def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage],
+                    tools: list[dict[str, Any]] | None, add_generation_prompt: bool,
+                    param: str = "messages", special_tokens_in_content: bool = False
+                    ) -> list[int]:
+    """The conversation (and tools) through the tokenizer's chat template, as token ids, the
+    client's text kept as text (chat_prompt.py): what /v1/chat/completions and /tokenize both
+    make. A conversation the template refuses (or a tool call whose arguments are not JSON)
+    is a 400 naming `param`."""
     try:
-        return tokenizer.apply_chat_template(
-            [template_message(m) for m in messages],
-            add_generation_prompt=add_generation_prompt, tools=tools or None)
+        return encode_chat(tokenizer, [template_message(m) for m in messages], tools or None,
+                           add_generation_prompt, special_tokens_in_content)
     except (ValueError, jinja2.TemplateError) as e:
         raise APIError(400, f"{param}: {e}", param) from e
 
@@ -342,8 +353,8 @@ def _response_call(call: ParsedToolCall) -> ResponseToolCall:
 
 
 def _finish_reason(tool_use: ToolUse, completion: CompletionOutput, called: bool) -> str | None:
-    """"tool_calls" when the model chose to call (auto) or had to (required); a named function
-    keeps the answer's own reason, as OpenAI reports it."""
-    if called and tool_use.mode in ("auto", "required") and completion.finish_reason == "stop":
+    """"tool_calls" when the model called a tool and its answer ended there (not cut by
+    max_tokens), whether it chose to (auto) or had to (required, a named function)."""
+    if called and tool_use.mode != "none" and completion.finish_reason == "stop":
         return "tool_calls"
     return completion.finish_reason

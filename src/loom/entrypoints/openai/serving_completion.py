@@ -62,7 +62,7 @@ class CompletionServing(OpenAIServing):
             raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with "
                            "echo=true, to score the prompt)", "max_tokens")
         api_names = {"prompt_logprobs": "logprobs"}
-        structured = await self.structured_outputs(request)
+        constraint = await self.structured_outputs(request, raw_request)
         requests, choices, num_prompt_tokens = [], {}, 0
         for p, prompt in enumerate(request.prompts()):
             token_ids = await self._prompt_tokens(prompt)
@@ -81,7 +81,7 @@ class CompletionServing(OpenAIServing):
                 params = self.sampling_params(
                     request, i, api_names, max_tokens=max_tokens, logprobs=request.logprobs,
                     prompt_logprobs=request.logprobs if request.echo else None,
-                    structured_outputs=structured)
+                    structured_outputs=constraint and constraint.params)
                 request_id = f"{completion_id}-{index}"
                 requests.append(EngineRequest(request_id, token_ids, params, request.priority))
                 choices[request_id] = _Choice(index, prompt_text=text, prompt_pieces=pieces,
@@ -121,7 +121,7 @@ class CompletionServing(OpenAIServing):
                 usage=total_usage(list(finals.values())))
 
         return await self.respond(raw_request, requests, "prompt", request.stream, events,
-                                  response)
+                                  response, constraint=constraint)
 
     async def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -67,7 +67,7 @@ class ResponsesServing:
                    self.store.get(request.previous_response_id,
                                   "previous_response_id").conversation)
         chat_request = request.chat_request(earlier)
-        plan = await chat.plan(chat_request, response_id, RESPONSES_FIELDS)
+        plan = await chat.plan(chat_request, response_id, raw_request, RESPONSES_FIELDS)
         conversation = chat_request.messages[1 if request.instructions else 0:]
         stored = request.store is not False and self.store.capacity > 0
         keep = self._keeper(stored, conversation)
@@ -83,7 +83,8 @@ class ResponsesServing:
             return keep(events.finished(_output_items(choice), output, plan.num_prompt_tokens))
 
         return await chat.respond(raw_request, plan.requests, "input", request.stream, stream,
-                                  response, StreamEnding(events.error, last=""))
+                                  response, StreamEnding(events.error, last=""),
+                                  plan.constraint)
 
     def _keeper(self, stored: bool, conversation: list[ChatMessage]
                 ) -> Callable[[ResponseObject], ResponseObject]:
