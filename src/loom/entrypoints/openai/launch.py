@@ -23,6 +23,7 @@ from typing import Literal
 
 from loom.cluster.config import ClusterConfig
 from loom.config import EngineConfig, add_cli_args, flag_help, from_cli_args
+from loom.entrypoints.openai.reasoning import ReasoningParserName
 
 API_KEY_ENV = "LOOM_API_KEY"
 
@@ -44,6 +45,11 @@ class ServerConfig:
         default=None, metadata=flag_help(
             "how tool calls are read from a chat answer with tool_choice auto; none = picked "
             "from the model's chat template"))
+    reasoning_parser: ReasoningParserName = field(
+        default="none", metadata=flag_help(
+            "split a thinking model's <think> part out of chat answers into reasoning_content "
+            "(deepseek_r1: the answer starts inside it, as R1's template opens it; qwen3: "
+            "where the answer or the prompt opens it)"))
     api_key: str | None = field(default=None, metadata=flag_help(
         f"require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise); default: "
         f"${API_KEY_ENV} if set, else no key. Routes outside /v1 stay open: /health, "

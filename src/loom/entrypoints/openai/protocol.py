@@ -23,6 +23,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from loom.model.chat_template import RESERVED_VARIABLES
 from loom.sampling import valid_unicode
 
 
@@ -253,6 +254,17 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call (`required`)
+    # vLLM's: variables of the chat template, e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_servers(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_VARIABLES & set(kwargs or {}))
+        if reserved:
+            raise ValueError(f"{reserved[0]!r} is set by the server, not by the template's "
+                             "kwargs")
+        return kwargs
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -321,6 +333,7 @@ class ResponseToolCall(OpenAIModel):
 class AssistantMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # --reasoning-parser: the answer's <think> part
     tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
@@ -367,6 +380,7 @@ class DeltaToolCall(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

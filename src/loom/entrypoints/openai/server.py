@@ -89,7 +89,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     model_name = config.served_model_name or engine.core.model_name
     completions = CompletionServing(engine, model_name, config.stream_interval)
     chat = ChatServing(engine, model_name, config.stream_interval,
-                       tool_call_parser=config.tool_call_parser)
+                       tool_call_parser=config.tool_call_parser,
+                       reasoning=config.reasoning_parser)
     responses = ResponsesServing(chat, ResponseStore(config.max_stored_responses))
 
     @asynccontextmanager
