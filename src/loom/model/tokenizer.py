@@ -123,12 +123,43 @@ class Tokenizer:
         (a ValueError) for a conversation the template refuses."""
         from loom.model.chat_template import render_chat_template
 
-        if not self.template_has_tools:
+        if _TOOLS_IN_SYSTEM_MESSAGE.search(self.chat_template or ""):
+            messages, tools = phi4_tool_messages(messages, tools), None
+        elif not self.template_has_tools:
             messages, tools = hermes_tool_messages(messages, tools), None
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         return render_chat_template(self.chat_template, messages, tools, add_generation_prompt,
                                     {**self.template_variables, **(template_kwargs or {})})
+
+
+# Phi-4-mini's template reads the tools from the system message (`message['tools']`, JSON
+# text), not from a `tools` variable.
+_TOOLS_IN_SYSTEM_MESSAGE = re.compile(r"message(\['tools'\]|\[\"tools\"\]|\.tools)")
+
+
+def phi4_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                       ) -> list[dict[str, Any]]:
+    """A conversation with tools as Phi-4-mini's template takes it: the functions as JSON in
+    the system message's `tools` (a system turn is added if there is none), earlier calls as
+    the `functools[...]` text the model writes them in."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            listed = json.dumps([{"name": c["function"]["name"],
+                                  "arguments": c["function"]["arguments"]}
+                                 for c in m["tool_calls"]], ensure_ascii=False)
+            out.append({**m, "content": f"{m.get('content') or ''}functools{listed}",
+                        "tool_calls": None})
+        else:
+            out.append(m)
+    if tools:
+        listed = json.dumps([t["function"] for t in tools], ensure_ascii=False)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "tools": listed}
+        else:
+            out.insert(0, {"role": "system", "content": "", "tools": listed})
+    return out
 
 
 _HERMES_TOOLS = (

@@ -19,11 +19,11 @@ import os
 import socket
 import sys
 from dataclasses import dataclass, field
-from typing import Literal
 
 from loom.cluster.config import ClusterConfig
 from loom.config import EngineConfig, add_cli_args, flag_help, from_cli_args
 from loom.entrypoints.openai.reasoning import ReasoningParserName
+from loom.entrypoints.openai.tool_parsers import ToolParserName
 
 API_KEY_ENV = "LOOM_API_KEY"
 
@@ -41,7 +41,7 @@ class ServerConfig:
         "model name in /v1/models and responses; none = the model's own name"))
     stream_interval: int = field(default=1, metadata=flag_help(
         "tokens gathered per streamed chunk (fewer, larger chunks under load)"))
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = field(
+    tool_call_parser: ToolParserName | None = field(
         default=None, metadata=flag_help(
             "how tool calls are read from a chat answer with tool_choice auto; none = picked "
             "from the model's chat template"))

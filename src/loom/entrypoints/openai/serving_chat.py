@@ -190,7 +190,7 @@ class ChatServing(OpenAIServing):
         if tool_use.mode in ("required", "named"):
             return ExtractedToolCalls(None, tool_use.enforced_calls(text))
         if tool_use.mode == "auto":
-            return self.tool_parser.extract(text)
+            return self.tool_parser.extract(text, tool_use.tools)
         return ExtractedToolCalls(text, [])
 
     def choice(self, request: ChatCompletionRequest, plan: ChatPlan,
