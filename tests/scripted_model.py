@@ -14,6 +14,7 @@ from loom.engine.core import EngineCore
 from loom.entrypoints.openai.launch import ServerConfig
 from loom.model.arch import ModelInfo
 from loom.model.tokenizer import Tokenizer
+from loom.sampling import SamplingParams
 
 
 class ScriptedRunner:
@@ -25,6 +26,7 @@ class ScriptedRunner:
         self.tokenizer = tokenizer
         self.answer = answer
         self.prompts: list[str] = []
+        self.params: list[SamplingParams] = []  # of every request, as the engine ran it
 
     def determine_num_kv_blocks(self, cache: CacheConfig, max_model_len: int) -> int:
         return cache.num_kv_blocks or 256
@@ -43,15 +45,18 @@ class ScriptedRunner:
             if generated == 0:
                 self.prompts.append(self.tokenizer.decode(item.prompt_token_ids,
                                                           skip_special_tokens=False))
+                self.params.append(item.sampling_params)
             out.sampled_token_ids[item.request_id] = script[min(generated, len(script) - 1)]
         return out
 
 
-def scripted_client(runner: ScriptedRunner, **server_options: object) -> TestClient:
-    """The HTTP app over the real engine loop on `runner` (started by the client's context)."""
+def scripted_client(runner: ScriptedRunner, model: ModelConfig | None = None,
+                    **server_options: object) -> TestClient:
+    """The HTTP app over the real engine loop on `runner` (started by the client's context);
+    `model`: the engine's model options (--generation-config)."""
     from loom.entrypoints.openai.server import build_app
 
-    core = EngineCore(EngineConfig(model=ModelConfig(max_model_len=4096),
+    core = EngineCore(EngineConfig(model=model or ModelConfig(max_model_len=4096),
                                    cache=CacheConfig(num_kv_blocks=256)), runner=runner)
     return TestClient(build_app(AsyncEngine(core), ServerConfig(**server_options)),
                       base_url="http://127.0.0.1")

@@ -35,6 +35,7 @@ from loom.entrypoints.openai.protocol import (
     ResponseFormat,
     ToolCall,
 )
+from loom.model.generation_config import LOOM_DEFAULTS, SamplingDefaults
 
 # -- the request -------------------------------------------------------------------------------
 
@@ -293,15 +294,18 @@ class ResponseObject(OpenAIModel):
 
     @classmethod
     def starting(cls, response_id: str, request: ResponsesRequest, model: str,
-                 stored: bool = False) -> ResponseObject:
-        """The response before its output: status in_progress, the request's settings;
-        `stored`: whether the server keeps it once finished."""
+                 stored: bool = False, defaults: SamplingDefaults = LOOM_DEFAULTS
+                 ) -> ResponseObject:
+        """The response before its output: status in_progress, the request's settings
+        (`defaults` for the sampling it leaves unset); `stored`: whether the server keeps
+        it once finished."""
         return cls(
             id=response_id, status="in_progress", instructions=request.instructions,
             max_output_tokens=request.max_output_tokens, model=model,
             parallel_tool_calls=request.parallel_tool_calls is not False,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
+            temperature=defaults.temperature if request.temperature is None
+            else request.temperature,
+            top_p=defaults.top_p if request.top_p is None else request.top_p,
             text=(request.text.model_dump(by_alias=True, exclude_none=True)
                   if request.text is not None and request.text.format is not None
                   else {"format": {"type": "text"}}),

@@ -78,7 +78,8 @@ class ResponsesServing:
         stored = request.store is not False and self.store.capacity > 0
         keep = self._keeper(stored, conversation)
         events = ResponseEvents(
-            ResponseObject.starting(response_id, request, chat.model_name, stored), keep,
+            ResponseObject.starting(response_id, request, chat.model_name, stored,
+                                    chat.sampling_defaults), keep,
             lambda output: chat.reasoning_tokens(plan, output.outputs[0]))
 
         def stream(client: ClientStream, first: list[RequestOutput]) -> AsyncIterator[str]:
