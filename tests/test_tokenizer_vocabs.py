@@ -151,3 +151,22 @@ def test_sentencepiece_spaces_bytes_and_the_prefix_after_special_tokens() -> Non
     assert b"".join(phi.token_bytes(i) for i in ids) == b" " + text.encode()
     assert phi.decode(ids) == text
     _tokenizer.cache_clear()
+
+
+def test_streamed_text_adds_up_to_the_decoded_whole(vocab: tuple[str, Tokenizer]) -> None:
+    """What the engine streams (IncrementalDetokenizer, after a prompt) and the pieces
+    /v1/completions' logprobs and echo give each token (TokenPieces) join into the text a
+    whole decode gives, for every case: no space of SentencePiece's lost at a window's
+    start, no character split across tokens shown twice."""
+    from loom.engine.detokenizer import IncrementalDetokenizer
+    from loom.entrypoints.openai.serving_completion import token_pieces
+
+    name, tokenizer = vocab
+    prompt = tokenizer.encode("Answer:", add_special_tokens=False)
+    for text, ids in llama_cpp_cases(vocab_path(name)):
+        assert "".join(token_pieces(tokenizer, ids)) == tokenizer.decode(ids), text
+        streamed = IncrementalDetokenizer(tokenizer, prompt, stop=[])
+        for token_id in ids:
+            streamed.push(token_id)
+        whole = tokenizer.decode([*prompt, *ids])
+        assert streamed.text == whole[len(tokenizer.decode(prompt)):], text
