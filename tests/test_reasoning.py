@@ -157,9 +157,13 @@ def test_chat_template_kwargs_reach_the_template() -> None:
         off = chat(client, chat_template_kwargs={"enable_thinking": False}).json()
         on = chat(client).json()
         refused = chat(client, chat_template_kwargs={"messages": []})
+        counted = [client.post("/tokenize", json={"messages": QUESTION, **extra}).json()
+                   for extra in ({"chat_template_kwargs": {"enable_thinking": False}}, {})]
     assert runner.prompts[0].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert runner.prompts[1].endswith("<|im_start|>assistant\n")
     assert off["usage"]["prompt_tokens"] > on["usage"]["prompt_tokens"]
+    assert [c["count"] for c in counted] == [off["usage"]["prompt_tokens"],
+                                             on["usage"]["prompt_tokens"]]
     assert off["choices"][0]["message"] == {"role": "assistant", "content": "Paris.",
                                             "reasoning_content": None, "tool_calls": []}
     assert refused.status_code == 400 and refused.json()["error"]["param"] == \

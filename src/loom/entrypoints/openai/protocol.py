@@ -245,16 +245,10 @@ class NamedToolChoice(OpenAIRequest):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[ChatTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # False: at most one call (`required`)
-    # vLLM's: variables of the chat template, e.g. {"enable_thinking": false}
+class ChatTemplateKwargs(OpenAIRequest):
+    """vLLM's `chat_template_kwargs`: variables of the chat template, e.g.
+    {"enable_thinking": false}; not those the server renders it with."""
+
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("chat_template_kwargs")
@@ -265,6 +259,17 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError(f"{reserved[0]!r} is set by the server, not by the template's "
                              "kwargs")
         return kwargs
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateKwargs):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call (`required`)
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -429,7 +434,7 @@ class ModelList(OpenAIModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(RequestBody):
+class TokenizeRequest(RequestBody, ChatTemplateKwargs):
     """vLLM's /tokenize: a `prompt`, or `messages` through the chat template."""
 
     model: str | None = None

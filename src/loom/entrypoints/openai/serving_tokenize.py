@@ -33,7 +33,8 @@ def add_tokenize_routes(app: FastAPI, engine: Any) -> None:
             return tokenizer.encode(request.prompt, add_special_tokens=add_special)
         tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
         text = render_chat(tokenizer, request.messages, tools,
-                           add_generation_prompt=request.add_generation_prompt)
+                           add_generation_prompt=request.add_generation_prompt,
+                           template_kwargs=request.chat_template_kwargs)
         return tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens))
 
     @app.post("/tokenize")
