@@ -170,3 +170,18 @@ def test_streamed_text_adds_up_to_the_decoded_whole(vocab: tuple[str, Tokenizer]
             streamed.push(token_id)
         whole = tokenizer.decode([*prompt, *ids])
         assert streamed.text == whole[len(tokenizer.decode(prompt)):], text
+
+
+def test_harmony_tokens_stay_in_the_text_and_end_as_llama_cpp_ends() -> None:
+    """gpt-oss (o200k_harmony): <|channel|> and <|message|> are rendered, as llama.cpp
+    renders them, so the text shows which channel is the answer; <|return|> and <|call|>
+    end it, and <|end|> (the end of one message) then does not."""
+    tokens = ["a", "b", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
+              "<|endoftext|>"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": [],
+            "tokenizer.ggml.token_type": [1, 1, 3, 3, 3, 3, 3, 3],
+            "tokenizer.ggml.eos_token_id": 5}
+    tokenizer = tokenizer_from_gguf(meta)
+    assert tokenizer.decode([2, 0, 3, 1, 5]) == "<|channel|>a<|message|>b"
+    assert tokenizer.eos_token_ids == [5, 6, 7]

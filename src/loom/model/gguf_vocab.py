@@ -193,11 +193,19 @@ def _sentencepiece(tokens: list[str], types: list[int], merges: list[tuple[str, 
     return tokenizer
 
 
+# gpt-oss's harmony format marks its answer's parts with these; llama.cpp always renders them
+# (it retypes them USER_DEFINED), so that the text says which channel is the final answer.
+_ALWAYS_RENDERED = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
+
+
 def _add_special_tokens(tokenizer: HFTokenizer, tokens: list[str], types: list[int]) -> None:
+    shown = [kind == USER_DEFINED or (kind == CONTROL and t in _ALWAYS_RENDERED)
+             for t, kind in zip(tokens, types)]
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t, kind in zip(tokens, types) if kind == CONTROL])
+                                  for t, kind, show in zip(tokens, types, shown)
+                                  if kind == CONTROL and not show])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
-                          for t, kind in zip(tokens, types) if kind == USER_DEFINED])
+                          for t, show in zip(tokens, shown) if show])
 
 
 # -- what a vocabulary's metadata says besides its tokens ----------------------------------------
