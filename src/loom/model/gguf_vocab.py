@@ -31,8 +31,9 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-# llama.cpp's token types (llama_token_type)
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# llama.cpp's token types (llama_token_type) that change how a token is built; UNKNOWN (2) and
+# UNUSED (5) tokens are plain vocabulary here
+NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
 SPACE = "\u2581"  # SentencePiece's visible space
 
 # -- pre-tokenizers of byte-level vocabularies, by llama.cpp's names ---------------------------
@@ -127,12 +128,12 @@ def backend_from_gguf(meta: Mapping[str, Any]) -> HFTokenizer:
                                     meta.get("tokenizer.ggml.pre", "default"))
     elif kind == "llama":
         tokenizer = _sentencepiece(
-            tokens, types, _merges_from_scores(tokens, types, meta["tokenizer.ggml.scores"]),
+            tokens, _merges_from_scores(tokens, types, meta["tokenizer.ggml.scores"]),
             add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
             unk=_token(tokens, meta.get("tokenizer.ggml.unknown_token_id")))
     else:
         tokenizer = _sentencepiece(
-            tokens, types, [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]],
+            tokens, [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]],
             add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", False)),
             unk=None, split_newlines=True)
     _add_special_tokens(tokenizer, tokens, types)
@@ -173,7 +174,7 @@ def _merges_from_scores(tokens: list[str], types: list[int], scores: list[float]
     return [(left, right) for _, _, left, right in merges]
 
 
-def _sentencepiece(tokens: list[str], types: list[int], merges: list[tuple[str, str]],
+def _sentencepiece(tokens: list[str], merges: list[tuple[str, str]],
                    add_space_prefix: bool, unk: str | None,
                    split_newlines: bool = False) -> HFTokenizer:
     vocab = {token: i for i, token in enumerate(tokens)}
