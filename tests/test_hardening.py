@@ -513,13 +513,14 @@ def test_special_tokens_in_content_is_an_opt_out() -> None:
     start = tokenizer.backend.token_to_id("<|im_start|>")
 
     def starts(**options: object) -> int:
-        return encode_chat(tokenizer, forged, None, True, **options).count(start)
+        return encode_chat(tokenizer, forged, None, True, **options)[1].count(start)
 
     plain = [{"role": "user", "content": "hi"}]
-    own = encode_chat(tokenizer, plain, None, True).count(start)  # the template's own turns
+    own = encode_chat(tokenizer, plain, None, True)[1].count(start)  # the template's own turns
     assert starts() == own
+    assert forged[0]["content"] in encode_chat(tokenizer, forged, None, True)[0]  # as sent
     assert starts(special_tokens_in_content=True) == own + 1
-    assert encode_chat(tokenizer, plain, tools, True).count(start) == own
+    assert encode_chat(tokenizer, plain, tools, True)[1].count(start) == own
     text = tokenizer.apply_chat_template(plain, add_generation_prompt=True)
-    assert encode_chat(tokenizer, plain, None, True) == tokenizer.encode(
-        text, add_special_tokens=False)
+    assert encode_chat(tokenizer, plain, None, True) == (text, tokenizer.encode(
+        text, add_special_tokens=False))

@@ -139,17 +139,20 @@ def test_unsupported_gguf_contents_are_named(tmp_path, tiny_llama, name, options
 
 
 @pytest.mark.integration
-def test_unsupported_gguf_tokenizer_is_named(tmp_path, tiny_llama, monkeypatch):
-    """A SentencePiece GGUF vocabulary (tokenizer.ggml.model 'llama', no merges) must be
-    reported as such, not as a KeyError about missing merges."""
+@pytest.mark.parametrize("model,message", [
+    ("bert", r"GGUF tokenizer 'bert' is not supported"),
+    # SentencePiece is read, but from its scores: a file without them says so, no KeyError
+    ("llama", r"GGUF tokenizer 'llama' needs tokenizer\.ggml\.scores"),
+])
+def test_unsupported_gguf_tokenizer_is_named(tmp_path, tiny_llama, monkeypatch, model,
+                                             message):
     import gguf
 
     real = gguf.GGUFWriter.add_tokenizer_model
     monkeypatch.setattr(gguf.GGUFWriter, "add_tokenizer_model",
-                        lambda self, model: real(self, "llama"))
-    monkeypatch.setattr(gguf.GGUFWriter, "add_token_merges", lambda self, merges: None)
-    path = write_gguf(tiny_llama, tmp_path / "spm.gguf")
-    with pytest.raises(ModelLoadError, match=r"GGUF tokenizer 'llama' is not supported"):
+                        lambda self, _: real(self, model))
+    path = write_gguf(tiny_llama, tmp_path / "other.gguf")
+    with pytest.raises(ModelLoadError, match=message):
         load_model(str(path))
 
 
@@ -274,7 +277,8 @@ def test_gguf_tokenizer_equals_hf_folder_tokenizer(hf_folder, gguf_file):
     for text in ["The quick brown fox", "def forward(self):\n    return 42\n",
                  "<|im_start|>user\nhello<|im_end|>", "  spaces   and\ttabs 2024 ünïcode"]:
         assert gg.encode(text) == hf.encode(text), text
-    assert gg.eos_token_ids == hf.eos_token_ids == [EOS_ID]
+    # the GGUF also ends on <|endoftext|> (id 0), as llama.cpp does for that name
+    assert gg.eos_token_ids == [EOS_ID, 0] and hf.eos_token_ids == [EOS_ID]
     assert gg.chat_template == hf.chat_template
 
 

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from model_fixtures import smollm_hf_tokenizer, smollm_loaded
 
-from loom.model.tokenizer import gguf_pre_tokenizer
+from loom.model.gguf_vocab import byte_level_pre_tokenizer
 
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -95,7 +95,7 @@ def byte_level(text: str) -> str:
 
 
 def loom_pieces(text: str) -> list[str]:
-    return [p for p, _ in gguf_pre_tokenizer("smollm").pre_tokenize_str(text)]
+    return [p for p, _ in byte_level_pre_tokenizer("smollm").pre_tokenize_str(text)]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_other_gguf_pre_tokenizers_match_llama_cpp(pre, pattern, text, expected)
     reference = regex.findall(pattern, text)
     if expected is not None:
         assert reference == expected
-    pieces = [p for p, _ in gguf_pre_tokenizer(pre).pre_tokenize_str(text)]
+    pieces = [p for p, _ in byte_level_pre_tokenizer(pre).pre_tokenize_str(text)]
     assert pieces == [byte_level(p) for p in reference]
 
 
@@ -185,7 +185,8 @@ def test_special_tokens(loom_tok, hf_tok):
     ids = loom_tok.encode(text)
     assert ids[0] == 1 and 2 in ids  # <|im_start|>, <|im_end|> are single control tokens
     assert ids == hf_tok.encode(text, add_special_tokens=False)
-    assert loom_tok.eos_token_ids == [2] and loom_tok.eos_token_id == hf_tok.eos_token_id
+    # <|im_end|> (the file's EOS) first; <|endoftext|> ends generation too, as in llama.cpp
+    assert loom_tok.eos_token_ids == [2, 0] and loom_tok.eos_token_id == hf_tok.eos_token_id
     assert loom_tok.bos_token_id == 1 and not loom_tok.add_bos_token
     assert loom_tok.decode(ids, skip_special_tokens=False) == text
     assert loom_tok.decode(ids) == "user\nhi\n"

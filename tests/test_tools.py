@@ -5,6 +5,7 @@ a tool result, streamed calls that reassemble into the non-streamed ones)."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import openai
@@ -242,3 +243,119 @@ def test_tool_choice_errors_name_the_field(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:  # once a RecursionError: a 500
         ask(client, messages=[*QUESTION, {"role": "assistant", "tool_calls": [deep]}])
     assert caught.value.body["param"] == "messages"
+
+
+# -- each family's real template and its parser (no model) -----------------------------------
+
+# Phi-4-mini-instruct's chat template (its tokenizer_config.json; not in llama.cpp's tree):
+# the tools go in the system message, as JSON text.
+PHI4_MINI_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message "
+    "and message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content']"
+    " + '<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + "
+    "message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}")
+FAMILIES = {
+    "Qwen-Qwen3-0.6B": "hermes", "Qwen-Qwen2.5-7B-Instruct": "hermes",
+    "Qwen3.5-4B": "qwen3_coder", "HuggingFaceTB-SmolLM3-3B": "hermes",
+    "meta-llama-Llama-3.1-8B-Instruct": "llama3_json",
+    "meta-llama-Llama-3.2-3B-Instruct": "llama3_json",
+    "meta-llama-Llama-3.3-70B-Instruct": "llama3_json",
+    "mistralai-Mistral-Nemo-Instruct-2407": "mistral",
+    "unsloth-mistral-Devstral-Small-2507": "mistral",
+    "Mistral-Small-3.2-24B-Instruct-2506": "mistral",
+    "phi-4-mini": "phi4_mini",
+}
+_TURN_ENDS = re.compile(r"(<\|im_end\|>\n?|<\|eot_id\|>|</s>|<\|end\|>|<\|endoftext\|>)+$")
+
+
+def family_tokenizer(name: str) -> Tokenizer:
+    from llama_cpp_tree import llama_cpp_tree
+    from model_fixtures import smollm_loaded
+
+    source = PHI4_MINI_TEMPLATE if name == "phi-4-mini" else (
+        llama_cpp_tree() / "models" / "templates" / f"{name}.jinja").read_text()
+    base = smollm_loaded().tokenizer  # its vocabulary; the template is what is tested
+    return Tokenizer(base.backend, base.eos_token_ids, base.bos_token_id,
+                     chat_template=source)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_familys_template_writes_calls_its_parser_reads(name: str) -> None:
+    """The parser picked from the template reads back the call the template itself writes
+    for an earlier assistant turn (what the model was trained to produce), with the
+    reasoning of Qwen3/3.5's closed <think> block split off first; the tool result turn
+    renders too."""
+    from loom.entrypoints.openai.reasoning import REASONING_PARSERS
+
+    tokenizer = family_tokenizer(name)
+    parser_name = parser_name_for_template(tokenizer.chat_template)
+    assert parser_name == FAMILIES[name]
+    call = {"id": "abc123XYZ", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit":
+                                                               "celsius"}}}
+    prompt = tokenizer.apply_chat_template(QUESTION, True, TOOLS)
+    with_call = tokenizer.apply_chat_template(
+        [*QUESTION, {"role": "assistant", "content": "", "tool_calls": [call]}], False, TOOLS)
+    assert with_call.startswith(prompt), "the call turn does not continue the prompt"
+    written = _TURN_ENDS.sub("", with_call[len(prompt):])
+    qwen3 = REASONING_PARSERS["qwen3"]
+    inside = qwen3.starts_inside(prompt)
+    if inside is not None:
+        written = qwen3.split(written, inside).content
+    found = TOOL_PARSERS[parser_name]().extract(written, TOOLS)
+    assert [(c.name, json.loads(c.arguments)) for c in found.calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"})], written
+    assert not found.content
+    result = tokenizer.apply_chat_template(
+        [*QUESTION, {"role": "assistant", "content": "", "tool_calls": [call]},
+         {"role": "tool", "tool_call_id": "abc123XYZ", "name": "get_weather",
+          "content": '{"celsius": 21}'}], True, TOOLS)
+    # the result after the call (Llama 3.1's template writes a string result through tojson,
+    # quoted, as transformers does; Qwen3's drops the earlier turn's empty think block)
+    assert result.rindex("celsius") > result.index("get_weather", result.index("Paris?"))
+
+
+@pytest.mark.unit
+def test_qwen3_coder_types_parameters_by_their_schema() -> None:
+    parser = TOOL_PARSERS["qwen3_coder"]()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"},
+                                         "o": {"type": "object"}}}}}]
+    text = ("Let me look.\n<tool_call>\n<function=f>\n<parameter=n>\n42\n</parameter>\n"
+            "<parameter=s>\n42\n</parameter>\n<parameter=o>\n{\"a\": [1]}\n</parameter>\n"
+            "</function>\n</tool_call>")
+    found = parser.extract(text, tools)
+    assert found.content == "Let me look.\n"
+    assert json.loads(found.calls[0].arguments) == {"n": 42, "s": "42", "o": {"a": [1]}}
+    assert parser.extract("<tool_call>\n<function=f>\nbroken", tools).calls == []
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("text", [
+    '[TOOL_CALLS][{"name": "get_time", "arguments": {"timezone": "UTC"}}]',
+    '[TOOL_CALLS]get_time[ARGS]{"timezone": "UTC"}',
+    '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"timezone": "UTC"}'])
+def test_mistral_reads_all_three_of_its_formats(text: str) -> None:
+    found = TOOL_PARSERS["mistral"]().extract(text)
+    assert [(c.name, json.loads(c.arguments)) for c in found.calls] == [
+        ("get_time", {"timezone": "UTC"})]
+    assert len(found.calls[0].id) == 9 and found.calls[0].id.isalnum()
+    if "CALL_ID" in text:
+        assert found.calls[0].id == "a1b2c3d4e"
+    two = TOOL_PARSERS["mistral"]().extract(f"{text}{text}")
+    assert len(two.calls) == 2
+    assert TOOL_PARSERS["mistral"]().extract('[TOOL_CALLS]f[ARGS]{"a": NaN}').calls == []
+
+
+@pytest.mark.unit
+def test_phi4_mini_reads_functools_and_its_tool_tokens() -> None:
+    parser = TOOL_PARSERS["phi4_mini"]()
+    for text in ['functools[{"name": "get_time", "arguments": {"timezone": "UTC"}}]',
+                 '<|tool_call|>[{"name": "get_time", "arguments": {"timezone": "UTC"}}]'
+                 '<|/tool_call|>']:
+        found = parser.extract(text)
+        assert [c.name for c in found.calls] == ["get_time"] and not found.content
+    assert parser.extract("functools are tools").calls == []
+    assert parser.content_prefix("Sure, func") == len("Sure, ")

@@ -17,6 +17,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 T = TypeVar("T")
@@ -69,6 +70,12 @@ class ModelConfig:
         "auto = cuda when available, else cpu"))
     max_model_len: int | None = field(default=None, metadata=flag_help(
         "longest prompt + output in tokens; default: the model's context length"))
+    generation_config: str = field(default="auto", metadata=flag_help(
+        "sampling defaults of requests that set none of temperature, top_p, top_k, "
+        "repetition_penalty: auto = the model's (generation_config.json, a GGUF's "
+        "general.sampling.* keys; the bundled model's card: temperature 0.2, top_p 0.9), "
+        "loom's (1.0, 1.0, off, 1.0) for what it does not set; none = loom's only; or a "
+        "folder or generation_config.json to read them from"))
     num_threads: int | None = field(default=None, metadata=flag_help(
         "CPU threads for torch; default: the cores this process may use"))
     attention_backend: Literal["auto", "native", "torch"] = field(
@@ -97,6 +104,10 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.generation_config not in ("auto", "none") and \
+                not Path(self.generation_config).exists():
+            raise ValueError("generation_config must be auto, none or an existing folder or "
+                             f"generation_config.json, got {self.generation_config!r}")
 
 
 def check_device(device: str) -> None:

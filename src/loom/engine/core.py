@@ -85,6 +85,10 @@ class EngineCore:
         info = runner.info
         self.model_name = info.name
         self.tokenizer = info.tokenizer
+        from loom.model.generation_config import resolve  # torch-free, but model/'s
+
+        self.sampling_defaults = resolve(config.model.generation_config, config.model.model,
+                                         self.tokenizer.sampling_defaults)
         self.max_model_len = _max_model_len(config.model.max_model_len,
                                             info.max_position_embeddings)
         sc = config.scheduler

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from loom.engine.core import EngineCore
+    from loom.model.generation_config import SamplingDefaults
 
 
 @dataclass(frozen=True)
@@ -19,10 +20,12 @@ class EngineFacts:
     max_model_len: int
     num_kv_blocks: int
     block_size: int
+    sampling_defaults: SamplingDefaults  # what requests that set no sampling get
 
     @classmethod
     def of(cls, core: EngineCore) -> EngineFacts:
-        return cls(core.model_name, core.max_model_len, core.num_kv_blocks, core.block_size)
+        return cls(core.model_name, core.max_model_len, core.num_kv_blocks, core.block_size,
+                   core.sampling_defaults)
 
 
 class ServedCore:
@@ -35,4 +38,5 @@ class ServedCore:
         self.max_model_len = facts.max_model_len
         self.num_kv_blocks = facts.num_kv_blocks
         self.block_size = facts.block_size
+        self.sampling_defaults = facts.sampling_defaults
         self.metrics = metrics

@@ -40,11 +40,15 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priority: Sequence[int] | None = None, use_tqdm: bool = False
                  ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. A prompt is a string or a list of token ids."""
+        """Outputs in the order of `prompts`. A prompt is a string or a list of token ids.
+        Without `sampling_params`, each prompt samples with the model's own defaults
+        (`generation_config`: temperature, top_p, top_k, repetition_penalty; loom's for what
+        the model does not set) and SamplingParams' max_tokens (16)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
-        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        params = _per_prompt(sampling_params or self.default_sampling_params(), len(prompts),
+                             "sampling_params")
         priorities = _per_prompt(list(priority) if priority is not None else 0, len(prompts),
                                  "priority")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
@@ -57,13 +61,24 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: the model's
+        own defaults (vLLM's `get_default_sampling_params`)."""
+        d = self.engine.sampling_defaults
+        return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k,
+                              repetition_penalty=d.repetition_penalty)
+
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them
+        (`chat_template_kwargs`, e.g. {"enable_thinking": False}, are the template's
+        variables); sampling as `generate`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode(
-            self.tokenizer.apply_chat_template(list(c), add_generation_prompt),
+            self.tokenizer.apply_chat_template(list(c), add_generation_prompt,
+                                               template_kwargs=chat_template_kwargs),
             add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params)
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from loom.model.gguf_file import GGUFTensor, dequantize, read_gguf
-from loom.model.tokenizer import Tokenizer, bpe_from_gguf_metadata
+from loom.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -613,14 +613,19 @@ def read_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Tokenizer:
-    """The tokenizer a GGUF's metadata describes (vocabulary, merges, special ids, template)."""
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+    """The tokenizer a GGUF's metadata describes (vocabulary, merges or scores, special ids,
+    template, sampling defaults), by llama.cpp's rules (model/gguf_vocab.py)."""
+    from loom.model import gguf_vocab
+    from loom.model.generation_config import from_gguf_metadata
+
     return Tokenizer(
-        backend=bpe_from_gguf_metadata(meta),
-        eos_token_ids=[eos] if eos is not None else [],
+        backend=gguf_vocab.backend_from_gguf(meta),
+        eos_token_ids=gguf_vocab.end_of_generation_ids(meta),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=gguf_vocab.adds_bos(meta),
         chat_template=meta.get("tokenizer.chat_template"),
+        special_tokens=gguf_vocab.special_token_texts(meta),
+        sampling_defaults=from_gguf_metadata(meta, "the GGUF's general.sampling keys"),
     )
 
 
@@ -631,14 +636,15 @@ def tokenizer_from_hf_folder(path: Path, config: Mapping[str, Any]) -> Tokenizer
         raise ModelLoadError(f"{str(path)!r} has no tokenizer.json")
     from tokenizers import Tokenizer as HFTokenizer
 
+    from loom.model.generation_config import from_generation_config
+
     backend = HFTokenizer.from_file(str(tokenizer_file))
     tok_config = _read_json(path / "tokenizer_config.json")
     gen_config = _read_json(path / "generation_config.json")
 
     def token_id(value: Any) -> int | None:
-        if isinstance(value, dict):
-            value = value.get("content")
-        return backend.token_to_id(value) if isinstance(value, str) else None
+        text = _token_text(value)
+        return backend.token_to_id(text) if text is not None else None
 
     # Every id any of the three files names ends generation: Llama-3.x-Instruct's config.json
     # names <|end_of_text|> while its chat turns end with <|eot_id|> (generation_config.json).
@@ -652,12 +658,26 @@ def tokenizer_from_hf_folder(path: Path, config: Mapping[str, Any]) -> Tokenizer
     if bos_id is None:
         bos_id = config.get("bos_token_id")
     template = tok_config.get("chat_template")
+    if isinstance(template, list):  # the older list of named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"),
+                        None)
     template_file = path / "chat_template.jinja"
     if template is None and template_file.exists():
         template = template_file.read_text()
+    special = {name: text for name in ("unk_token", "pad_token", "sep_token", "mask_token")
+               if (text := _token_text(tok_config.get(name))) is not None}
     return Tokenizer(backend=backend, eos_token_ids=eos_ids, bos_token_id=bos_id,
                      add_bos_token=bool(tok_config.get("add_bos_token", False)),
-                     chat_template=template)
+                     chat_template=template, special_tokens=special,
+                     sampling_defaults=from_generation_config(
+                         gen_config, str(path / "generation_config.json")))
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json names it: its text, or {"content": text}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

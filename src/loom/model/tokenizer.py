@@ -1,4 +1,9 @@
-"""The model's own tokenizer (fast BPE from `tokenizers`) plus its chat template."""
+"""The model's tokenizer (fast, from `tokenizers`), its chat template and sampling defaults.
+
+GGUF vocabularies are rebuilt by `gguf_vocab`, templates rendered by `chat_template`; this
+module holds what the engine and the server call: encode, decode, the bytes of a token, the
+conversation through the template.
+"""
 
 from __future__ import annotations
 
@@ -6,64 +11,13 @@ import functools
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-# llama.cpp's pre-tokenizer names -> the equivalent `tokenizers` pre-tokenizer. The SmolLM /
-# StarCoder family splits every digit into its own token before the GPT-2 regex.
-_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# Qwen2 differs from Llama-3 only in taking digits one at a time (\p{N}, not \p{N}{1,3}).
-_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
-_DIGIT_SPLIT = {"smollm", "starcoder", "refact", "codeshell", "exaone", "minerva", "command-r"}
-_GPT2 = {"gpt2", "default", "mpt", "olmo", "jais"}
-_LLAMA3 = {"llama-bpe", "llama3", "smaug-bpe", "dbrx"}
-_QWEN2 = {"qwen2", "stablelm2"}
-
-
-def gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGIT_SPLIT:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in _GPT2:
-        return byte_level
-    if pre in _LLAMA3 or pre in _QWEN2:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(pattern=Regex(_LLAMA3_REGEX if pre in _LLAMA3 else _QWEN2_REGEX),
-                                 behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; load a Hugging Face folder instead")
-
-
-def bpe_from_gguf_metadata(meta: Mapping[str, Any]) -> HFTokenizer:
-    """The tokenizer stored in a GGUF file's metadata (`gguf_file.read_gguf`). Only
-    byte-level BPE is supported; the model type is checked first because a SentencePiece
-    vocabulary has no merges to read."""
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer {kind!r} is not supported (only byte-level BPE); "
-                         "use the model's Hugging Face folder or tokenizer.json instead")
-    return bpe_from_gguf(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"],
-                         meta["tokenizer.ggml.token_type"],
-                         meta.get("tokenizer.ggml.pre", "default"))
-
-
-def bpe_from_gguf(tokens: list[str], merges: list[str], token_types: list[int],
-                  pre: str) -> HFTokenizer:
-    """Rebuild a byte-level BPE tokenizer from GGUF vocabulary, merges and token types."""
-    vocab = {token: i for i, token in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-    tokenizer.pre_tokenizer = gguf_pre_tokenizer(pre)
-    tokenizer.decoder = decoders.ByteLevel()
-    control = [tokens[i] for i, kind in enumerate(token_types) if kind in (3, 4)]  # CONTROL, USER
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    return tokenizer
+if TYPE_CHECKING:  # the engine loop imports this module, and no more of model/ than it must
+    from loom.model.generation_config import SamplingDefaults
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -86,6 +40,13 @@ class Tokenizer:
     bos_token_id: int | None = None
     add_bos_token: bool = False
     chat_template: str | None = None
+    # The template's variables for special tokens (transformers' special_tokens_map:
+    # unk_token, pad_token, ...); bos_token and eos_token default to the ids above.
+    special_tokens: dict[str, str] = field(default_factory=dict)
+    # What the model's own files say requests sample with (generation_config.json, a GGUF's
+    # general.sampling.*; None: nothing); the engine decides whether they apply
+    # (--generation-config, model/generation_config.py).
+    sampling_defaults: SamplingDefaults | None = None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -111,23 +72,28 @@ class Tokenizer:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str:
-        """A token's text as it reads on its own (byte-level pieces decoded)."""
-        return self.backend.decode([token_id], skip_special_tokens=False)
+        """A token's text as it reads on its own (byte-level pieces decoded, SentencePiece's
+        `▁` a space, also the one a whole text's decode strips from its start)."""
+        if token_id in self._added_token_ids:
+            return self.backend.id_to_token(token_id) or ""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
         """A token's own bytes, which may begin or end inside a UTF-8 character (id_to_token
         shows such a token as U+FFFD): OpenAI's logprobs `bytes`, which clients join to
         rebuild characters split across tokens."""
         raw = self.backend.id_to_token(token_id)
-        if raw is not None and token_id not in self._added_token_ids:
-            if type(self.backend.decoder).__name__ == "ByteLevel":
-                if all(c in _BYTE_OF_CHAR for c in raw):
-                    return bytes(_BYTE_OF_CHAR[c] for c in raw)
-            elif (byte := _BYTE_FALLBACK.fullmatch(raw)) is not None:  # SentencePiece's
-                return bytes([int(byte[1], 16)])
-            else:
-                return raw.replace("\u2581", " ").encode()
-        return self.id_to_token(token_id).encode()
+        if raw is None:
+            return b""
+        if token_id in self._added_token_ids:
+            return raw.encode()
+        if type(self.backend.decoder).__name__ == "ByteLevel":
+            if all(c in _BYTE_OF_CHAR for c in raw):
+                return bytes(_BYTE_OF_CHAR[c] for c in raw)
+            return raw.encode()
+        if (byte := _BYTE_FALLBACK.fullmatch(raw)) is not None:  # SentencePiece's
+            return bytes([int(byte[1], 16)])
+        return raw.replace("\u2581", " ").encode()
 
     @functools.cached_property
     def _added_token_ids(self) -> frozenset[int]:
@@ -158,40 +124,61 @@ class Tokenizer:
         does not, and gets loom's hermes-style tool prompt instead)."""
         return "tools" in (self.chat_template or "")
 
+    @property
+    def template_variables(self) -> dict[str, str]:
+        """The special tokens a template may name, as transformers passes them."""
+        named = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id}
+        found = {name: self.backend.id_to_token(i) for name, i in named.items()
+                 if i is not None}
+        return {**{k: v for k, v in found.items() if v is not None}, **self.special_tokens}
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
         """`messages` as transformers takes them (tool calls' arguments as dicts); `tools`
-        as OpenAI's request lists them."""
-        if not self.template_has_tools:
+        as OpenAI's request lists them; `template_kwargs` (a request's chat_template_kwargs,
+        e.g. enable_thinking) become variables of the template. Raises ChatTemplateError
+        (a ValueError) for a conversation the template refuses."""
+        from loom.model.chat_template import render_chat_template
+
+        if _TOOLS_IN_SYSTEM_MESSAGE.search(self.chat_template or ""):
+            messages, tools = phi4_tool_messages(messages, tools), None
+        elif not self.template_has_tools:
             messages, tools = hermes_tool_messages(messages, tools), None
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
-        # Imported here: the engine process never renders a template, and jinja2 is one of the
-        # larger imports on its way to ready (the server has imported it by now).
-        import jinja2.sandbox
+        return render_chat_template(self.chat_template, messages, tools, add_generation_prompt,
+                                    {**self.template_variables, **(template_kwargs or {})})
 
-        # The environment transformers renders chat templates in: loop controls ({% break %}),
-        # a tojson that keeps non-ASCII and '<' as they are, strftime_now, raise_exception.
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
 
-        def raise_exception(message: str) -> None:
-            raise ValueError(f"chat template: {message}")
+# Phi-4-mini's template reads the tools from the system message (`message['tools']`, JSON
+# text), not from a `tools` variable.
+_TOOLS_IN_SYSTEM_MESSAGE = re.compile(r"message(\['tools'\]|\[\"tools\"\]|\.tools)")
 
-        def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-                   separators: Any = None, sort_keys: bool = False) -> str:
-            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                              separators=separators, sort_keys=sort_keys)
 
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = tojson
-        template = env.from_string(self.chat_template)
-        special = lambda i: self.backend.id_to_token(i) if i is not None else ""  # noqa: E731
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               tools=tools, bos_token=special(self.bos_token_id),
-                               eos_token=special(self.eos_token_id))
+def phi4_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                       ) -> list[dict[str, Any]]:
+    """A conversation with tools as Phi-4-mini's template takes it: the functions as JSON in
+    the system message's `tools` (a system turn is added if there is none), earlier calls as
+    the `functools[...]` text the model writes them in."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            listed = json.dumps([{"name": c["function"]["name"],
+                                  "arguments": c["function"]["arguments"]}
+                                 for c in m["tool_calls"]], ensure_ascii=False)
+            out.append({**m, "content": f"{m.get('content') or ''}functools{listed}",
+                        "tool_calls": None})
+        else:
+            out.append(m)
+    if tools:
+        listed = json.dumps([t["function"] for t in tools], ensure_ascii=False)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "tools": listed}
+        else:
+            out.insert(0, {"role": "system", "content": "", "tools": listed})
+    return out
 
 
 _HERMES_TOOLS = (

@@ -44,9 +44,9 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
 def _gguf_tokenizer(path: Path) -> Tokenizer:
     """The tokenizer in a GGUF file's metadata, without reading its tensors."""
     from loom.model.gguf_file import read_gguf
-    from loom.model.tokenizer import bpe_from_gguf_metadata
+    from loom.model.gguf_vocab import backend_from_gguf
 
-    return bpe_from_gguf_metadata(read_gguf(path).metadata)
+    return backend_from_gguf(read_gguf(path).metadata)
 
 
 class PromptSynth:

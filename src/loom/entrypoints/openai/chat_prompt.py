@@ -23,15 +23,18 @@ from typing import Any
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None, add_generation_prompt: bool,
-                special_tokens_in_content: bool = False) -> list[int]:
-    """The conversation's prompt ids. Raises what `apply_chat_template` raises (ValueError,
-    jinja2's errors) for a conversation the template refuses."""
+                template_kwargs: dict[str, Any] | None = None,
+                special_tokens_in_content: bool = False) -> tuple[str, list[int]]:
+    """The conversation's rendered prompt (the client's text in it as sent) and its ids;
+    template_kwargs: the template's own variables (chat_template_kwargs). Raises what
+    `apply_chat_template` raises (ValueError, jinja2's errors) for a conversation the
+    template refuses."""
     specials = _special_pattern(tokenizer)
     if special_tokens_in_content or specials is None or not _mentions(
             [messages, tools], specials):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             tools=tools)
-        return tokenizer.encode(text, add_special_tokens=False)
+                                             tools=tools, template_kwargs=template_kwargs)
+        return text, tokenizer.encode(text, add_special_tokens=False)
     marker = f"LoomSpecial{secrets.token_hex(8)}x"
     texts: list[str] = []
 
@@ -43,15 +46,16 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]],
 
     rendered = tokenizer.apply_chat_template(
         _mapped(messages, hide), add_generation_prompt=add_generation_prompt,
-        tools=_mapped(tools, hide))
+        tools=_mapped(tools, hide), template_kwargs=template_kwargs)
     ids: list[int] = []
     pieces = re.split(f"{marker}([0-9]+)z", rendered)
     for i, piece in enumerate(pieces):
         if i % 2:  # a placeholder's index
             ids += tokenizer.encode_plain(texts[int(piece)])
+            pieces[i] = texts[int(piece)]
         elif piece:
             ids += tokenizer.encode(piece, add_special_tokens=False)
-    return ids
+    return "".join(pieces), ids
 
 
 def _special_pattern(tokenizer: Any) -> re.Pattern[str] | None:

@@ -23,6 +23,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from loom.model.chat_template import RESERVED_VARIABLES
 from loom.sampling import valid_unicode
 
 
@@ -244,7 +245,23 @@ class NamedToolChoice(OpenAIRequest):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateKwargs(OpenAIRequest):
+    """vLLM's `chat_template_kwargs`: variables of the chat template, e.g.
+    {"enable_thinking": false}; not those the server renders it with."""
+
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_servers(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_VARIABLES & set(kwargs or {}))
+        if reserved:
+            raise ValueError(f"{reserved[0]!r} is set by the server, not by the template's "
+                             "kwargs")
+        return kwargs
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateKwargs):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -321,6 +338,7 @@ class ResponseToolCall(OpenAIModel):
 class AssistantMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # --reasoning-parser: the answer's <think> part
     tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
@@ -367,6 +385,7 @@ class DeltaToolCall(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
@@ -415,7 +434,7 @@ class ModelList(OpenAIModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(RequestBody):
+class TokenizeRequest(RequestBody, ChatTemplateKwargs):
     """vLLM's /tokenize: a `prompt`, or `messages` through the chat template."""
 
     model: str | None = None

@@ -35,6 +35,7 @@ from loom.entrypoints.openai.protocol import (
     ResponseFormat,
     ToolCall,
 )
+from loom.model.generation_config import LOOM_DEFAULTS, SamplingDefaults
 
 # -- the request -------------------------------------------------------------------------------
 
@@ -51,7 +52,9 @@ class InputItem(OpenAIRequest):
     and its output. Which fields each kind needs is checked in `chat_messages`, so that the
     error can say which entry lacks what."""
 
-    type: Literal["message", "function_call", "function_call_output"] = "message"
+    # "reasoning": an earlier answer's reasoning item, which clients send back; templates
+    # drop earlier turns' reasoning, and so does loom
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     role: Literal["user", "system", "developer", "assistant"] | None = None
     content: str | list[InputContentPart] | None = None
     call_id: str | None = None
@@ -144,6 +147,8 @@ def chat_messages(given: str | list[InputItem]) -> list[ChatMessage]:
     messages: list[ChatMessage] = []
     for i, item in enumerate(given):
         where = f"input[{i}]"
+        if item.type == "reasoning":
+            continue
         if item.type == "message":
             if item.role is None or item.content is None:
                 raise APIError(400, f"{where}: a message needs role and content", "input")
@@ -220,6 +225,24 @@ class FunctionCallItem(OpenAIModel):
     arguments: str
 
 
+class ReasoningText(OpenAIModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(OpenAIModel):
+    """The answer's reasoning (--reasoning-parser), before its message and calls."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    status: Literal["in_progress", "completed", "incomplete"]
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+
+
+OutputItem = MessageItem | FunctionCallItem | ReasoningItem
+
+
 class InputTokensDetails(OpenAIModel):
     cached_tokens: int = 0
 
@@ -252,7 +275,7 @@ class ResponseObject(OpenAIModel):
     instructions: str | None = None
     max_output_tokens: int | None = None
     model: str
-    output: list[MessageItem | FunctionCallItem] = Field(default_factory=list)
+    output: list[OutputItem] = Field(default_factory=list)
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None,
@@ -271,15 +294,18 @@ class ResponseObject(OpenAIModel):
 
     @classmethod
     def starting(cls, response_id: str, request: ResponsesRequest, model: str,
-                 stored: bool = False) -> ResponseObject:
-        """The response before its output: status in_progress, the request's settings;
-        `stored`: whether the server keeps it once finished."""
+                 stored: bool = False, defaults: SamplingDefaults = LOOM_DEFAULTS
+                 ) -> ResponseObject:
+        """The response before its output: status in_progress, the request's settings
+        (`defaults` for the sampling it leaves unset); `stored`: whether the server keeps
+        it once finished."""
         return cls(
             id=response_id, status="in_progress", instructions=request.instructions,
             max_output_tokens=request.max_output_tokens, model=model,
             parallel_tool_calls=request.parallel_tool_calls is not False,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
+            temperature=defaults.temperature if request.temperature is None
+            else request.temperature,
+            top_p=defaults.top_p if request.top_p is None else request.top_p,
             text=(request.text.model_dump(by_alias=True, exclude_none=True)
                   if request.text is not None and request.text.format is not None
                   else {"format": {"type": "text"}}),

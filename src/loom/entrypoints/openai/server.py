@@ -108,7 +108,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     completions = CompletionServing(engine, model_name, config.stream_interval, **shared)
     chat = ChatServing(engine, model_name, config.stream_interval,
                        tool_call_parser=config.tool_call_parser,
-                       special_tokens_in_content=config.special_tokens_in_content, **shared)
+                       special_tokens_in_content=config.special_tokens_in_content,
+                       reasoning=config.reasoning_parser, **shared)
     responses = ResponsesServing(chat, ResponseStore(config.max_stored_responses))
 
     @asynccontextmanager

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal
 
 from loom.admission import AdmissionConfig
 from loom.config import flag_help
+from loom.entrypoints.openai.reasoning import ReasoningParserName
+from loom.entrypoints.openai.tool_parsers import ToolParserName
 
 API_KEY_ENV = "LOOM_API_KEY"
 
@@ -27,10 +28,15 @@ class ServerConfig(AdmissionConfig):
         "model name in /v1/models and responses; none = the model's own name"))
     stream_interval: int = field(default=1, metadata=flag_help(
         "tokens gathered per streamed chunk (fewer, larger chunks under load)"))
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = field(
+    tool_call_parser: ToolParserName | None = field(
         default=None, metadata=flag_help(
             "how tool calls are read from a chat answer with tool_choice auto; none = picked "
             "from the model's chat template"))
+    reasoning_parser: ReasoningParserName = field(
+        default="none", metadata=flag_help(
+            "split a thinking model's <think> part out of chat answers into reasoning_content "
+            "(deepseek_r1: the answer starts inside it, as R1's template opens it; qwen3: "
+            "where the answer or the prompt opens it)"))
     api_key: str | None = field(default=None, metadata=flag_help(
         f"require 'Authorization: Bearer KEY' on every route but /health (401 otherwise); "
         "several keys, comma-separated, tell clients apart for --max-concurrent-per-client; "

@@ -167,6 +167,8 @@ class OpenAIServing:
         self.checker = checker or GrammarChecker(workers=1, timeout=10.0)
         self.limiter = limiter or ClientLimiter(None)
         self.max_tokens_default = max_tokens_default
+        # the model's own defaults (--generation-config) for what a request leaves unset
+        self.sampling_defaults = engine.core.sampling_defaults
 
     # -- turning a request into engine requests ----------------------------------------------
 
@@ -233,17 +235,21 @@ class OpenAIServing:
         seed = request.seed
         if seed is not None and SEED_RANGE[0] <= seed < SEED_RANGE[1]:
             seed = (seed + choice) % SEED_RANGE[1]  # the same 64-bit generator state
+        defaults = self.sampling_defaults
         try:
             params = SamplingParams(
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=request.top_k if request.top_k not in (None, 0) else -1,
+                temperature=defaults.temperature if request.temperature is None
+                else request.temperature,
+                top_p=defaults.top_p if request.top_p is None else request.top_p,
+                top_k=(defaults.top_k if request.top_k is None
+                       else request.top_k if request.top_k != 0 else -1),
                 seed=seed, min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
                 stop=[] if request.stop is None else request.stop,
                 stop_token_ids=request.stop_token_ids or [],
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
-                repetition_penalty=(1.0 if request.repetition_penalty is None
+                repetition_penalty=(defaults.repetition_penalty
+                                    if request.repetition_penalty is None
                                     else request.repetition_penalty),
                 logit_bias=_token_biases(request.logit_bias), **kwargs)
             params.check_vocab(self.vocab_size)

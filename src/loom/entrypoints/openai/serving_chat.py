@@ -2,11 +2,17 @@
 streamed (a role chunk, then content deltas) or not, with per-token logprobs, structured
 outputs and tool calls.
 
+Reasoning: with `--reasoning-parser` (reasoning.py) the answer's `<think>` part goes to
+`reasoning_content` (streamed as `delta.reasoning_content`), and tool calls are read from the
+rest; an answer constrained from its first token (structured outputs, tool_choice required or
+a named function) has no reasoning to split. `chat_template_kwargs` (e.g.
+`{"enable_thinking": false}`) are variables of the chat template.
+
 Tool calls: with `tool_choice` auto the answer is parsed by the model family's tool-call
-parser (hermes, llama3_json, mistral); `required` and a named function constrain the answer
-with a JSON schema, so their arguments always parse. A streamed answer sends content as soon
-as it cannot be the start of a call, and each call, whole, once it is complete (a named
-function's arguments stream as they come).
+parser (hermes, llama3_json, mistral, phi4_mini); `required` and a named function constrain
+the answer with a JSON schema, so their arguments always parse. A streamed answer sends
+content as soon as it cannot be the start of a call, and each call, whole, once it is complete
+(a named function's arguments stream as they come).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from loom.entrypoints.openai.protocol import (
     ResponseToolCall,
     TopLogprob,
 )
+from loom.entrypoints.openai.reasoning import ReasoningParser, reasoning_parser
 from loom.entrypoints.openai.serving import (
     Choice,
     ClientStream,
@@ -65,6 +72,7 @@ class ChatChoiceState(Choice):
     """A streamed chat choice also tracks the text it has sent as content, and its calls."""
 
     content_sent: int = 0
+    reasoning_sent: int = 0
     named_call: ParsedToolCall | None = None  # a named function: its id, sent first
     calls: list[ParsedToolCall] = field(default_factory=list)
 
@@ -78,6 +86,8 @@ class ChatPlan:
     requests: list[EngineRequest]
     choices: dict[str, ChatChoiceState]  # by engine request id
     constraint: Constraint | None = None
+    # Whether the answer begins inside its reasoning; None: no reasoning to split out
+    reasoning_inside: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -93,11 +103,13 @@ class ChatFields:
 
 class ChatServing(OpenAIServing):
     def __init__(self, *args: Any, tool_call_parser: str | None = None,
-                 special_tokens_in_content: bool = False, **kwargs: Any) -> None:
+                 special_tokens_in_content: bool = False, reasoning: str = "none",
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         name = tool_call_parser or parser_name_for_template(self.tokenizer.chat_template)
         self.tool_parser: ToolParser = TOOL_PARSERS[name]()
         self.special_tokens_in_content = special_tokens_in_content
+        self.reasoning: ReasoningParser | None = reasoning_parser(reasoning)
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         chat_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -111,8 +123,7 @@ class ChatServing(OpenAIServing):
             outputs = list(finals.values())
             return ChatCompletionResponse(
                 id=chat_id, created=created, model=self.model_name,
-                choices=[self.choice(request, plan.tool_use, finals[rid].outputs[0],
-                                     choice.index)
+                choices=[self.choice(request, plan, finals[rid].outputs[0], choice.index)
                          for rid, choice in plan.choices.items()],
                 usage=usage(outputs, plan.num_prompt_tokens, outputs[0].num_cached_tokens))
 
@@ -128,8 +139,9 @@ class ChatServing(OpenAIServing):
         tool_use = _tool_use(request)
         constraint = await self._structured(request, tool_use, fields.response_format,
                                             raw_request)
-        token_ids = await asyncio.to_thread(self.render, request.messages, tool_use.tools,
-                                            fields.messages)  # long chats take a while
+        prompt, token_ids = await asyncio.to_thread(  # long chats take a while
+            self.render, request.messages, tool_use.tools, fields.messages,
+            request.chat_template_kwargs)
         budget_param = fields.max_tokens or ("max_completion_tokens"
                                              if request.max_completion_tokens is not None
                                              else "max_tokens")
@@ -145,9 +157,12 @@ class ChatServing(OpenAIServing):
                                                        and constraint.params),
                                   request.priority)
                     for i in range(request.n)]
+        constrained = constraint is not None
         return ChatPlan(tool_use, len(token_ids), requests,
                         {r.request_id: ChatChoiceState(i) for i, r in enumerate(requests)},
-                        constraint)
+                        constraint,
+                        None if self.reasoning is None or constrained
+                        else self.reasoning.starts_inside(prompt))
 
     async def _structured(self, request: ChatCompletionRequest, tool_use: ToolUse,
                           format_param: str, raw_request: Request) -> Constraint | None:
@@ -163,29 +178,42 @@ class ChatServing(OpenAIServing):
                                              raw_request)
 
     def render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,
-               param: str = "messages") -> list[int]:
-        """The conversation (and tools) through the model's chat template, as token ids;
-        a conversation the template refuses is a 400 naming `param`."""
+               param: str = "messages", template_kwargs: dict[str, Any] | None = None
+               ) -> tuple[str, list[int]]:
+        """The conversation (and tools) through the model's chat template, as text and token
+        ids; a conversation the template refuses is a 400 naming `param`."""
         return chat_prompt_ids(self.tokenizer, messages, tools, add_generation_prompt=True,
-                               param=param,
+                               param=param, template_kwargs=template_kwargs,
                                special_tokens_in_content=self.special_tokens_in_content)
+
+    def reasoning_tokens(self, plan: ChatPlan, completion: CompletionOutput) -> int:
+        """How many of the answer's tokens are its reasoning (the Responses API's usage)."""
+        if plan.reasoning_inside is None or self.reasoning is None:
+            return 0
+        return self.reasoning.token_count(self.tokenizer.decode, completion.token_ids,
+                                          plan.reasoning_inside)
 
     def calls(self, tool_use: ToolUse, text: str) -> ExtractedToolCalls:
         """The answer's tool calls and its remaining content."""
         if tool_use.mode in ("required", "named"):
             return ExtractedToolCalls(None, tool_use.enforced_calls(text))
         if tool_use.mode == "auto":
-            return self.tool_parser.extract(text)
+            return self.tool_parser.extract(text, tool_use.tools)
         return ExtractedToolCalls(text, [])
 
-    def choice(self, request: ChatCompletionRequest, tool_use: ToolUse,
+    def choice(self, request: ChatCompletionRequest, plan: ChatPlan,
                completion: CompletionOutput, index: int) -> ChatChoice:
-        """A finished choice: its content and tool calls, logprobs, why it ended."""
-        found = self.calls(tool_use, completion.text)
-        content = found.content if found.calls or tool_use.enforced else completion.text
+        """A finished choice: its reasoning, content and tool calls, logprobs, why it ended."""
+        tool_use, reasoning, text = plan.tool_use, None, completion.text
+        if plan.reasoning_inside is not None and self.reasoning is not None:
+            split = self.reasoning.split(text, plan.reasoning_inside)
+            reasoning, text = split.reasoning, split.content
+        found = self.calls(tool_use, text)
+        content = found.content if found.calls or tool_use.enforced else text
         return ChatChoice(
             index=index,
-            message=AssistantMessage(content=content,
+            message=AssistantMessage(content=(content or None) if reasoning is not None
+                                     else content, reasoning_content=reasoning,
                                      tool_calls=[_response_call(c) for c in found.calls]),
             logprobs=self.logprobs(request, completion.token_ids, completion.logprobs),
             finish_reason=_finish_reason(tool_use, completion, bool(found.calls)),
@@ -203,7 +231,7 @@ class ChatServing(OpenAIServing):
         def delta(output: RequestOutput, choice: ChatChoiceState) -> str | None:
             completion = output.outputs[0]
             logprobs = self.advance(request, choice, completion)
-            message = self.delta_message(tool_use, choice, completion.text, output.finished)
+            message = self.delta_message(plan, choice, completion.text, output.finished)
             if not output.finished and message is None and logprobs is None:
                 return None  # tokens that are no text yet (half a UTF-8 char, a stop prefix)
             so_far = (usage([output], num_prompt_tokens, output.num_cached_tokens)
@@ -226,9 +254,22 @@ class ChatServing(OpenAIServing):
                                               usage_chunk if request.include_usage else None):
             yield event
 
-    def delta_message(self, tool_use: ToolUse, choice: ChatChoiceState, text: str,
+    def delta_message(self, plan: ChatPlan, choice: ChatChoiceState, text: str,
                       finished: bool) -> DeltaMessage | None:
-        """What a streamed choice can send now of its answer `text` (None: nothing yet)."""
+        """What a streamed choice can send now of its answer `text` (None: nothing yet):
+        new reasoning first, then what the content (after the reasoning) adds."""
+        if plan.reasoning_inside is None or self.reasoning is None:
+            return self._content_message(plan.tool_use, choice, text, finished)
+        split = self.reasoning.split(text, plan.reasoning_inside, finished)
+        reasoning = (split.reasoning or "")[choice.reasoning_sent:]
+        choice.reasoning_sent += len(reasoning)
+        message = self._content_message(plan.tool_use, choice, split.content, finished)
+        if not reasoning:
+            return message
+        return (message or DeltaMessage()).model_copy(update={"reasoning_content": reasoning})
+
+    def _content_message(self, tool_use: ToolUse, choice: ChatChoiceState, text: str,
+                         finished: bool) -> DeltaMessage | None:
         if tool_use.mode == "named":
             return self._named_delta(tool_use, choice, text)
         if tool_use.mode == "none":
@@ -301,15 +342,15 @@ def _tool_use(request: ChatCompletionRequest) -> ToolUse:
 
 def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage],
                     tools: list[dict[str, Any]] | None, add_generation_prompt: bool,
-                    param: str = "messages", special_tokens_in_content: bool = False
-                    ) -> list[int]:
-    """The conversation (and tools) through the tokenizer's chat template, as token ids, the
-    client's text kept as text (chat_prompt.py): what /v1/chat/completions and /tokenize both
-    make. A conversation the template refuses (or a tool call whose arguments are not JSON)
-    is a 400 naming `param`."""
+                    param: str = "messages", template_kwargs: dict[str, Any] | None = None,
+                    special_tokens_in_content: bool = False) -> tuple[str, list[int]]:
+    """The conversation (and tools) through the tokenizer's chat template, as the rendered
+    text and its token ids, the client's text kept as text (chat_prompt.py): what
+    /v1/chat/completions and /tokenize both make. A conversation the template refuses (or a
+    tool call whose arguments are not JSON) is a 400 naming `param`."""
     try:
         return encode_chat(tokenizer, [template_message(m) for m in messages], tools or None,
-                           add_generation_prompt, special_tokens_in_content)
+                           add_generation_prompt, template_kwargs, special_tokens_in_content)
     except (ValueError, jinja2.TemplateError) as e:
         raise APIError(400, f"{param}: {e}", param) from e
 

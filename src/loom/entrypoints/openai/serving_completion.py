@@ -196,10 +196,24 @@ class TokenPieces:
             return ""
         piece = decoded[len(self.text):]
         if len(self.window) >= _PIECE_WINDOW:  # restart the window at a whole character
-            self.window, self.text = [], ""
+            self._restart()
         else:
             self.text = decoded
         return piece
+
+
+    def _restart(self) -> None:
+        """Keep only the window's last whole character (its last token, or the byte tokens
+        that spell it): its text is sent already, and it stands before the next token, whose
+        text a window starting with it would lose a space of (decoding strips the space that
+        SentencePiece's prefix puts before a text, from whatever a window starts with)."""
+        for start in range(len(self.window) - 1, -1, -1):
+            tail = self.window[start:]
+            text = self.tokenizer.decode(tail, skip_special_tokens=False)
+            if "\ufffd" not in text:
+                self.window, self.text = tail, text
+                return
+        self.window, self.text = [], ""
 
 
 def token_pieces(tokenizer: Any, token_ids: list[int]) -> list[str]:

@@ -5,6 +5,8 @@ outputs and streaming deltas. Only the shape differs: the answer is a list of ou
 message, then the function calls), and a stream is typed events, each numbered:
 
     response.created, response.in_progress
+    reasoning:    output_item.added, reasoning_text.delta ..., reasoning_text.done,
+                  output_item.done  (with --reasoning-parser, before the rest)
     per message:  output_item.added, content_part.added, output_text.delta ...,
                   output_text.done, content_part.done, output_item.done
     per call:     output_item.added, function_call_arguments.delta ...,
@@ -41,7 +43,11 @@ from loom.entrypoints.openai.protocol_responses import (
     IncompleteDetails,
     InputTokensDetails,
     MessageItem,
+    OutputItem,
     OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
     ResponseObject,
     ResponsesRequest,
     ResponsesUsage,
@@ -72,14 +78,16 @@ class ResponsesServing:
         stored = request.store is not False and self.store.capacity > 0
         keep = self._keeper(stored, conversation)
         events = ResponseEvents(
-            ResponseObject.starting(response_id, request, chat.model_name, stored), keep)
+            ResponseObject.starting(response_id, request, chat.model_name, stored,
+                                    chat.sampling_defaults), keep,
+            lambda output: chat.reasoning_tokens(plan, output.outputs[0]))
 
         def stream(client: ClientStream, first: list[RequestOutput]) -> AsyncIterator[str]:
             return self._events(chat_request, plan, events, client, first)
 
         def response(finals: dict[str, RequestOutput]) -> ResponseObject:
             (output,) = finals.values()
-            choice = chat.choice(chat_request, plan.tool_use, output.outputs[0], 0)
+            choice = chat.choice(chat_request, plan, output.outputs[0], 0)
             return keep(events.finished(_output_items(choice), output, plan.num_prompt_tokens))
 
         return await chat.respond(raw_request, plan.requests, "input", request.stream, stream,
@@ -111,9 +119,10 @@ class ResponsesServing:
             logprobs = self.chat.advance(request, choice, completion)
             if logprobs is not None:  # tokens that are no text yet wait for theirs
                 events.hold(logprobs.content or [])
-            message = self.chat.delta_message(plan.tool_use, choice, completion.text,
-                                              output.finished)
+            message = self.chat.delta_message(plan, choice, completion.text, output.finished)
             sent = []
+            if message is not None and message.reasoning_content:
+                sent += events.reasoning(message.reasoning_content)
             if message is not None and message.content:
                 sent += events.text(message.content)
             for call in (message.tool_calls or []) if message is not None else []:
@@ -127,12 +136,15 @@ class ResponsesServing:
             yield event
 
 
-def _output_items(choice: ChatChoice) -> list[MessageItem | FunctionCallItem]:
-    """A finished answer's output: its text as a message (also when it is empty and made no
-    call), then its calls."""
+def _output_items(choice: ChatChoice) -> list[OutputItem]:
+    """A finished answer's output: its reasoning, if any, its text as a message (also when it
+    is empty and made no call), then its calls."""
     message, calls = choice.message, choice.message.tool_calls
     status = "incomplete" if choice.finish_reason == "length" else "completed"
-    items: list[MessageItem | FunctionCallItem] = []
+    items: list[OutputItem] = []
+    if message.reasoning_content is not None:
+        items.append(ReasoningItem(id=_item_id("rs"), status="completed", content=[
+            ReasoningText(text=message.reasoning_content)]))
     logprobs = [] if choice.logprobs is None else _dumped(choice.logprobs.content)
     if message.content or not calls:
         items.append(MessageItem(id=_item_id("msg"), status=status, content=[
@@ -143,7 +155,7 @@ def _output_items(choice: ChatChoice) -> list[MessageItem | FunctionCallItem]:
     return items
 
 
-def _answer_turn(items: list[MessageItem | FunctionCallItem]) -> ChatMessage:
+def _answer_turn(items: list[OutputItem]) -> ChatMessage:
     """A response's output as the assistant turn a later request continues from."""
     text = "".join(part.text for item in items if isinstance(item, MessageItem)
                    for part in item.content)
@@ -168,10 +180,13 @@ class ResponseEvents:
     sequential), and numbers every event."""
 
     def __init__(self, response: ResponseObject,
-                 on_finished: Callable[[ResponseObject], ResponseObject] | None = None) -> None:
+                 on_finished: Callable[[ResponseObject], ResponseObject] | None = None,
+                 reasoning_tokens: Callable[[RequestOutput], int] = lambda _: 0) -> None:
         self.response = response
         self.on_finished = on_finished  # given the final response (to keep it)
+        self.reasoning_tokens = reasoning_tokens  # of a finished answer, for its usage
         self.sequence = 0
+        self.thought: ReasoningItem | None = None
         self.message: MessageItem | None = None
         self.calls: dict[int, FunctionCallItem] = {}  # by the chat delta's call index
         self.held: list[dict[str, Any]] = []  # logprobs of tokens whose text is not sent yet
@@ -185,8 +200,32 @@ class ResponseEvents:
         """Logprobs of new tokens, sent with the next text delta (or when the text closes)."""
         self.held += _dumped(logprobs)
 
+    def reasoning(self, delta: str) -> list[str]:
+        """A piece of the reasoning, which comes before any text or call."""
+        sent = []
+        if self.thought is None:
+            self.thought = ReasoningItem(id=_item_id("rs"), status="in_progress",
+                                         content=[ReasoningText(text="")])
+            sent += self._add(self.thought)
+        self.thought.content[0].text += delta
+        sent.append(self._event("response.reasoning_text.delta", content_index=0, delta=delta,
+                                **self._where(self.thought)))
+        return sent
+
+    def _close_reasoning(self, status: str) -> list[str]:
+        thought = self.thought
+        if thought is None or thought.status != "in_progress":
+            return []
+        thought.status = status  # type: ignore[assignment] - "completed" or "incomplete"
+        where = self._where(thought)
+        return [self._event("response.reasoning_text.done", content_index=0,
+                            text=thought.content[0].text, **where),
+                self._event("response.output_item.done", output_index=where["output_index"],
+                            item=thought.model_dump(mode="json"))]
+
     def text(self, delta: str) -> list[str]:
-        sent = self._open_message() if self.message is None else []
+        sent = self._close_reasoning("completed")
+        sent += self._open_message() if self.message is None else []
         assert self.message is not None
         part, logprobs, self.held = self.message.content[0], self.held, []
         part.text += delta
@@ -207,6 +246,7 @@ class ResponseEvents:
         sent = []
         call = self.calls.get(piece.index)
         if call is None:
+            sent += self._close_reasoning("completed")
             sent += self._close_message("completed")
             call = FunctionCallItem(id=_item_id("fc"), status="in_progress",
                                     call_id=piece.id or _item_id("call"),
@@ -222,8 +262,9 @@ class ResponseEvents:
     def finish(self, output: RequestOutput, num_prompt_tokens: int) -> list[str]:
         """Close every open item, then the response itself."""
         status = "incomplete" if output.outputs[0].finish_reason == "length" else "completed"
+        sent = self._close_reasoning(status)
         empty = self.message is None and not self.calls
-        sent = self._open_message() if empty else []  # an empty answer is still a message
+        sent += self._open_message() if empty else []  # an empty answer is still a message
         sent += self._close_message(status)
         for call in self.calls.values():
             call.status = "completed"
@@ -238,7 +279,7 @@ class ResponseEvents:
                                 response=done.model_dump(mode="json")))
         return sent
 
-    def finished(self, items: list[MessageItem | FunctionCallItem], output: RequestOutput,
+    def finished(self, items: list[OutputItem], output: RequestOutput,
                  num_prompt_tokens: int) -> ResponseObject:
         """The response with its output and usage."""
         completion = output.outputs[0]
@@ -251,6 +292,8 @@ class ResponseEvents:
                 input_tokens=num_prompt_tokens,
                 input_tokens_details=InputTokensDetails(cached_tokens=output.num_cached_tokens),
                 output_tokens=len(completion.token_ids),
+                output_tokens_details=OutputTokensDetails(
+                    reasoning_tokens=self.reasoning_tokens(output)),
                 total_tokens=num_prompt_tokens + len(completion.token_ids))})
 
     def error(self, body: ErrorResponse) -> str:
@@ -272,15 +315,15 @@ class ResponseEvents:
                 self._event("response.output_item.done", output_index=where["output_index"],
                             item=message.model_dump(mode="json"))]
 
-    def _add(self, item: MessageItem | FunctionCallItem) -> list[str]:
+    def _add(self, item: OutputItem) -> list[str]:
         self.response.output.append(item)
         return [self._event("response.output_item.added", output_index=self._index(item),
                             item=item.model_dump(mode="json"))]
 
-    def _index(self, item: MessageItem | FunctionCallItem) -> int:
+    def _index(self, item: OutputItem) -> int:
         return next(i for i, x in enumerate(self.response.output) if x is item)
 
-    def _where(self, item: MessageItem | FunctionCallItem) -> dict[str, Any]:
+    def _where(self, item: OutputItem) -> dict[str, Any]:
         return {"item_id": item.id, "output_index": self._index(item)}
 
     def _event(self, type_: str, **fields: Any) -> str:

@@ -42,9 +42,10 @@ def add_tokenize_routes(app: FastAPI, engine: Any, special_tokens_in_content: bo
             return tokenizer.encode(request.prompt, add_special_tokens=add_special)
         _check_size(sum(len(m.text()) for m in request.messages), "messages")
         tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
-        ids = chat_prompt_ids(tokenizer, request.messages, tools,
-                              add_generation_prompt=request.add_generation_prompt,
-                              special_tokens_in_content=special_tokens_in_content)
+        _, ids = chat_prompt_ids(tokenizer, request.messages, tools,
+                                 add_generation_prompt=request.add_generation_prompt,
+                                 template_kwargs=request.chat_template_kwargs,
+                                 special_tokens_in_content=special_tokens_in_content)
         # what the tokenizer adds to any text (a BOS) where asked to
         return [*tokenizer.encode("", True), *ids] if request.add_special_tokens else ids
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,9 @@ class ToolParser:
 
     markers: tuple[str, ...] = ()
 
-    def extract(self, text: str) -> ExtractedToolCalls:
+    def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
+        """`tools` (OpenAI's shape) are for formats that write arguments untyped (Qwen3.5's
+        XML parameters), whose values the parameters' schema types."""
         raise NotImplementedError
 
     def content_prefix(self, text: str) -> int:
@@ -47,21 +50,35 @@ class ToolParser:
         return cut
 
 
+def _finite(number: str) -> float:
+    value = float(number)
+    if not math.isfinite(value):
+        raise ValueError(f"{number} is not a finite number")
+    return value
+
+
+def _refuse(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+# JSON as OpenAI's clients parse it: no NaN, Infinity or a number that overflows to one
+# (Python's json takes them; JSON.parse does not)
+_STRICT = json.JSONDecoder(parse_float=_finite, parse_constant=_refuse)
+
+
 def strict_json(text: str) -> Any:
-    """JSON as OpenAI's clients parse it: ValueError for NaN, Infinity or a number that
-    overflows to one (Python's json takes them; JSON.parse does not), and for nesting deeper
-    than Python recurses."""
-    def finite(number: str) -> float:
-        value = float(number)
-        if not math.isfinite(value):
-            raise ValueError(f"{number} is not a finite number")
-        return value
+    """`text` as JSON, strictly (above): ValueError otherwise, and for nesting deeper than
+    Python recurses."""
+    value, end = strict_json_prefix(text.strip())
+    if end != len(text.strip()):
+        raise ValueError(f"extra data after the JSON value at {end}")
+    return value
 
-    def refuse(constant: str) -> Any:
-        raise ValueError(f"{constant} is not JSON")
 
+def strict_json_prefix(text: str) -> tuple[Any, int]:
+    """The JSON value `text` starts with (strictly, as strict_json) and where it ends."""
     try:
-        return json.loads(text, parse_float=finite, parse_constant=refuse)
+        return _STRICT.raw_decode(text)
     except RecursionError:
         raise ValueError("nested too deeply") from None
 

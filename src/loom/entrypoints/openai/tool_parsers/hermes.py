@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from typing import Any
 
 from loom.entrypoints.openai.tool_parsers.base import (
     ExtractedToolCalls,
@@ -19,7 +21,7 @@ _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 class HermesToolParser(ToolParser):
     markers = ("<tool_call>",)
 
-    def extract(self, text: str) -> ExtractedToolCalls:
+    def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         start = text.find("<tool_call>")
         if start == -1:
             return ExtractedToolCalls(text, [])

@@ -3,12 +3,14 @@ optional `<|python_tag|>`), several separated by `;`."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Sequence
+from typing import Any
 
 from loom.entrypoints.openai.tool_parsers.base import (
     ExtractedToolCalls,
     ToolParser,
     call_from_json,
+    strict_json_prefix,
 )
 
 _TAG = "<|python_tag|>"
@@ -17,16 +19,17 @@ _TAG = "<|python_tag|>"
 class Llama3JsonToolParser(ToolParser):
     markers = (_TAG,)
 
-    def extract(self, text: str) -> ExtractedToolCalls:
+    def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         body = text.strip().removeprefix(_TAG).strip()
         if not body.startswith("{"):
             return ExtractedToolCalls(text, [])
-        calls, decoder, at = [], json.JSONDecoder(), 0
+        calls, at = [], 0
         while at < len(body):
             try:
-                obj, end = decoder.raw_decode(body, at)
+                obj, length = strict_json_prefix(body[at:])
             except ValueError:
                 return ExtractedToolCalls(text, [])
+            end = at + length
             call = call_from_json(obj)
             if call is None:
                 return ExtractedToolCalls(text, [])

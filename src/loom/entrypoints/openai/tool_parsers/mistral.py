@@ -1,21 +1,35 @@
-"""Mistral calls: `[TOOL_CALLS]` then a JSON list of {"name": ..., "arguments": {...}};
-Mistral's templates want tool call ids of nine letters and digits."""
+"""Mistral calls, in the three ways Mistral's templates write them:
+
+- `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral 7B v0.3, Nemo),
+- `[TOOL_CALLS]name[ARGS]{...}` per call (Devstral, Magistral: tokenizer v11),
+- `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` per call (Mistral Small 3.2).
+
+Mistral's templates want tool call ids of nine letters and digits; a call's own id is kept
+when it has that shape.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
+from collections.abc import Sequence
+from typing import Any
 
 from loom.entrypoints.openai.tool_parsers.base import (
     ExtractedToolCalls,
+    ParsedToolCall,
     ToolParser,
     call_from_json,
     content_or_none,
+    strict_json_prefix,
 )
 
 _MARKER = "[TOOL_CALLS]"
 _ID_CHARS = string.ascii_letters + string.digits
+# name, then an optional [CALL_ID]id, then [ARGS] and the JSON arguments
+_NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\]")
 
 
 def mistral_tool_call_id() -> str:
@@ -25,17 +39,45 @@ def mistral_tool_call_id() -> str:
 class MistralToolParser(ToolParser):
     markers = (_MARKER,)
 
-    def extract(self, text: str) -> ExtractedToolCalls:
+    def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
         start = text.find(_MARKER)
         if start == -1:
             return ExtractedToolCalls(text, [])
-        try:
-            items, _ = json.JSONDecoder().raw_decode(text[start + len(_MARKER):].strip())
-        except ValueError:
-            return ExtractedToolCalls(text, [])
-        calls = [call_from_json(item) for item in (items if isinstance(items, list) else [items])]
-        if not calls or any(c is None for c in calls):
+        calls: list[ParsedToolCall] = []
+        for block in text[start + len(_MARKER):].split(_MARKER):
+            found = _json_list(block) if block.lstrip().startswith(("[", "{")) \
+                else _named_call(block)
+            if found is None:  # not calls after all: the whole answer is content
+                return ExtractedToolCalls(text, [])
+            calls += found
+        if not calls:
             return ExtractedToolCalls(text, [])
         for call in calls:
-            call.id = mistral_tool_call_id()
+            if not (len(call.id) == 9 and call.id.isalnum()):
+                call.id = mistral_tool_call_id()
         return ExtractedToolCalls(content_or_none(text[:start]), calls)
+
+
+def _json_list(block: str) -> list[ParsedToolCall] | None:
+    try:
+        items, _ = strict_json_prefix(block.strip())
+    except ValueError:
+        return None
+    calls = [call_from_json(item) for item in (items if isinstance(items, list) else [items])]
+    if not calls or any(c is None for c in calls):
+        return None
+    return [c for c in calls if c is not None]
+
+
+def _named_call(block: str) -> list[ParsedToolCall] | None:
+    head = _NAMED.match(block)
+    if head is None:
+        return None
+    try:
+        arguments, _ = strict_json_prefix(block[head.end():].strip())
+    except ValueError:
+        return None
+    call = ParsedToolCall(head[1], json.dumps(arguments, ensure_ascii=False))
+    if head[2]:
+        call.id = head[2]
+    return [call]
