@@ -17,8 +17,10 @@ pytestmark = pytest.mark.unit
 SRC = Path(__file__).resolve().parent.parent / "src" / "loom"
 
 # loom.model modules bench, workload and plan may read: torch-free
-TORCH_FREE_MODEL = ("loom.model.arch", "loom.model.gguf_file", "loom.model.tokenizer",
-                    "loom.model.memory")
+TORCH_FREE_MODEL = ("loom.model.arch", "loom.model.arch_gguf", "loom.model.arch_hf",
+                    "loom.model.model_files", "loom.model.gguf_file", "loom.model.tokenizer",
+                    "loom.model.gguf_vocab", "loom.model.chat_template",
+                    "loom.model.generation_config", "loom.model.memory")
 MODEL_WITH_TORCH = ["loom.model.runner", "loom.model.decoder", "loom.model.loader",
                     "loom.model.linear", "loom.model.attention", "loom.model.kernels",
                     "loom.model.backends", "loom.model.weights", "loom.model.requant",

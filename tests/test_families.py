@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -35,9 +34,10 @@ from model_fixtures import (
     teacher_forced,
 )
 
-import loom.model.loader as loader
 from loom import LLM, SamplingParams
-from loom.model.arch import ModelArch, ModelLoadError, arch_from_gguf, arch_from_hf_config
+from loom.model.arch import ModelArch, ModelLoadError
+from loom.model.arch_gguf import arch_from_gguf
+from loom.model.arch_hf import arch_from_hf_config
 from loom.model.attention import DecodeGroup, _chunk_mask
 from loom.model.backends import _native_decode
 from loom.model.decoder import rope_attention_factor, rope_inv_freq
@@ -87,17 +87,7 @@ def load(families: dict[str, Family], name: str, fmt: str) -> LoadedModel:
     if (name, fmt) not in _loaded:
         family = families[name]
         path = {"hf": family.hf, "gguf": family.gguf, "q8": family.q8}[fmt]
-        try:
-            _loaded[name, fmt] = load_model(str(path))
-        except ModelLoadError as e:
-            # The converter writes Gemma 2's vocabulary as SentencePiece ("llama"), which
-            # loom's GGUF tokenizer does not read yet (the tokenizer's own work): the folder's
-            # tokenizer stands in for it; the shape and every weight still come from the GGUF.
-            if FAMILY_SPECS[name].tokenizer != "spm" or "tokenizer" not in str(e):
-                raise
-            tokenizer = load(families, name, "hf").tokenizer
-            with mock.patch.object(loader, "tokenizer_from_gguf", lambda meta: tokenizer):
-                _loaded[name, fmt] = load_model(str(path))
+        _loaded[name, fmt] = load_model(str(path))
     return _loaded[name, fmt]
 
 

@@ -14,7 +14,7 @@ from model_fixtures import smollm_loaded
 from scripted_model import ScriptedRunner, scripted_client
 
 from loom.config import ModelConfig
-from loom.model.arch import default_model_path, tokenizer_from_gguf, tokenizer_from_hf_folder
+from loom.model.arch import default_model_path
 from loom.model.generation_config import (
     BUNDLED_MODEL_DEFAULTS,
     LOOM_DEFAULTS,
@@ -24,6 +24,7 @@ from loom.model.generation_config import (
     resolve,
 )
 from loom.model.gguf_file import read_gguf
+from loom.model.model_files import tokenizer_from_gguf, tokenizer_from_hf_folder
 
 GENERATION_CONFIG = {"bos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95,
                      "top_k": 20, "repetition_penalty": 1.05}

@@ -340,7 +340,7 @@ def test_sliding_window_layers_as_transformers_derives_them():
     """Qwen2 configs carry sliding_window with use_sliding_window false: no window; with it,
     layers from max_window_layers on slide; layer_types, where given, decides; Mistral slides
     on every layer."""
-    from loom.model.arch import _hf_sliding
+    from loom.model.arch_hf import _hf_sliding
 
     qwen = {"sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 2}
     assert _hf_sliding(qwen, "qwen2", 4) == (None, None)

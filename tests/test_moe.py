@@ -35,8 +35,8 @@ from loom.model.moe import (
 from loom.model.requant import SAME_CODES, converts_here, native_blocks
 from loom.model.weights import BlockQuantWeight
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import synthetic_gguf  # noqa: E402 - the benchmark's writer of model-shaped files
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: benchmarks.*
+from benchmarks import synthetic_gguf  # noqa: E402 - the writer of model-shaped files
 
 pytestmark = pytest.mark.unit
 

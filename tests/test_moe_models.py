@@ -40,22 +40,19 @@ from model_fixtures import (
 )
 
 from loom import LLM, SamplingParams
-from loom.model.arch import (
-    ModelLoadError,
-    arch_from_gguf,
-    arch_from_hf_config,
-    default_model_path,
-    read_arch,
-)
+from loom.model.arch import ModelLoadError, default_model_path
+from loom.model.arch_gguf import arch_from_gguf
+from loom.model.arch_hf import arch_from_hf_config
 from loom.model.decoder import DecoderModel
 from loom.model.gguf_file import GGUFTensor
 from loom.model.kernels import block_quant_linear_ops
 from loom.model.loader import load_model
+from loom.model.model_files import read_arch
 from loom.model.moe import ExpertBlocks, Routing, moe_from_hf
 from loom.model.weights import LoadedModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import synthetic_gguf  # noqa: E402 - the benchmark's writer of model-shaped files
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: benchmarks.*
+from benchmarks import synthetic_gguf  # noqa: E402 - the writer of model-shaped files
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from loom.cli.plan import add_parser
-from loom.model.arch import arch_from_hf_config
+from loom.model.arch_hf import arch_from_hf_config
 from loom.model.memory import KVCacheSpec
 from loom.plan.catalogue import PlanError, builtin_catalogue, parse_prices, resolve_gpus
 from loom.plan.models import PlanModel, known_models, resolve_model

@@ -17,8 +17,8 @@ from llama_cpp_tree import llama_cpp_tree
 from scripted_model import ScriptedRunner, scripted_client
 
 from loom.entrypoints.openai.reasoning import REASONING_PARSERS
-from loom.model.arch import tokenizer_from_gguf
 from loom.model.gguf_file import read_gguf
+from loom.model.model_files import tokenizer_from_gguf
 from loom.model.tokenizer import Tokenizer
 
 QWEN3, R1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"]

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from llama_cpp_tree import llama_cpp_tree
 
-from loom.model.arch import tokenizer_from_gguf
 from loom.model.gguf_file import read_gguf
+from loom.model.model_files import tokenizer_from_gguf
 from loom.model.tokenizer import Tokenizer
 
 VOCABS = ["qwen2", "qwen35", "llama-bpe", "llama-spm", "phi-3", "gemma-4", "gpt-2",

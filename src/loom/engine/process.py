@@ -121,7 +121,8 @@ class EngineProcess:
         """Build the tokenizer here while the child loads the model; return once it has.
         Raises the child's error: ValueError for what the user can fix (a bad model path, a
         config the engine refuses), EngineStartError for a crash."""
-        from loom.model.arch import default_model_path, read_tokenizer
+        from loom.model.arch import default_model_path
+        from loom.model.model_files import read_tokenizer
 
         try:
             tokenizer = read_tokenizer(self._model or default_model_path())

@@ -22,17 +22,11 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from loom.model.arch import (
-    ROPE_TENSORS,
-    ModelArch,
-    ModelLoadError,
-    arch_from_gguf,
-    arch_from_hf_config,
-    default_model_path,
-    tokenizer_from_gguf,
-    tokenizer_from_hf_folder,
-)
+from loom.model.arch import ROPE_TENSORS, ModelArch, ModelLoadError, default_model_path
+from loom.model.arch_gguf import arch_from_gguf
+from loom.model.arch_hf import arch_from_hf_config
 from loom.model.gguf_file import GGUFTensor, dequantize, read_gguf
+from loom.model.model_files import tokenizer_from_gguf, tokenizer_from_hf_folder
 from loom.model.requant import (
     CONVERTED_KINDS,
     FILE_KINDS,

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from loom.model.arch import ModelArch, ModelLoadError, arch_from_hf_config, read_arch
+from loom.model.arch import ModelArch, ModelLoadError
+from loom.model.arch_hf import arch_from_hf_config
+from loom.model.model_files import read_arch
 from loom.plan.catalogue import PlanError
 
 

@@ -149,7 +149,8 @@ def errors(model: StepModel, samples: list[Sample]) -> dict[str, float]:
 
 
 def calibrate(config: EngineConfig, grid_name: str, repeats: int) -> Profile:
-    from loom.model.arch import default_model_path, read_arch
+    from loom.model.arch import default_model_path
+    from loom.model.model_files import read_arch
 
     config = replace(config, scheduler=replace(config.scheduler, async_scheduling=False))
     bench = _Bench(config)
