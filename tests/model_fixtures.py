@@ -208,9 +208,9 @@ def smollm_vocab_tokenizer() -> Any:
     SPECIAL_TOKENS), rebuilt as a `tokenizers` tokenizer: llama.cpp's converter accepts a BPE
     only if its pre-tokenizer's output hashes to one it knows, and this one does ("smollm")."""
     from loom.model.gguf_file import read_gguf
-    from loom.model.tokenizer import bpe_from_gguf_metadata
+    from loom.model.gguf_vocab import backend_from_gguf
 
-    return bpe_from_gguf_metadata(read_gguf(default_model_path()).metadata)
+    return backend_from_gguf(read_gguf(default_model_path()).metadata)
 
 
 def spm_model(vocab_size: int) -> bytes:
