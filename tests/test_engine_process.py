@@ -24,15 +24,17 @@ PROMPT = "The capital of France is"
 
 
 def engine_child(server_pid: int) -> int:
-    """The pid of the server's engine process (when it was spawned, not forked,
-    multiprocessing's resource tracker is another child)."""
+    """The pid of the server's engine process. Not every child is one: when the engine is
+    spawned, not forked, multiprocessing's resource tracker is another, and the grammar
+    checker's workers (`-m loom.structured.checker`) are children in every mode."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
             cmdline = (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue  # it exited while we looked
-        if ppid == server_pid and b"resource_tracker" not in cmdline:
+        if ppid == server_pid and b"resource_tracker" not in cmdline \
+                and b"loom.structured.checker" not in cmdline:
             return int(stat.parent.name)
     raise AssertionError(f"server {server_pid} has no engine process")
 
