@@ -184,9 +184,11 @@ def copy_settings(reference: Mapping[str, Any], writer: gguf.GGUFWriter, arch: s
         writer.add_chat_template(chat_template)
 
 
-def write(shape: Shape, reference_path: str, out: str, seed: int = 0,
+def write(shape: Shape, reference: str | Mapping[str, Any], out: str, seed: int = 0,
           chat_template: str | None = None) -> None:
-    reference = read_gguf(Path(reference_path)).metadata
+    """`reference`: a GGUF's path, or its header's metadata (a vocabulary amended first)."""
+    if isinstance(reference, str):
+        reference = read_gguf(Path(reference)).metadata
     vocab = len(reference["tokenizer.ggml.tokens"])
     writer = gguf.GGUFWriter(out, shape.arch)
     copy_settings(reference, writer, shape.arch,

@@ -4,13 +4,12 @@ server renders equal to transformers' rendering of the same template.
 
 Each model is tiny with random weights (benchmarks/synthetic_gguf.py) but carries its family's
 real vocabulary and a real chat template from llama.cpp's tree: Qwen3 the Qwen2 vocabulary
-(Qwen3's, but for its four added tokens, `<think>` among them: here it is text) and Qwen3's
-template; Gemma 3 the 262k-token Gemma vocabulary of the tree's Gemma 4 vocab file (the tree
-has no Gemma 3 vocabulary or template) and Gemma 2's template, the `<start_of_turn>` format
-Gemma 3 keeps. Gemma 3's layers are five sliding (a window shorter than a test's prompt and
-answer) to a global one, as llama.cpp lays them out. Random weights write no tool call,
-JSON or `<think>` of their own: tool_choice, a JSON schema and a regex make them, as a client
-would."""
+with the four tokens Qwen3 adds to it (`<think>` among them) and Qwen3's template; Gemma 3
+the 262k-token Gemma vocabulary of the tree's Gemma 4 vocab file (the tree has no Gemma 3
+vocabulary or template) and Gemma 2's template, the `<start_of_turn>` format Gemma 3 keeps.
+Gemma 3's layers are five sliding (a window shorter than a test's prompt and answer) to a
+global one, as llama.cpp lays them out. Random weights write no tool call, JSON or `<think>`
+of their own: tool_choice, a JSON schema and a regex make them, as a client would."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,12 @@ CITY_SCHEMA = {"type": "object", "required": ["city", "rank"], "additionalProper
                               "rank": {"type": "integer", "minimum": 1, "maximum": 9}}}
 
 
+# What Qwen3's tokenizer adds to Qwen2.5's (tokenizer.json's added_tokens, not special: the
+# vocab file holds [PAD<id>] user-defined placeholders there)
+QWEN3_ADDED_TOKENS = {151665: "<tool_response>", 151666: "</tool_response>", 151667: "<think>",
+                      151668: "</think>"}
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -52,12 +57,14 @@ class Family:
     vocab: str  # llama.cpp's models/ggml-vocab-<vocab>.gguf
     template: str  # llama.cpp's models/templates/<template>.jinja
     flags: tuple[str, ...] = ()
+    added_tokens: dict[int, str] = field(default_factory=dict)  # replacing the file's
 
 
 FAMILIES = {
     "qwen3": Family("qwen3", synthetic_gguf.Shape("qwen3", hidden=64, ffn=128, layers=2,
                                                   heads=2, kv_heads=1, head_dim=64),
-                    "qwen2", "Qwen-Qwen3-0.6B", ("--reasoning-parser", "qwen3")),
+                    "qwen2", "Qwen-Qwen3-0.6B", ("--reasoning-parser", "qwen3"),
+                    QWEN3_ADDED_TOKENS),
     "gemma3": Family("gemma3", synthetic_gguf.Shape("gemma3", hidden=64, ffn=128, layers=6,
                                                     heads=2, kv_heads=1, head_dim=64,
                                                     window=WINDOW),
@@ -87,8 +94,13 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     models = llama_cpp_tree() / "models"
     template = (models / "templates" / f"{family.template}.jinja").read_text()
     path = tmp_path_factory.mktemp(family.name) / f"{family.name}.gguf"
-    synthetic_gguf.write(family.shape, str(models / f"ggml-vocab-{family.vocab}.gguf"),
-                         str(path), chat_template=template)
+    vocab = read_gguf(models / f"ggml-vocab-{family.vocab}.gguf").metadata
+    tokens = list(vocab["tokenizer.ggml.tokens"])
+    for token_id, text in family.added_tokens.items():
+        assert tokens[token_id] == f"[PAD{token_id}]"
+        tokens[token_id] = text
+    synthetic_gguf.write(family.shape, {**vocab, "tokenizer.ggml.tokens": tokens}, str(path),
+                         chat_template=template)
     with serve_process("--model", str(path), "--max-model-len", "512", "--num-kv-blocks",
                        "128", "--generation-config", "none", *family.flags) as server:
         yield Served(family, server.url, OpenAI(base_url=server.url + "/v1", api_key="x"),
@@ -173,6 +185,7 @@ def test_qwen3_reasoning_is_split_from_the_content(served: Served) -> None:
     message.reasoning_content, the rest content; streamed, as reasoning_content deltas."""
     if served.family.name != "qwen3":
         pytest.skip("the reasoning parser is Qwen3's")
+    assert tokenize(served, prompt="<think>", add_special_tokens=False) == [151667]
     extra = {"structured_outputs": {"regex": THINKING}}
     answer = chat(served, max_tokens=48, extra_body=extra)
     message = answer.choices[0].message
