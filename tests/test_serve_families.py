@@ -87,6 +87,16 @@ def _special_tokens(path: Path) -> dict[str, str]:
     return {name: tokens[meta[f"tokenizer.ggml.{name}_id"]] for name in ("bos_token", "eos_token")}
 
 
+def vocabulary(family: Family) -> dict[str, Any]:
+    """The header of the family's vocab file, with the family's added tokens in it."""
+    vocab = read_gguf(llama_cpp_tree() / "models" / f"ggml-vocab-{family.vocab}.gguf").metadata
+    tokens = list(vocab["tokenizer.ggml.tokens"])
+    for token_id, text in family.added_tokens.items():
+        assert tokens[token_id] == f"[PAD{token_id}]"
+        tokens[token_id] = text
+    return {**vocab, "tokenizer.ggml.tokens": tokens}
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[Served]:
@@ -94,13 +104,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     models = llama_cpp_tree() / "models"
     template = (models / "templates" / f"{family.template}.jinja").read_text()
     path = tmp_path_factory.mktemp(family.name) / f"{family.name}.gguf"
-    vocab = read_gguf(models / f"ggml-vocab-{family.vocab}.gguf").metadata
-    tokens = list(vocab["tokenizer.ggml.tokens"])
-    for token_id, text in family.added_tokens.items():
-        assert tokens[token_id] == f"[PAD{token_id}]"
-        tokens[token_id] = text
-    synthetic_gguf.write(family.shape, {**vocab, "tokenizer.ggml.tokens": tokens}, str(path),
-                         chat_template=template)
+    synthetic_gguf.write(family.shape, vocabulary(family), str(path), chat_template=template)
     with serve_process("--model", str(path), "--max-model-len", "512", "--num-kv-blocks",
                        "128", "--generation-config", "none", *family.flags) as server:
         yield Served(family, server.url, OpenAI(base_url=server.url + "/v1", api_key="x"),
@@ -252,3 +256,26 @@ def test_the_tool_prompt_opens_the_first_user_turn_without_a_system_turn() -> No
     (user,) = hermes_tool_messages(MESSAGES, [WEATHER], system_turn=False)
     assert user["role"] == "user" and user["content"].startswith(with_system[0]["content"])
     assert user["content"].endswith("\n\n" + MESSAGES[0]["content"])
+
+
+@pytest.mark.unit
+def test_a_grammar_writes_an_added_token_as_its_text() -> None:
+    """Qwen3's <think> is an added token that is not special: a regex that writes `<think>`
+    takes it (or the text's pieces), and no control token; the grammar engine's own reader
+    of a tokenizer.json made every added token special, then forced and refused it."""
+    import time
+
+    from loom.model.model_files import tokenizer_from_gguf
+    from loom.sampling import StructuredOutputsParams
+    from loom.structured.manager import StructuredOutputManager
+
+    tokenizer = tokenizer_from_gguf(vocabulary(FAMILIES["qwen3"]))
+    manager = StructuredOutputManager(tokenizer, 151936)
+    states = {ids: manager.start(str(i), StructuredOutputsParams(regex="<think>a"))
+              for i, ids in enumerate([(151667, 64), (27, 26865, 29, 64), (151645,)])}
+    deadline = time.monotonic() + 60
+    while not all(state.ready for state in states.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for ids, state in states.items():
+        assert state.error is None, state.error
+        assert state.num_allowed(list(ids)) == (0 if ids == (151645,) else len(ids)), ids
