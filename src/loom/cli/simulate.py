@@ -26,7 +26,6 @@ from loom.cli.flags import (
     check_writable,
     opt,
     option,
-    required,
 )
 from loom.cli.main import help_of
 from loom.cli.plan import model_help
@@ -38,6 +37,8 @@ from loom.workload.slo import Slo
 from loom.workload.trace import Trace
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from loom.sim.configs import SimSetup
     from loom.sim.measure import SimulatedMeasure
     from loom.sim.result import SimConfig
@@ -72,6 +73,13 @@ def routers(text: str) -> tuple[str, ...]:
     return names
 
 
+def engine_name(text: str) -> str:
+    from loom.plan.fitted import check_engine
+
+    check_engine(text)
+    return text
+
+
 @dataclass(frozen=True)
 class SetupFlags:
     """Which server is simulated, besides its engine and admission flags."""
@@ -87,6 +95,9 @@ class SetupFlags:
     router: tuple[str, ...] = field(default=("prefix",), metadata=flag_help(
         "fleet routing policy: prefix, pow2 or round-robin; a list simulates each",
         parse=routers))
+    engine: str = opt("vllm",
+        "--gpus what-if: whose published behaviour the step model is fitted to (vllm, "
+        "trtllm or sglang; fitted_profiles.json); --efficiency overrides it", parse=engine_name)
 
 
 @dataclass(frozen=True)
@@ -128,7 +139,12 @@ class SimFlags:
 class CalibrateFlags:
     CLI_GROUP = "Calibration"
 
-    calibrate_output: str = required("profile JSON to write", flag="--output")
+    calibrate_output: str | None = opt(None,
+        "profile JSON to write; required without --published (default with it: the "
+        "package's fitted_profiles.json)", flag="--output")
+    published: bool = opt(False,
+        "fit the GPU step model to the published measurements (loom/plan/published.json) "
+        "instead of timing this machine")
     grid: Literal["quick", "default"] = opt("default",
         "quick: a smoke run in seconds; default: a few minutes on 2 cores")
     repeats: int = opt(3, "timed steps per grid point")
@@ -170,7 +186,7 @@ def _setup(args: argparse.Namespace) -> SimSetup:
     server = from_cli_args(SetupFlags, args)
     return SimSetup(EngineConfig.from_cli_args(args), from_cli_args(AdmissionConfig, args),
                     server.profile, from_cli_args(PlanFlags, args), server.label,
-                    server.replicas, server.router)
+                    server.replicas, server.router, server.engine)
 
 
 def measure(text: str, tokenizer: str | None, seed: int) -> SimulatedMeasure:
@@ -301,6 +317,7 @@ def _report(runs: list[RunResult], configs: list[SimConfig], sweeps: list[SweepR
                           f"${row.usd_per_hour:.2f}/h)", highlight=False)
         if prices and not best:
             console.print("no priced configuration meets the SLO", highlight=False)
+    _print_band(console, configs)
     console.print("These are simulated figures from a step-time model, not measurements: "
                   "benchmark the configuration you pick with `loom bench run` against:",
                   highlight=False)
@@ -311,11 +328,33 @@ def _report(runs: list[RunResult], configs: list[SimConfig], sweeps: list[SweepR
                               soft_wrap=True)
 
 
+def _print_band(console: Console, configs: list[SimConfig]) -> None:
+    """Per roofline configuration: where its step model's terms come from, and the fitted
+    engine's expected error on rows the fit never saw."""
+    from loom.plan.fitted import shipped_profiles
+
+    fitted = shipped_profiles()
+    for config in configs:
+        meta = config.profile.meta
+        if config.profile.source != "roofline" or "engine" not in meta:
+            continue
+        band = fitted.band(meta["engine"])
+        fitted_here = meta["efficiency_source"].startswith("fitted")
+        text = band.describe() if band and fitted_here else \
+            "expected error: unknown (no held-out published rows for this step model)"
+        console.print(f"{config.name}: step model {meta['efficiency_source']}; {text}",
+                      highlight=False)
+
+
 def calibrate(args: argparse.Namespace) -> int:
     from loom.config import check_device
     from loom.sim import calibrate as calibration
 
     flags = from_cli_args(CalibrateFlags, args)
+    if flags.published:
+        return calibrate_published(flags.calibrate_output)
+    if not flags.calibrate_output:
+        raise ValueError("loom simulate calibrate needs --output (or --published)")
     check_writable(flags.calibrate_output, "--output")  # not after minutes of measuring
     config = EngineConfig.from_cli_args(args)
     check_device(config.model.device)
@@ -332,4 +371,29 @@ def calibrate(args: argparse.Namespace) -> int:
           f"{held['max_abs_pct']:.1f}% max over {held['points']} points")
     print(f"measured on {profile.meta['host']} in {profile.meta['measure_wall_s']:.0f} s; "
           f"wrote {flags.calibrate_output}")
+    return 0
+
+
+def calibrate_published(output: str | None) -> int:
+    """Refit the engines' step models to the published rows; print the fit and held-out bands."""
+    from importlib import resources
+
+    from loom.plan.fitted import FILE
+    from loom.plan.published import published_rows
+    from loom.sim.published_fit import calibrate_published as refit
+
+    path = output or str(resources.files("loom.plan").joinpath(FILE))
+    check_writable(path, "--output")
+    fitted = refit(published_rows())
+    fitted.save(path)
+    for engine, per_gpu in fitted.profiles.items():
+        for key, entry in per_gpu.items():
+            e = entry["efficiency"]
+            print(f"{engine} {key}: bandwidth {e['bandwidth']:.2f}, compute {e['compute']:.2f}, "
+                  f"interconnect {e['interconnect']:.2f}, {e['step_overhead_s'] * 1e3:.2f} "
+                  f"ms/step, {e['seq_overhead_s'] * 1e6:.1f} us/seq; train error "
+                  f"{entry['train_mean_abs_pct']:.1f}% mean over {entry['train_rows']} rows")
+    for engine, band in fitted.held_out.items():
+        print(f"{engine}: {band.describe()}")
+    print(f"wrote {path}")
     return 0
