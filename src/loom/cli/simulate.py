@@ -95,9 +95,10 @@ class SetupFlags:
     router: tuple[str, ...] = field(default=("prefix",), metadata=flag_help(
         "fleet routing policy: prefix, pow2 or round-robin; a list simulates each",
         parse=routers))
-    engine: str = opt("vllm",
+    serving_engine: str = opt("vllm",
         "--gpus what-if: whose published behaviour the step model is fitted to (vllm, "
-        "trtllm or sglang; fitted_profiles.json); --efficiency overrides it", parse=engine_name)
+        "trtllm or sglang; fitted_profiles.json); --efficiency overrides it",
+        flag="--engine", parse=engine_name)
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ def _setup(args: argparse.Namespace) -> SimSetup:
     server = from_cli_args(SetupFlags, args)
     return SimSetup(EngineConfig.from_cli_args(args), from_cli_args(AdmissionConfig, args),
                     server.profile, from_cli_args(PlanFlags, args), server.label,
-                    server.replicas, server.router, server.engine)
+                    server.replicas, server.router, server.serving_engine)
 
 
 def measure(text: str, tokenizer: str | None, seed: int) -> SimulatedMeasure:
@@ -336,9 +337,9 @@ def _print_band(console: Console, configs: list[SimConfig]) -> None:
     fitted = shipped_profiles()
     for config in configs:
         meta = config.profile.meta
-        if config.profile.source != "roofline" or "engine" not in meta:
+        if config.profile.source != "roofline" or "serving_engine" not in meta:
             continue
-        band = fitted.band(meta["engine"])
+        band = fitted.band(meta["serving_engine"])
         fitted_here = meta["efficiency_source"].startswith("fitted")
         text = band.describe() if band and fitted_here else \
             "expected error: unknown (no held-out published rows for this step model)"

@@ -32,7 +32,7 @@ class SimSetup:
     label: str | None = None
     replicas: tuple[int, ...] = (1,)
     routers: tuple[str, ...] = ("prefix",)
-    engine: str = "vllm"  # whose fitted step model a --gpus what-if uses
+    serving_engine: str = "vllm"  # whose fitted step model a --gpus what-if uses
 
     def __post_init__(self) -> None:
         """Engine flags the step model cannot represent are refused, not ignored: the
@@ -48,7 +48,7 @@ class SimSetup:
             raise ValueError(f"--replicas must be >= 1, got {bad[0]}")
         if self.profile and self.gpus.gpus:
             raise ValueError("give --profile or --gpus, not both")
-        check_engine(self.engine)
+        check_engine(self.serving_engine)
         if not self.profile and not self.gpus.gpus:
             raise ValueError("give --profile PROFILE.json (loom simulate calibrate) or --gpus "
                              "with --model (roofline)")
@@ -79,7 +79,7 @@ def sim_configs(setup: SimSetup) -> tuple[list[SimConfig], list[str]]:
     for gpu in gpus_of(setup.gpus):
         gpu_plan, source = plan, "--efficiency" if setup.gpus.efficiency else ""
         if not setup.gpus.efficiency:
-            eff, source = fitted.efficiency(setup.engine, gpu.key)
+            eff, source = fitted.efficiency(setup.serving_engine, gpu.key)
             gpu_plan = dataclasses.replace(plan, efficiency=eff)
         for tp in plan.tensor_parallel_sizes:
             try:
@@ -87,7 +87,7 @@ def sim_configs(setup: SimSetup) -> tuple[list[SimConfig], list[str]]:
             except PlanError as e:
                 skipped.append(f"{gpu.key} x{tp}: {e}")
                 continue
-            profile.meta.update(engine=setup.engine, efficiency_source=source)
+            profile.meta.update(serving_engine=setup.serving_engine, efficiency_source=source)
             serve = flags(capacity(model, gpu, tp, gpu_plan), model, gpu_plan)
             loom = serve["loom_serve"]
             if loom and serve["download"]:  # loom reads from disk; vllm fetches the name

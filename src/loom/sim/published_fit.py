@@ -7,7 +7,8 @@ token of each and carries its share of the prefill chunks of the requests that r
 finished ones (B * isl tokens per osl decode steps, more steps where the token budget caps
 them). A candidate `Efficiency` gives the roofline step model of that step, so a row's
 throughput and TPOT follow in closed form, and a coordinate search on the log error over a
-training split takes seconds. Terms stay physical: fractions of datasheet peaks in (0, 1], overheads >= 0.
+training split takes seconds. Terms stay physical: fractions of datasheet peaks in (0, 1],
+overheads >= 0.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from loom.plan.roofline import Efficiency, StepWork
 
 MAX_NUM_SEQS = 2048           # trtllm-bench's PyTorch-backend default max batch size
 MAX_NUM_BATCHED_TOKENS = 8192  # and its default token budget per step
+KV_MARGIN = 0.05  # trtllm-bench gives the KV cache 0.90-0.95 of the memory left free
 MIN_ROWS = 5                  # fewer training rows: the GPU borrows its generation's fit
 TERMS = ("bandwidth", "compute", "interconnect", "step_overhead_s", "seq_overhead_s")
 LOWER = (0.05, 0.02, 0.05, 0.0, 0.0)
@@ -48,7 +50,7 @@ def _settings(row: PublishedRow, eff: Efficiency) -> PlanSettings:
     return PlanSettings(max_model_len=row.isl + row.osl, tensor_parallel_sizes=(row.tp,),
                         weight_dtype=row.dtype, kv_dtype=kv,
                         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                        max_num_seqs=MAX_NUM_SEQS, efficiency=eff)
+                        max_num_seqs=MAX_NUM_SEQS, safety_margin=KV_MARGIN, efficiency=eff)
 
 
 def predict(row: PublishedRow, gpu: GpuSpec, eff: Efficiency) -> Prediction:
