@@ -57,7 +57,7 @@ def predict(row: PublishedRow, gpu: GpuSpec, eff: Efficiency) -> Prediction:
     """The steady-state output throughput and TPOT of `row`'s workload under `eff`."""
     model = resolve_model(row.shape_model)
     cap = capacity(model, gpu, row.tp, _settings(row, eff))
-    per_seq = -(-(row.isl + row.osl) // cap.settings.block_size)
+    per_seq = math.ceil((row.isl + row.osl / 2) / cap.settings.block_size)
     batch = min(MAX_NUM_SEQS, row.num_requests, row.concurrency or MAX_NUM_SEQS,
                 cap.num_blocks // per_seq)
     if batch < 1:
