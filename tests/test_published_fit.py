@@ -76,3 +76,38 @@ def test_engine_picks_the_fitted_profile():
 def test_unknown_engine_is_a_clear_error():
     with pytest.raises(PlanError, match="unknown engine 'tgi'; choose one of vllm, trtllm"):
         SimSetup(gpus=PlanFlags(gpus=("h100-sxm",)), serving_engine="tgi")
+
+
+def _cli(argv: list[str]):
+    import argparse
+
+    from loom.cli.simulate import add_parser
+
+    parser = argparse.ArgumentParser(prog="loom")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def test_cli_what_if_prints_its_error_band(tmp_path, capsys):
+    from loom.workload.trace import Trace, TraceRequest, write_trace
+
+    write_trace(Trace([TraceRequest(max_tokens=32, prompt_len=200) for _ in range(20)]),
+                tmp_path / "t.jsonl")
+    common = ["simulate", "--model", "llama-3.1-8b", "--gpus", "h100-sxm", "--max-model-len",
+              "4096", "--trace", str(tmp_path / "t.jsonl"), "--rate", "4"]
+    args = _cli([*common, "--engine", "trtllm"])
+    assert args.func(args) == 0
+    band = shipped_profiles().band("trtllm")
+    out = capsys.readouterr().out
+    assert ("h100-sxm-tp1: step model fitted to trtllm on h100-sxm; expected error: "
+            f"throughput ±{band.throughput_pct:.0f}%, TTFT not published") in out
+    assert f"(held-out, {band.rows} rows)" in out
+    args = _cli(common)
+    assert args.func(args) == 0
+    assert "expected error: unknown" in capsys.readouterr().out
+
+
+def test_cli_unknown_engine_names_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        _cli(["simulate", "--engine", "tgi"])
+    assert "--engine: unknown engine 'tgi'" in capsys.readouterr().err

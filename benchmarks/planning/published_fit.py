@@ -39,15 +39,34 @@ def _ratios(preds: list[Prediction]) -> list[tuple[str, float, float]]:
     return out
 
 
+def _markdown(preds: list[Prediction]) -> None:
+    lengths = sorted({(p.row.isl, p.row.osl) for p in preds})
+    print("| held-out rows (tok/s) | " + " | ".join(f"{i}/{o}" for i, o in lengths) + " |")
+    print("|---" * (len(lengths) + 1) + "|")
+    configs: dict[str, dict[tuple[int, int], Prediction]] = {}
+    for p in preds:
+        r = p.row
+        name = f"{r.source.engine_version.split()[0]} {r.model} {r.dtype} {r.gpu} TP{r.tp}"
+        configs.setdefault(name, {})[(r.isl, r.osl)] = p
+    for name, cells in configs.items():
+        text = [f"{c.row.output_tok_s:,.0f}→{c.output_tok_s:,.0f} ({c.ratio:.2f})"
+                if (c := cells.get(k)) else "" for k in lengths]
+        print(f"| {name} | " + " | ".join(text) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--refit", action="store_true")
-    ap.add_argument("--markdown", action="store_true", help="rows as a markdown table")
+    ap.add_argument("--markdown", action="store_true",
+                    help="held-out rows as one markdown table: a configuration per line, "
+                         "published -> predicted (ratio) per ISL/OSL")
     args = ap.parse_args()
     rows = published_rows()
     fitted: FittedProfiles = calibrate_published(rows) if args.refit else shipped_profiles()
     parts = split(rows)
-    sep = " | " if args.markdown else "  "
+    if args.markdown:
+        _markdown(predictions(parts.judged + parts.held_out, fitted))
+        return
     for name, subset in (("judged (TensorRT-LLM v1.0)", parts.judged),
                          ("own held-out (Llama-3.1-70B TP4, v0.17)", parts.held_out),
                          ("training", parts.train)):
@@ -57,7 +76,7 @@ def main() -> None:
             continue
         for p in preds:
             r = p.row
-            print(sep.join([f"{r.model} {r.dtype} {r.gpu} TP{r.tp} {r.isl}/{r.osl}",
+            print("  ".join([f"{r.model} {r.dtype} {r.gpu} TP{r.tp} {r.isl}/{r.osl}",
                             f"{r.output_tok_s:,.0f}", f"{p.output_tok_s:,.0f}",
                             f"{p.ratio:.2f}"]))
         ratios = _ratios(preds)
