@@ -101,7 +101,7 @@ def test_cli_what_if_prints_its_error_band(tmp_path, capsys):
     out = capsys.readouterr().out
     assert ("h100-sxm-tp1: step model fitted to trtllm on h100-sxm; expected error: "
             f"throughput ±{band.throughput_pct:.0f}%, TTFT not published") in out
-    assert f"(held-out, {band.rows} rows)" in out
+    assert f"(held-out, {band.rows} rows: offline max-throughput runs" in out
     args = _cli(common)
     assert args.func(args) == 0
     assert "expected error: unknown" in capsys.readouterr().out

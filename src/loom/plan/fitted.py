@@ -38,13 +38,15 @@ class ErrorBand:
     ttft_pct: float | None
     tpot_pct: float | None
     rows: int
+    scope: str = ""  # what kind of runs the rows are (a band says nothing beyond them)
 
     def describe(self) -> str:
         def pct(x: float | None) -> str:
             return f"±{x:.0f}%" if x is not None else "not published"
 
         return (f"expected error: throughput {pct(self.throughput_pct)}, TTFT "
-                f"{pct(self.ttft_pct)}, TPOT {pct(self.tpot_pct)} (held-out, {self.rows} rows)")
+                f"{pct(self.ttft_pct)}, TPOT {pct(self.tpot_pct)} (held-out, {self.rows} rows"
+                + (f": {self.scope})" if self.scope else ")"))
 
 
 @dataclass(frozen=True)

@@ -174,8 +174,11 @@ def band(preds: list[Prediction]) -> ErrorBand:
     """Mean |error| of throughput (TTFT / TPOT where the rows publish them)."""
     tput = [abs(p.ratio - 1) * 100 for p in preds if p.ratio is not None]
     tpot = [abs(p.tpot_ms / p.row.tpot_ms - 1) * 100 for p in preds if p.row.tpot_ms]
+    offline = all(p.row.rate == "inf" and not p.row.concurrency for p in preds)
     return ErrorBand(sum(tput) / len(tput) if tput else None, None,
-                     sum(tpot) / len(tpot) if tpot else None, len(preds))
+                     sum(tpot) / len(tpot) if tpot else None, len(preds),
+                     "offline max-throughput runs; low-load latency not checked" if offline
+                     else "")
 
 
 def calibrate_published(rows: tuple[PublishedRow, ...]) -> FittedProfiles:
