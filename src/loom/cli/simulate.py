@@ -37,8 +37,6 @@ from loom.workload.slo import Slo
 from loom.workload.trace import Trace
 
 if TYPE_CHECKING:
-    from rich.console import Console
-
     from loom.sim.configs import SimSetup
     from loom.sim.measure import SimulatedMeasure
     from loom.sim.result import SimConfig
@@ -318,7 +316,9 @@ def _report(runs: list[RunResult], configs: list[SimConfig], sweeps: list[SweepR
                           f"${row.usd_per_hour:.2f}/h)", highlight=False)
         if prices and not best:
             console.print("no priced configuration meets the SLO", highlight=False)
-    _print_band(console, configs)
+    from loom.cli.simulate_fit import print_band
+
+    print_band(console, configs)
     console.print("These are simulated figures from a step-time model, not measurements: "
                   "benchmark the configuration you pick with `loom bench run` against:",
                   highlight=False)
@@ -329,30 +329,14 @@ def _report(runs: list[RunResult], configs: list[SimConfig], sweeps: list[SweepR
                               soft_wrap=True)
 
 
-def _print_band(console: Console, configs: list[SimConfig]) -> None:
-    """Per roofline configuration: where its step model's terms come from, and the fitted
-    engine's expected error on rows the fit never saw."""
-    from loom.plan.fitted import shipped_profiles
-
-    fitted = shipped_profiles()
-    for config in configs:
-        meta = config.profile.meta
-        if config.profile.source != "roofline" or "serving_engine" not in meta:
-            continue
-        band = fitted.band(meta["serving_engine"])
-        fitted_here = meta["efficiency_source"].startswith("fitted")
-        text = band.describe() if band and fitted_here else \
-            "expected error: unknown (no held-out published rows for this step model)"
-        console.print(f"{config.name}: step model {meta['efficiency_source']}; {text}",
-                      highlight=False)
-
-
 def calibrate(args: argparse.Namespace) -> int:
     from loom.config import check_device
     from loom.sim import calibrate as calibration
 
     flags = from_cli_args(CalibrateFlags, args)
     if flags.published:
+        from loom.cli.simulate_fit import calibrate_published
+
         return calibrate_published(flags.calibrate_output)
     if not flags.calibrate_output:
         raise ValueError("loom simulate calibrate needs --output (or --published)")
@@ -374,27 +358,3 @@ def calibrate(args: argparse.Namespace) -> int:
           f"wrote {flags.calibrate_output}")
     return 0
 
-
-def calibrate_published(output: str | None) -> int:
-    """Refit the engines' step models to the published rows; print the fit and held-out bands."""
-    from importlib import resources
-
-    from loom.plan.fitted import FILE
-    from loom.plan.published import published_rows
-    from loom.sim.published_fit import calibrate_published as refit
-
-    path = output or str(resources.files("loom.plan").joinpath(FILE))
-    check_writable(path, "--output")
-    fitted = refit(published_rows())
-    fitted.save(path)
-    for engine, per_gpu in fitted.profiles.items():
-        for key, entry in per_gpu.items():
-            e = entry["efficiency"]
-            print(f"{engine} {key}: bandwidth {e['bandwidth']:.2f}, compute {e['compute']:.2f}, "
-                  f"interconnect {e['interconnect']:.2f}, {e['step_overhead_s'] * 1e3:.2f} "
-                  f"ms/step, {e['seq_overhead_s'] * 1e6:.1f} us/seq; train error "
-                  f"{entry['train_mean_abs_pct']:.1f}% mean over {entry['train_rows']} rows")
-    for engine, band in fitted.held_out.items():
-        print(f"{engine}: {band.describe()}")
-    print(f"wrote {path}")
-    return 0
