@@ -26,7 +26,6 @@ from loom.cli.flags import (
     check_writable,
     opt,
     option,
-    required,
 )
 from loom.cli.main import help_of
 from loom.cli.plan import model_help
@@ -72,6 +71,13 @@ def routers(text: str) -> tuple[str, ...]:
     return names
 
 
+def engine_name(text: str) -> str:
+    from loom.plan.fitted import check_engine
+
+    check_engine(text)
+    return text
+
+
 @dataclass(frozen=True)
 class SetupFlags:
     """Which server is simulated, besides its engine and admission flags."""
@@ -87,6 +93,10 @@ class SetupFlags:
     router: tuple[str, ...] = field(default=("prefix",), metadata=flag_help(
         "fleet routing policy: prefix, pow2 or round-robin; a list simulates each",
         parse=routers))
+    serving_engine: str = opt("vllm",
+        "--gpus what-if: whose published behaviour the step model is fitted to (vllm, "
+        "trtllm or sglang; fitted_profiles.json); --efficiency overrides it",
+        flag="--engine", parse=engine_name)
 
 
 @dataclass(frozen=True)
@@ -128,7 +138,12 @@ class SimFlags:
 class CalibrateFlags:
     CLI_GROUP = "Calibration"
 
-    calibrate_output: str = required("profile JSON to write", flag="--output")
+    calibrate_output: str | None = opt(None,
+        "profile JSON to write; required without --published (default with it: the "
+        "package's fitted_profiles.json)", flag="--output")
+    published: bool = opt(False,
+        "fit the GPU step model to the published measurements (loom/plan/published.json) "
+        "instead of timing this machine")
     grid: Literal["quick", "default"] = opt("default",
         "quick: a smoke run in seconds; default: a few minutes on 2 cores")
     repeats: int = opt(3, "timed steps per grid point")
@@ -170,7 +185,7 @@ def _setup(args: argparse.Namespace) -> SimSetup:
     server = from_cli_args(SetupFlags, args)
     return SimSetup(EngineConfig.from_cli_args(args), from_cli_args(AdmissionConfig, args),
                     server.profile, from_cli_args(PlanFlags, args), server.label,
-                    server.replicas, server.router)
+                    server.replicas, server.router, server.serving_engine)
 
 
 def measure(text: str, tokenizer: str | None, seed: int) -> SimulatedMeasure:
@@ -301,6 +316,9 @@ def _report(runs: list[RunResult], configs: list[SimConfig], sweeps: list[SweepR
                           f"${row.usd_per_hour:.2f}/h)", highlight=False)
         if prices and not best:
             console.print("no priced configuration meets the SLO", highlight=False)
+    from loom.cli.simulate_fit import print_band
+
+    print_band(console, configs)
     console.print("These are simulated figures from a step-time model, not measurements: "
                   "benchmark the configuration you pick with `loom bench run` against:",
                   highlight=False)
@@ -316,6 +334,12 @@ def calibrate(args: argparse.Namespace) -> int:
     from loom.sim import calibrate as calibration
 
     flags = from_cli_args(CalibrateFlags, args)
+    if flags.published:
+        from loom.cli.simulate_fit import calibrate_published
+
+        return calibrate_published(flags.calibrate_output)
+    if not flags.calibrate_output:
+        raise ValueError("loom simulate calibrate needs --output (or --published)")
     check_writable(flags.calibrate_output, "--output")  # not after minutes of measuring
     config = EngineConfig.from_cli_args(args)
     check_device(config.model.device)
@@ -333,3 +357,4 @@ def calibrate(args: argparse.Namespace) -> int:
     print(f"measured on {profile.meta['host']} in {profile.meta['measure_wall_s']:.0f} s; "
           f"wrote {flags.calibrate_output}")
     return 0
+
