@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI, Response
 
+from loom.entrypoints.openai.chat_messages import chat_prompt_ids
 from loom.entrypoints.openai.errors import APIError
 from loom.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -21,7 +22,6 @@ from loom.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from loom.entrypoints.openai.serving_chat import chat_prompt_ids
 
 MAX_TOKENIZE_CHARS = 2**20  # of a prompt, or of a chat's messages together
 
