@@ -20,10 +20,10 @@ from fastapi import Request, Response
 from pydantic import BaseModel
 
 from loom.engine.async_engine import (
-    AsyncEngine,
     EngineRequest,
     OutputStream,
 )
+from loom.engine.client import EngineClient
 from loom.entrypoints.openai.constraints import Constraint, fields_kind, structured_spec
 from loom.entrypoints.openai.errors import INTERNAL_ERROR, APIError
 from loom.entrypoints.openai.fairness import ClientLimiter, client_of
@@ -114,21 +114,22 @@ class OpenAIServing:
     `max_tokens_default` bounds a chat answer that names no budget (None: the rest of the
     context)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, stream_interval: int, *,
+    def __init__(self, engine: EngineClient, model_name: str, stream_interval: int, *,
                  checker: GrammarChecker | None = None, limiter: ClientLimiter | None = None,
                  max_tokens_default: int | None = None) -> None:
         self.engine = engine
-        self.tokenizer = engine.core.tokenizer
+        facts = engine.facts
+        self.tokenizer = engine.tokenizer
         self.vocab_size = self.tokenizer.vocab_size
-        self.max_model_len = engine.core.max_model_len
-        self.kv_capacity = engine.core.num_kv_blocks * engine.core.block_size  # tokens
+        self.max_model_len = facts.max_model_len
+        self.kv_capacity = facts.kv_capacity  # tokens
         self.model_name = model_name
         self.stream_interval = stream_interval
         self.checker = checker or GrammarChecker(workers=1, timeout=10.0)
         self.limiter = limiter or ClientLimiter(None)
         self.max_tokens_default = max_tokens_default
         # the model's own defaults (--generation-config) for what a request leaves unset
-        self.sampling_defaults = engine.core.sampling_defaults
+        self.sampling_defaults = facts.sampling_defaults
 
     # -- turning a request into engine requests ----------------------------------------------
 
