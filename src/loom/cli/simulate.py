@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from loom.admission import AdmissionConfig
+from loom.cli.dataclass_flags import add_engine_args, engine_config, from_cli_args
 from loom.cli.flags import (
     Report,
     Tokenizer,
@@ -29,7 +30,7 @@ from loom.cli.flags import (
 )
 from loom.cli.main import help_of
 from loom.cli.plan import model_help
-from loom.config import EngineConfig, flag_help, from_cli_args
+from loom.config import flag_help
 from loom.plan.planner import PlanFlags, csv_ints
 from loom.workload.load import Load
 from loom.workload.results import CompareEntry, Limits, RunResult, SweepResult, save_json
@@ -157,7 +158,7 @@ def _setup_flags(p: argparse.ArgumentParser) -> None:
     option(p, "--gpus").help = ("what-if: simulate each of these GPUs (roofline profiles from "
                                 "the catalogue, KV capacity from loom plan) with --model; none "
                                 "= --profile")
-    EngineConfig.add_cli_args(p)
+    add_engine_args(p)
     option(p, "--model").help = model_help("the bundled model; with --profile: the model it "
                                            "was calibrated on")
 
@@ -172,7 +173,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "catalogue (--gpus, roofline).")
     subs = p.add_subparsers(dest="simulate_command", metavar="calibrate",
                             title="sub-command (optional)")
-    add_command(subs, "calibrate", main, CalibrateFlags, EngineConfig.add_cli_args,
+    add_command(subs, "calibrate", main, CalibrateFlags, add_engine_args,
                 help="measure loom's engine here and fit a step profile",
                 description="Time loom's engine offline on this machine over a grid of "
                             "prefill tokens x decode sequences x context, fit the "
@@ -183,7 +184,7 @@ def _setup(args: argparse.Namespace) -> SimSetup:
     from loom.sim.configs import SimSetup
 
     server = from_cli_args(SetupFlags, args)
-    return SimSetup(EngineConfig.from_cli_args(args), from_cli_args(AdmissionConfig, args),
+    return SimSetup(engine_config(args), from_cli_args(AdmissionConfig, args),
                     server.profile, from_cli_args(PlanFlags, args), server.label,
                     server.replicas, server.router, server.serving_engine)
 
@@ -341,7 +342,7 @@ def calibrate(args: argparse.Namespace) -> int:
     if not flags.calibrate_output:
         raise ValueError("loom simulate calibrate needs --output (or --published)")
     check_writable(flags.calibrate_output, "--output")  # not after minutes of measuring
-    config = EngineConfig.from_cli_args(args)
+    config = engine_config(args)
     check_device(config.model.device)
     logging.getLogger("loom.sim.calibrate").setLevel(logging.INFO)
     profile = calibration.calibrate(config, flags.grid, flags.repeats)
