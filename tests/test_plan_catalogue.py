@@ -256,3 +256,22 @@ def test_a_model_file_counts_with_its_own_tokenizer(tmp_path: Path):
     # lengths-only records keep the counts of the tokenizer that made the trace
     bare = trace_tokens(_trace(text=False), str(gguf), None)
     assert "only prompt_len" in bare.warning and "SmolLM2" in bare.warning
+
+
+# -- the new families from a config.json on disk ---------------------------------------------
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gemma-3-12b", "qwen3-8b", "mixtral-8x7b"])
+def test_a_config_json_plans_as_its_shipped_shape(name: str, tmp_path: Path):
+    """`loom plan --model FOLDER` reads the config.json alone (read_arch): the same shape,
+    experts and sliding layers as the catalogued entry."""
+    from loom.plan.models import known_models
+
+    (tmp_path / "config.json").write_text(json.dumps(known_models()[name]["config"]))
+    on_disk, shipped = resolve_model(str(tmp_path)), resolve_model(name)
+    assert on_disk.arch == shipped.arch
+    s = PlanSettings(max_model_len=4096, concurrencies=(1, 32))
+    gpu = [builtin_catalogue()["h200"]]
+    mine, theirs = plan(on_disk, gpu, s), plan(shipped, gpu, s)
+    for key in ("weights_bytes_per_gpu", "kv_bytes_needed", "weight_bytes_read_per_decode_step",
+                "params_active", "params_total"):
+        assert [r[key] for r in mine] == [r[key] for r in theirs]
