@@ -10,6 +10,7 @@ import argparse
 import logging
 import math
 import shlex
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -258,11 +259,17 @@ def simulate(args: argparse.Namespace) -> int:
     if flags.output_dir:
         check_folder_writable(flags.output_dir, "--output-dir")
     trace = load_trace(flags.trace)  # every field checked, naming file:line
+    from loom.sim.trace_tokens import trace_tokens
+
+    counted = trace_tokens(trace, setup.engine.model.model,
+                           from_cli_args(Tokenizer, args).tokenizer)
+    if counted.warning:
+        print(f"warning: {counted.warning}", file=sys.stderr)
     tokenizer = None
     if any(r.prompt is not None for r in trace.requests):
         from loom.workload.tokens import load_tokenizer
 
-        tokenizer = load_tokenizer(from_cli_args(Tokenizer, args).tokenizer)
+        tokenizer = load_tokenizer(counted.tokenizer)
     ids = prompt_token_ids(trace, tokenizer, base.seed, max(c.model_len for c in configs))
     sweeps = [simulate_sweep(c, trace, ids, loads, slo, limits, flags.scrape_interval_s)
               for c in configs]
