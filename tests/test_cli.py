@@ -239,8 +239,8 @@ def test_flags_from_a_dataclass_with_a_short_option_a_positional_and_a_second_sp
         capsys) -> None:
     from dataclasses import dataclass
 
+    from loom.cli.dataclass_flags import from_cli_args
     from loom.cli.flags import add_flags, opt, required
-    from loom.config import from_cli_args
     from loom.workload.load import parse_count
 
     def split(text: str) -> tuple[str, ...]:

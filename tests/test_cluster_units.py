@@ -8,10 +8,10 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loom.cli.dataclass_flags import from_cli_args
 from loom.cli.main import parse_args
 from loom.cluster.config import ClusterConfig
 from loom.cluster.metrics import merge_replica_texts
-from loom.config import from_cli_args
 from loom.engine.metrics import EngineMetrics
 
 pytestmark = pytest.mark.unit

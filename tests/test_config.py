@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from loom.cli.dataclass_flags import add_engine_args, engine_config
 from loom.cli.main import build_parser
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
 
@@ -15,11 +16,11 @@ from loom.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
 @pytest.mark.unit
 def test_flags_round_trip_into_the_dataclasses() -> None:
     parser = argparse.ArgumentParser()
-    EngineConfig.add_cli_args(parser)
+    add_engine_args(parser)
     args = parser.parse_args(["--max-num-seqs", "7", "--no-enable-chunked-prefill",
                               "--scheduler", "static", "--kv-cache-memory", "1GiB",
                               "--max-num-batched-tokens", "4096"])
-    config = EngineConfig.from_cli_args(args)
+    config = engine_config(args)
     assert config.scheduler == SchedulerConfig(max_num_seqs=7, enable_chunked_prefill=False,
                                                scheduler="static", max_num_batched_tokens=4096)
     assert config.cache == CacheConfig(kv_cache_memory="1GiB")

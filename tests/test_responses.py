@@ -15,7 +15,8 @@ import pytest
 from server_helpers import serve
 
 from loom.entrypoints.openai.errors import APIError, error_body
-from loom.entrypoints.openai.protocol import ChatMessage, DeltaFunctionCall, DeltaToolCall
+from loom.entrypoints.openai.protocol import ChatMessage
+from loom.entrypoints.openai.protocol_answers import DeltaFunctionCall, DeltaToolCall
 from loom.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from loom.entrypoints.openai.response_store import ResponseStore
 from loom.entrypoints.openai.serving_responses import ResponseEvents

@@ -235,8 +235,8 @@ def test_head_answers_like_get_without_a_body(server: str, path: str) -> None:
 
 def test_tool_call_parser_is_a_server_flag(reference: LLM) -> None:
     from loom.cli.main import parse_args
+    from loom.cli.serve import server_config
     from loom.engine.async_engine import AsyncEngine
-    from loom.entrypoints.openai.launch import server_config
     from loom.entrypoints.openai.server import build_app
     from loom.entrypoints.openai.tool_parsers import TOOL_PARSERS
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from loom.entrypoints.openai.protocol import CompletionChoice, CompletionChunk
-from loom.entrypoints.openai.serving import sse
+from loom.entrypoints.openai.protocol_answers import CompletionChoice, CompletionChunk
+from loom.entrypoints.openai.sse import sse
 
 pytestmark = pytest.mark.unit
 

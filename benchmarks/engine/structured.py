@@ -188,7 +188,7 @@ def apply(args: argparse.Namespace) -> None:
     bundled model's vocabulary (random masks; best of 30, single-threaded torch)."""
     import torch
 
-    from loom.model.sampler import apply_token_bitmask
+    from loom.model.logits import apply_token_bitmask
 
     torch.set_num_threads(1)
     vocab, rows = 49152, 32

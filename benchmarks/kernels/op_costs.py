@@ -34,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from loom.engine.output_delta import DeltaDecoder, DeltaEncoder  # noqa: E402
 from loom.model.attention import _chunk_mask  # noqa: E402
-from loom.model.sampler import row_argmax  # noqa: E402
+from loom.model.logits import row_argmax  # noqa: E402
 from loom.outputs import CompletionOutput, RequestOutput, TokenLogprob  # noqa: E402
 
 

@@ -1,15 +1,13 @@
 """Engine configuration: frozen dataclasses, validated once, from which CLI flags are generated.
 
-Every option is spelled exactly once, as a dataclass field. `add_cli_args` turns the fields
-into argparse flags (`max_num_seqs` -> `--max-num-seqs`, booleans as `--x/--no-x`), grouped
-in `--help` by what a user tunes (a class's `CLI_GROUP`, or a field's own `group`), each
-stating its default; `from_cli_args` / `from_kwargs` turn flags or keyword arguments back into
-the dataclass.
+Every option is spelled exactly once, as a dataclass field with its help (`flag_help`) and
+flag name (`flag_name`); the command line's flag generator (`loom.cli.dataclass_flags`) turns
+the fields into flags and back, `from_kwargs` turns keyword arguments (`LLM(...)`) into the
+dataclass.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import re
@@ -257,7 +255,7 @@ class EngineConfig:
             section = getattr(self, name)
             hints = typing.get_type_hints(type(section))
             for f in dataclasses.fields(section):
-                choices = _flag_type(hints[f.name])[1]
+                choices = flag_type(hints[f.name])[1]
                 value = getattr(section, f.name)
                 if choices is not None and value not in choices:
                     raise ValueError(f"{f.name} must be one of "
@@ -268,34 +266,26 @@ class EngineConfig:
         """Flat keyword arguments (as `LLM(...)` takes them) -> nested config."""
         sections = {}
         for name in cls.SECTIONS:
-            section_cls = _field_type(cls, name)
+            section_cls = field_type(cls, name)
             own = {f.name for f in dataclasses.fields(section_cls)}
             sections[name] = section_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in own})
         if kwargs:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
         return cls(**sections)
 
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        for name in cls.SECTIONS:
-            add_cli_args(parser, _field_type(cls, name))
 
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
-        return cls(**{name: from_cli_args(_field_type(cls, name), args) for name in cls.SECTIONS})
-
-
-def _field_type(cls: type, name: str) -> type:
+def field_type(cls: type, name: str) -> type:
+    """The dataclass type of `cls`'s field `name` (an EngineConfig section's class)."""
     return typing.get_type_hints(cls)[name]
 
 
-def _flag_type(hint: Any) -> tuple[Any, list[Any] | None]:
+def flag_type(hint: Any) -> tuple[Any, list[Any] | None]:
     """(argparse type, choices) for a field's type hint (`X | None` is X; a wider union needs
     its own `parse`)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _flag_type(inner[0]) if len(inner) == 1 else (str, None)
+        return flag_type(inner[0]) if len(inner) == 1 else (str, None)
     if origin is Literal:
         choices = list(typing.get_args(hint))
         return type(choices[0]), choices
@@ -307,60 +297,3 @@ def flag_name(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
-def help_group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
-    """The parser's `--help` section called `title`, made on first use, so that flags of
-    several dataclasses (or one field filed elsewhere) share one heading."""
-    for group in parser._action_groups:
-        if group.title == title:
-            return group
-    return parser.add_argument_group(title)
-
-
-def default_text(value: Any) -> str:
-    """A default as `--help` states it: on/off for switches, LOW-HIGH for a range, the value
-    otherwise."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, tuple):
-        return "-".join(str(v) for v in value)
-    return str(value).replace("%", "%%")
-
-
-def add_cli_args(parser: argparse.ArgumentParser, cls: type,
-                 only: tuple[str, ...] | None = None) -> None:
-    """One flag per dataclass field (or per field named in `only`), named after it, with the
-    field's help and its default; a field without a default is a required flag.
-
-    Flags default to argparse.SUPPRESS, so `from_cli_args` sees only those a user gave and
-    the dataclass keeps the one copy of each default."""
-    title = getattr(cls, "CLI_GROUP", cls.__name__.removesuffix("Config"))
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if only is not None and f.name not in only:
-            continue
-        group = help_group(parser, f.metadata.get("group", title))
-        help_text = f.metadata.get("help", "")
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if f.default is not None and not required and f.default is not dataclasses.MISSING:
-            help_text += f" (default: {default_text(f.default)})"
-        hint = hints[f.name]
-        if hint is bool:
-            group.add_argument(flag_name(f), dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=help_text)
-            continue
-        arg_type, choices = _flag_type(hint)
-        extra: dict[str, Any] = {"required": True} if required else {"default": argparse.SUPPRESS}
-        if typing.get_origin(arg_type) is list:  # a repeatable flag: --stop a --stop b
-            (arg_type,) = typing.get_args(arg_type)
-            extra["action"] = "append"
-        group.add_argument(flag_name(f), dest=f.name, type=f.metadata.get("parse", arg_type),
-                           choices=choices, help=help_text,
-                           metavar=None if choices else flag_name(f)[2:].upper().replace("-", "_"),
-                           **extra)
-
-
-def from_cli_args(cls: type[T], args: argparse.Namespace) -> T:
-    """Build `cls` from the flags that were given; the rest keep the dataclass defaults."""
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-             if hasattr(args, f.name)}
-    return cls(**given)

@@ -21,6 +21,7 @@ from typing import Any
 
 from loom.bench.replay import Target
 from loom.bench.sweep import AutoSearch
+from loom.cli.dataclass_flags import from_cli_args
 from loom.cli.flags import (
     Report,
     Tokenizer,
@@ -33,7 +34,6 @@ from loom.cli.flags import (
 from loom.cli.flags import concurrencies as concurrency_list
 from loom.cli.flags import rates as rate_list
 from loom.cli.main import help_of
-from loom.config import from_cli_args
 from loom.workload.load import Load
 from loom.workload.results import Limits, Result, RunResult, load_result, run_label, save_json
 from loom.workload.slo import Slo

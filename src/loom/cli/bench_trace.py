@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from loom.bench.importers import DEFAULT_RULES, MOONCAKE_BLOCK_SIZE
+from loom.cli.dataclass_flags import from_cli_args
 from loom.cli.flags import Tokenizer, add_command, check_writable, opt, required
-from loom.config import from_cli_args
 from loom.workload.load import Load, parse_count
 from loom.workload.mix import ArrivalSpec, CancelSpec
 

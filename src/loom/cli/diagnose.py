@@ -6,9 +6,9 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
+from loom.cli.dataclass_flags import from_cli_args
 from loom.cli.flags import Report, add_command, opt
 from loom.cli.main import help_of
-from loom.config import from_cli_args
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Flags generated from dataclasses, for every command: `loom.config.add_cli_args` turns a
+"""Flags generated from dataclasses, for every command: `dataclass_flags.add_cli_args` turns a
 field into a flag (its name, type, help and default); `add_flags` adds what a command line
 needs besides: positional arguments, short options (`-n`), a second spelling of a flag, and
 a parse function's error as argparse's usage error (a library raises ValueError, naming the
@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loom.config import add_cli_args, flag_help
+from loom.cli.dataclass_flags import add_cli_args
+from loom.config import flag_help
 from loom.workload.load import parse_rate
 from loom.workload.slo import Slo
 
@@ -74,7 +75,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, only: tuple[str, ...] 
 
 
 # What a command's flags are made from: a dataclass (every field), a dataclass and the fields
-# to take, or a function that adds flags itself (EngineConfig.add_cli_args).
+# to take, or a function that adds flags itself (add_engine_args).
 FlagSource = type | tuple[type, tuple[str, ...]] | Callable[[argparse.ArgumentParser], None]
 
 

@@ -6,9 +6,10 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from loom.cli.dataclass_flags import add_engine_args, engine_config, from_cli_args
 from loom.cli.flags import add_command, opt
 from loom.cli.main import help_of
-from loom.config import EngineConfig, check_device, from_cli_args
+from loom.config import check_device
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class GenerateConfig:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    add_command(sub, "generate", main, GenerateConfig, EngineConfig.add_cli_args,
+    add_command(sub, "generate", main, GenerateConfig, add_engine_args,
                 help=help_of("generate"),
                 description="Complete one prompt with the engine in this process.")
 
@@ -43,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
     sampling = {k: v for k, v in dataclasses.asdict(options).items()
                 if k not in ("chat", "prompt")}
     params = SamplingParams(**sampling)  # bad values fail here, before the model loads
-    config = EngineConfig.from_cli_args(args)
+    config = engine_config(args)
     check_device(config.model.device)
 
     from loom.entrypoints.llm import LLM

@@ -10,9 +10,9 @@ import argparse
 import json
 from dataclasses import dataclass
 
+from loom.cli.dataclass_flags import from_cli_args
 from loom.cli.flags import add_command, opt, option
 from loom.cli.main import help_of
-from loom.config import from_cli_args
 from loom.plan.planner import PlanFlags
 
 

@@ -10,6 +10,7 @@ import argparse
 import logging
 import math
 import shlex
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from loom.admission import AdmissionConfig
+from loom.cli.dataclass_flags import add_engine_args, engine_config, from_cli_args
 from loom.cli.flags import (
     Report,
     Tokenizer,
@@ -26,11 +28,10 @@ from loom.cli.flags import (
     check_writable,
     opt,
     option,
-    required,
 )
 from loom.cli.main import help_of
 from loom.cli.plan import model_help
-from loom.config import EngineConfig, flag_help, from_cli_args
+from loom.config import flag_help
 from loom.plan.planner import PlanFlags, csv_ints
 from loom.workload.load import Load
 from loom.workload.results import CompareEntry, Limits, RunResult, SweepResult, save_json
@@ -72,6 +73,13 @@ def routers(text: str) -> tuple[str, ...]:
     return names
 
 
+def engine_name(text: str) -> str:
+    from loom.plan.fitted import check_engine
+
+    check_engine(text)
+    return text
+
+
 @dataclass(frozen=True)
 class SetupFlags:
     """Which server is simulated, besides its engine and admission flags."""
@@ -87,6 +95,10 @@ class SetupFlags:
     router: tuple[str, ...] = field(default=("prefix",), metadata=flag_help(
         "fleet routing policy: prefix, pow2 or round-robin; a list simulates each",
         parse=routers))
+    serving_engine: str = opt("vllm",
+        "--gpus what-if: whose published behaviour the step model is fitted to (vllm, "
+        "trtllm or sglang; fitted_profiles.json); --efficiency overrides it",
+        flag="--engine", parse=engine_name)
 
 
 @dataclass(frozen=True)
@@ -128,7 +140,12 @@ class SimFlags:
 class CalibrateFlags:
     CLI_GROUP = "Calibration"
 
-    calibrate_output: str = required("profile JSON to write", flag="--output")
+    calibrate_output: str | None = opt(None,
+        "profile JSON to write; required without --published (default with it: the "
+        "package's fitted_profiles.json)", flag="--output")
+    published: bool = opt(False,
+        "fit the GPU step model to the published measurements (loom/plan/published.json) "
+        "instead of timing this machine")
     grid: Literal["quick", "default"] = opt("default",
         "quick: a smoke run in seconds; default: a few minutes on 2 cores")
     repeats: int = opt(3, "timed steps per grid point")
@@ -142,7 +159,7 @@ def _setup_flags(p: argparse.ArgumentParser) -> None:
     option(p, "--gpus").help = ("what-if: simulate each of these GPUs (roofline profiles from "
                                 "the catalogue, KV capacity from loom plan) with --model; none "
                                 "= --profile")
-    EngineConfig.add_cli_args(p)
+    add_engine_args(p)
     option(p, "--model").help = model_help("the bundled model; with --profile: the model it "
                                            "was calibrated on")
 
@@ -157,7 +174,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "catalogue (--gpus, roofline).")
     subs = p.add_subparsers(dest="simulate_command", metavar="calibrate",
                             title="sub-command (optional)")
-    add_command(subs, "calibrate", main, CalibrateFlags, EngineConfig.add_cli_args,
+    add_command(subs, "calibrate", main, CalibrateFlags, add_engine_args,
                 help="measure loom's engine here and fit a step profile",
                 description="Time loom's engine offline on this machine over a grid of "
                             "prefill tokens x decode sequences x context, fit the "
@@ -168,9 +185,9 @@ def _setup(args: argparse.Namespace) -> SimSetup:
     from loom.sim.configs import SimSetup
 
     server = from_cli_args(SetupFlags, args)
-    return SimSetup(EngineConfig.from_cli_args(args), from_cli_args(AdmissionConfig, args),
+    return SimSetup(engine_config(args), from_cli_args(AdmissionConfig, args),
                     server.profile, from_cli_args(PlanFlags, args), server.label,
-                    server.replicas, server.router)
+                    server.replicas, server.router, server.serving_engine)
 
 
 def measure(text: str, tokenizer: str | None, seed: int) -> SimulatedMeasure:
@@ -242,11 +259,17 @@ def simulate(args: argparse.Namespace) -> int:
     if flags.output_dir:
         check_folder_writable(flags.output_dir, "--output-dir")
     trace = load_trace(flags.trace)  # every field checked, naming file:line
+    from loom.sim.trace_tokens import trace_tokens
+
+    counted = trace_tokens(trace, setup.engine.model.model,
+                           from_cli_args(Tokenizer, args).tokenizer)
+    if counted.warning:
+        print(f"warning: {counted.warning}", file=sys.stderr)
     tokenizer = None
     if any(r.prompt is not None for r in trace.requests):
         from loom.workload.tokens import load_tokenizer
 
-        tokenizer = load_tokenizer(from_cli_args(Tokenizer, args).tokenizer)
+        tokenizer = load_tokenizer(counted.tokenizer)
     ids = prompt_token_ids(trace, tokenizer, base.seed, max(c.model_len for c in configs))
     sweeps = [simulate_sweep(c, trace, ids, loads, slo, limits, flags.scrape_interval_s)
               for c in configs]
@@ -301,6 +324,9 @@ def _report(runs: list[RunResult], configs: list[SimConfig], sweeps: list[SweepR
                           f"${row.usd_per_hour:.2f}/h)", highlight=False)
         if prices and not best:
             console.print("no priced configuration meets the SLO", highlight=False)
+    from loom.cli.simulate_fit import print_band
+
+    print_band(console, configs)
     console.print("These are simulated figures from a step-time model, not measurements: "
                   "benchmark the configuration you pick with `loom bench run` against:",
                   highlight=False)
@@ -316,8 +342,14 @@ def calibrate(args: argparse.Namespace) -> int:
     from loom.sim import calibrate as calibration
 
     flags = from_cli_args(CalibrateFlags, args)
+    if flags.published:
+        from loom.cli.simulate_fit import calibrate_published
+
+        return calibrate_published(flags.calibrate_output)
+    if not flags.calibrate_output:
+        raise ValueError("loom simulate calibrate needs --output (or --published)")
     check_writable(flags.calibrate_output, "--output")  # not after minutes of measuring
-    config = EngineConfig.from_cli_args(args)
+    config = engine_config(args)
     check_device(config.model.device)
     logging.getLogger("loom.sim.calibrate").setLevel(logging.INFO)
     profile = calibration.calibrate(config, flags.grid, flags.repeats)
@@ -333,3 +365,4 @@ def calibrate(args: argparse.Namespace) -> int:
     print(f"measured on {profile.meta['host']} in {profile.meta['measure_wall_s']:.0f} s; "
           f"wrote {flags.calibrate_output}")
     return 0
+

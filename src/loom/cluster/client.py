@@ -1,7 +1,6 @@
-"""The front end's engine client over the replicas: the surface the serving layer uses of an
-`AsyncEngine` (`core.tokenizer/.model_name/.max_model_len/.num_kv_blocks/.block_size`,
-`core.metrics.prometheus_text()`, `submit`, `abort`, `start/shutdown/drain/stop`,
-`is_alive`), so `build_app` serves N replicas exactly as it serves one engine.
+"""The front end's engine client over the replicas: `loom.engine.client.EngineClient` (the
+replicas' facts and a tokenizer here, submit, abort, every replica's metrics in one text, the
+lifecycle), so `build_app` serves N replicas exactly as it serves one engine.
 
 Each HTTP request becomes one streaming call on the replica deployment's handle, carrying the
 prompt's block hashes for the router. A replica that dies mid-stream surfaces as
@@ -23,7 +22,7 @@ from loom.cluster.ray_router import ROUTED_METHOD
 from loom.cluster.replica import DEAD, INVALID, REJECTED, ModelFacts
 from loom.cluster.routing import prompt_block_hashes
 from loom.engine.async_engine import EngineDeadError, EngineRequest, RequestRejectedError
-from loom.engine.facts import ServedCore
+from loom.engine.client import EngineFacts
 from loom.engine.output_delta import DeltaDecoder
 from loom.outputs import RequestOutput
 
@@ -109,7 +108,9 @@ class ClusterEngine:
 
     def __init__(self, handle: DeploymentHandle, facts: ModelFacts, hub: Any,
                  num_replicas: int) -> None:
-        self.core = ServedCore(facts.tokenizer, facts.engine, ClusterMetrics(hub, num_replicas))
+        self.facts: EngineFacts = facts.engine
+        self.tokenizer = facts.tokenizer
+        self.metrics = ClusterMetrics(hub, num_replicas)
         self._handle = handle.options(stream=True, method_name=ROUTED_METHOD)
         self._streams: dict[str, RemoteStream] = {}
         self._draining = False
@@ -124,10 +125,17 @@ class ClusterEngine:
     async def _watch_replicas(self) -> None:
         while self._stopped is None:
             try:
-                await self.core.metrics.replica_texts()
+                await self.metrics.replica_texts()
             except Exception:  # noqa: BLE001 - Ray is going away; /health says so
-                self.core.metrics.live_replicas = 0
+                self.metrics.live_replicas = 0
             await asyncio.sleep(HEALTH_POLL_S)
+
+    async def metrics_text(self) -> bytes:
+        return await self.metrics.prometheus_text()
+
+    async def reset_prefix_cache(self) -> None:
+        raise NotImplementedError("reset_prefix_cache is not available with "
+                                  "--data-parallel-size above 1; restart the server instead")
 
     def drain(self) -> None:
         self._draining = True
@@ -146,7 +154,7 @@ class ClusterEngine:
     @property
     def is_alive(self) -> bool:
         """Serving, with at least one replica reporting (Serve restarts the others)."""
-        return self._stopped is None and self.core.metrics.live_replicas > 0
+        return self._stopped is None and self.metrics.live_replicas > 0
 
     def submit(self, requests: list[EngineRequest]) -> RemoteStream:
         """Send the requests (one prompt, n choices, or several prompts) to one replica."""
@@ -154,7 +162,7 @@ class ClusterEngine:
             raise EngineDeadError(self._stopped)
         if self._draining:
             raise RequestRejectedError("the server is shutting down; retry elsewhere or later")
-        hashes = prompt_block_hashes(requests[0].prompt_token_ids, self.core.block_size)
+        hashes = prompt_block_hashes(requests[0].prompt_token_ids, self.facts.block_size)
         stream = RemoteStream(self, requests, self._handle.remote(requests, block_hashes=hashes))
         for request in requests:
             self._streams[request.request_id] = stream

@@ -27,7 +27,7 @@ from loom.engine.async_engine import (
     EngineRequest,
     RequestRejectedError,
 )
-from loom.engine.facts import EngineFacts
+from loom.engine.client import EngineFacts
 from loom.engine.output_delta import DeltaEncoder
 
 logger = logging.getLogger(__name__)
@@ -81,10 +81,10 @@ class LoomReplica:
         self._hub = ray.get_actor(hub_name)
         self._stop = threading.Event()
         threading.Thread(target=self._push_metrics, name="loom-metrics-push", daemon=True).start()
-        logger.info("Replica %s serving %s", self.tag, self.engine.core.model_name)
+        logger.info("Replica %s serving %s", self.tag, self.engine.facts.model_name)
 
     def model_facts(self) -> ModelFacts:
-        return ModelFacts(self.engine.core.tokenizer, EngineFacts.of(self.engine.core))
+        return ModelFacts(self.engine.tokenizer, self.engine.facts)
 
     async def generate(self, requests: list[EngineRequest],
                        block_hashes: list[int]) -> AsyncIterator[tuple[str, Any]]:

@@ -17,38 +17,22 @@ slot: arrivals that the next step will schedule at once do not fill the queue.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections import defaultdict
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from loom.engine.client import EngineDeadError, EngineFacts, EngineRequest, RequestRejectedError
 from loom.outputs import RequestOutput
-from loom.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the engine process's server side imports this module without the engine
     from loom.config import EngineConfig
     from loom.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop is not running (it crashed or was shut down); nothing will be served."""
-
-
-class RequestRejectedError(RuntimeError):
-    """Admission control turned the request away (queue full, or queued too long): retry later."""
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
 
 
 class Aborter(Protocol):
@@ -256,7 +240,23 @@ class AsyncEngine:
             self._aborts.append(request_id)
             self._cond.notify()
 
-    def reset_prefix_cache(self) -> Future[None]:
+    # -- the rest of the EngineClient surface ---------------------------------------------------
+
+    @property
+    def facts(self) -> EngineFacts:
+        return EngineFacts.of(self.core)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.core.tokenizer
+
+    async def metrics_text(self) -> bytes:
+        return self.core.metrics.prometheus_text()
+
+    async def reset_prefix_cache(self) -> None:
+        await asyncio.wrap_future(self.request_prefix_cache_reset())
+
+    def request_prefix_cache_reset(self) -> Future[None]:
         """Forget every cached prefix between two steps; done when the future is. Requests
         added after it is done find nothing cached from before."""
         done: Future[None] = Future()

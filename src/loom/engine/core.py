@@ -24,11 +24,11 @@ from loom.core.batch import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, 
 from loom.core.kv_cache import KVCacheManager
 from loom.core.scheduler import RequestUpdate, Scheduler
 from loom.core.static import StaticScheduler
-from loom.engine.detokenizer import IncrementalDetokenizer
 from loom.engine.metrics import EngineMetrics
+from loom.engine.request_state import RequestState
 from loom.engine.spec_metrics import SpecDecodeMetrics
 from loom.model.arch import ModelInfo
-from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from loom.outputs import RequestOutput
 from loom.request import Request, RequestStatus
 from loom.sampling import SamplingParams
 from loom.structured.manager import StructuredOutputManager
@@ -58,20 +58,6 @@ class InFlightStep:
 
     batch: SchedulerOutput
     future: Future[ModelRunnerOutput]
-
-
-@dataclass
-class _RequestState:
-    """Engine-side state of a live request that the scheduler does not need."""
-
-    request: Request
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[TokenLogprob] | None
-    prompt_logprobs: list[TokenLogprob | None] | None
-    metrics: RequestMetrics
-    error: str | None = None
-    last_token_time: float = 0.0
 
 
 class EngineCore:
@@ -106,7 +92,7 @@ class EngineCore:
         spec = sc.speculative
         self.spec_metrics = (SpecDecodeMetrics(self.metrics.registry, self.model_name,
                                                spec.num_speculative_tokens) if spec else None)
-        self.states: dict[str, _RequestState] = {}
+        self.states: dict[str, RequestState] = {}
         self.vocab_size = max(self.tokenizer.vocab_size, info.vocab_size)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size)
         self._compiling: dict[str, Request] = {}  # constrained requests not yet schedulable
@@ -164,13 +150,9 @@ class EngineCore:
         self.scheduler.add_request(request)
         if grammar is not None:
             self._compiling[request_id] = request
-        self.states[request_id] = _RequestState(
-            request=request, prompt=text,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
-                                               params.min_tokens),
-            logprobs=[] if params.logprobs is not None else None,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-            metrics=RequestMetrics(time.monotonic() if arrival_time is None else arrival_time))
+        self.states[request_id] = RequestState.new(
+            request, text, self.tokenizer,
+            time.monotonic() if arrival_time is None else arrival_time)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         if self.scheduler.abort_request(request_id) is None:
@@ -330,9 +312,8 @@ class EngineCore:
         now = time.monotonic()
         for request_id, (start, entries) in runner_output.prompt_logprobs.items():
             state = self.states.get(request_id)
-            if state is not None and state.prompt_logprobs is not None:
-                known = len(state.prompt_logprobs)  # recomputation after preemption repeats some
-                state.prompt_logprobs.extend(entries[known - start:])
+            if state is not None:
+                state.add_prompt_logprobs(start, entries)
         outputs = []
         for update in updates:
             request, state = update.request, self.states[update.request.request_id]
@@ -349,7 +330,7 @@ class EngineCore:
                     self.scheduler.stop_on_string(request, state.detokenizer.stopped_on,
                                                   len(new_token_ids) - kept)
                     break
-            self._note_tokens(state, now, kept)
+            state.note_tokens(self.metrics, now, kept)
             outputs.append(self._output(request.request_id))
         for item in batch.scheduled:  # requests whose step failed (already ended in _collect)
             state = self.states.get(item.request_id)
@@ -357,52 +338,16 @@ class EngineCore:
                 outputs.append(self._finish_output(item.request_id))
         return outputs
 
-    def _note_tokens(self, state: _RequestState, now: float, count: int) -> None:
-        """Count a step's tokens for a request and their latency; tokens a step yields
-        together (accepted drafts) share the time since the previous step."""
-        self.metrics.generation_tokens.inc(count)
-        m = state.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-            self.metrics.ttft.observe(now - m.arrival_time)
-            self.metrics.prefill_time.observe(now - (m.first_scheduled_time or now))
-            count -= 1
-        for _ in range(count):
-            self.metrics.itl.observe((now - state.last_token_time) / max(count, 1))
-        state.last_token_time = now
-
     def _output(self, request_id: str) -> RequestOutput:
         state = self.states[request_id]
         if state.request.status.finished:
             return self._finish_output(request_id)
-        return self._build_output(state, finished=False)
+        return state.output(finished=False)
 
     def _finish_output(self, request_id: str) -> RequestOutput:
         state = self.states.pop(request_id)
-        request, m = state.request, state.metrics
-        m.finished_time = time.monotonic()
-        m.num_preemptions = request.num_preemptions
-        self.metrics.finished(request.status.value)
-        self.metrics.e2e.observe(m.finished_time - m.arrival_time)
-        if m.first_token_time is not None:
-            self.metrics.decode_time.observe(m.finished_time - m.first_token_time)
-        return self._build_output(state, finished=True)
-
-    def _build_output(self, state: _RequestState, finished: bool) -> RequestOutput:
-        request = state.request
-        completion = CompletionOutput(
-            index=0,
-            text=state.detokenizer.visible_text(finished),
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.status.value if finished else None,
-            stop_reason=request.stop_reason,
-            logprobs=state.logprobs,
-        )
-        return RequestOutput(
-            request_id=request.request_id, prompt=state.prompt,
-            prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
-            prompt_logprobs=state.prompt_logprobs, num_cached_tokens=request.num_cached_tokens,
-            error=state.error, metrics=state.metrics)
+        state.note_finished(self.metrics)
+        return state.output(finished=True)
 
     def update_gauges(self) -> None:
         """Refresh the running / waiting / KV gauges; also called without a step, when

@@ -30,9 +30,10 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from loom.engine.async_engine import EngineDeadError, EngineRequest, OutputStream
-from loom.engine.facts import EngineFacts, ServedCore
+from loom.engine.client import EngineFacts
 from loom.engine.output_delta import DeltaDecoder, OutputDelta
 from loom.engine.process_main import (
     ABORT,
@@ -71,17 +72,6 @@ class EngineStartError(RuntimeError):
     """The engine process ended before its engine was ready (it crashed loading the model)."""
 
 
-class ProcessMetrics:
-    """`core.metrics` of the server: the engine process's Prometheus text, asked for over the
-    pipe."""
-
-    def __init__(self, client: EngineProcess) -> None:
-        self._client = client
-
-    async def prometheus_text(self) -> bytes:
-        return await self._client.fetch_metrics()
-
-
 @dataclass
 class _Submission:
     """One `submit`: its stream and which of its requests have not finished."""
@@ -105,7 +95,8 @@ class EngineProcess:
             args=(child_conn, config, os.getpid(), inherited))
         self._process.start()
         child_conn.close()  # the child's end lives in the child only: its exit ends the pipe
-        self.core: ServedCore | None = None
+        self._facts: EngineFacts | None = None  # once the engine is ready (wait_ready)
+        self._tokenizer: Any = None
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the three below (the reader thread writes them)
         self._submissions: dict[int, _Submission] = {}
@@ -130,7 +121,7 @@ class EngineProcess:
             self._await_ready()
             self.shutdown()
             raise
-        self.core = ServedCore(tokenizer, self._await_ready(), ProcessMetrics(self))
+        self._facts, self._tokenizer = self._await_ready(), tokenizer
 
     def _await_ready(self) -> EngineFacts:
         try:
@@ -146,7 +137,17 @@ class EngineProcess:
         _, user_error, why = message
         raise (ValueError if user_error else EngineStartError)(why)
 
-    # -- the EngineClient surface (on the server's event loop) --------------------------------
+    # -- the EngineClient surface (on the server's event loop), once ready ---------------------
+
+    @property
+    def facts(self) -> EngineFacts:
+        if self._facts is None:
+            raise RuntimeError("the engine process is not ready: call wait_ready first")
+        return self._facts
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
 
     def start(self) -> None:
         self._reader.start()
@@ -163,7 +164,7 @@ class EngineProcess:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine process and wait for it (up to `timeout`, then kill it; at once
         if it is still loading the model). Idempotent."""
-        if self.core is None:
+        if self._facts is None:
             self._process.kill()
         self.stop()
         _join(self._process, timeout)
@@ -196,7 +197,7 @@ class EngineProcess:
     def abort(self, request_id: str) -> None:
         self._send((ABORT, request_id))
 
-    async def fetch_metrics(self) -> bytes:
+    async def metrics_text(self) -> bytes:
         return await self._ask(METRICS)
 
     async def reset_prefix_cache(self) -> None:

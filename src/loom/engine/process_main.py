@@ -29,7 +29,6 @@ from multiprocessing.connection import Connection
 
 from loom.config import EngineConfig
 from loom.engine.async_engine import AsyncEngine, EngineDeadError, RequestRejectedError
-from loom.engine.facts import EngineFacts
 from loom.engine.output_delta import DeltaEncoder
 from loom.outputs import RequestOutput
 from loom.torch_import import defer_unused_modules
@@ -83,7 +82,7 @@ def run_engine_process(conn: Connection, config: EngineProcessConfig, server_pid
         conn.send((FAILED, False, f"the engine failed to start: {type(e).__name__}: {e}"))
         sys.exit(1)
     engine.start()
-    conn.send((READY, EngineFacts.of(engine.core)))
+    conn.send((READY, engine.facts))
     sys.exit(0 if _serve_pipe(conn, engine) else 1)
 
 
@@ -123,7 +122,7 @@ def _handle(message: tuple[object, ...], engine: AsyncEngine, sender: _Sender) -
         sender.send((METRICS, message[1], engine.core.metrics.prometheus_text()))
     elif kind == RESET_PREFIX_CACHE:
         try:
-            engine.reset_prefix_cache().result()  # between two steps of the loop thread
+            engine.request_prefix_cache_reset().result()  # between two steps of the loop thread
         except EngineDeadError:
             pass  # the loop is gone: the pipe closes next, and the caller is told then
         sender.send((RESET_PREFIX_CACHE, message[1], None))

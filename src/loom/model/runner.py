@@ -1,10 +1,10 @@
 """SchedulerOutput -> tensors -> forward -> sampled tokens (ModelRunnerOutput).
 
-The runner owns the model, its KV cache tensors and per-request sampling state (seeded
-generators); it never decides who runs. The engine asks it how many KV blocks fit
-(`determine_num_kv_blocks`), then hands that count back (`initialize_kv_cache`, which answers
-with the sliding-window layers' KV group where they keep one): the engine never probes the
-machine itself.
+The runner owns the model, its KV cache tensors and the sampler (which keeps each request's
+sampling state: one call a step, `Sampler.sample`); it never decides who runs. The engine
+asks it how many KV blocks fit (`determine_num_kv_blocks`), then hands that count back
+(`initialize_kv_cache`, which answers with the sliding-window layers' KV group where they keep
+one): the engine never probes the machine itself.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 from loom import host
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
 from loom.core.batch import (
-    GrammarBitmask,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -35,9 +34,7 @@ from loom.model.backends import Backends, resolve_backends
 from loom.model.decoder import DecoderModel
 from loom.model.loader import load_model
 from loom.model.memory import KVCacheLayout, KVCacheSpec, sliding_layers
-from loom.model.sampler import Sampler, adjust_logits, apply_token_bitmask, generator_seed
-from loom.model.spec_verify import verify_drafts
-from loom.outputs import TokenLogprob
+from loom.model.sampler import LogitRows, Sampler, take_rows
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +73,7 @@ class ModelRunner:
         # the sliding layers' own KV group, where they keep one (initialize_kv_cache)
         self.sliding_kv: SlidingKVGroup | None = None
         self._layout: KVCacheLayout | None = None  # what determine_num_kv_blocks found
-        self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
-        # the tokens this runner sampled for each request with penalties (adjust_logits)
-        self.outputs_so_far: dict[str, list[int]] = {}
+        self.sampler = Sampler(self.device)  # and each request's sampling state
 
     @property
     def native_decode(self) -> bool:
@@ -187,94 +181,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
-        for request_id in batch.finished_request_ids:  # here, not by the caller: in order with
-            self.generators.pop(request_id, None)  # steps still running (async scheduling)
-            self.outputs_so_far.pop(request_id, None)
+        # here, not by the caller: in order with steps still running (async scheduling)
+        self.sampler.forget(batch.finished_request_ids)
         items, input_ids, positions, meta = self._prepare(batch.scheduled)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-        rows, sample_rows, prompt_rows = _logit_rows(items)
-        output = ModelRunnerOutput()
-        if rows:
-            logits = self.model.compute_logits(_take_rows(hidden, rows)).float()
-            self._sample(items, logits, sample_rows, batch.grammar_bitmask, output)
-            self._score_prompts(items, logits, prompt_rows, output)
-        return output
-
-    def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor,
-                sample_rows: dict[str, int], bitmask: GrammarBitmask | None,
-                output: ModelRunnerOutput) -> None:
-        """One token per sampling request, in one batched call; requests with drafts verify
-        them first (their rows start at sample_rows[id], one per draft, then one more).
-        Logprobs are the model's own, before any grammar's mask."""
-        mask_rows = bitmask.first_rows() if bitmask is not None else {}
-        plain = [s for s in items if s.sample and not s.num_draft_tokens]
-        if plain:
-            rows = _take_rows(logits, [sample_rows[s.request_id] for s in plain])
-            params = [s.sampling_params for s in plain]
-            rows = adjust_logits(rows, params,
-                                 [self.outputs_so_far.get(s.request_id, []) for s in plain],
-                                 [s.prompt_token_ids for s in plain],
-                                 [s.banned_token_ids for s in plain])
-            token_ids = self.sampler(self._constrain(rows, plain, bitmask, mask_rows),
-                                     params, [self._generator(s) for s in plain]).tolist()
-            for s, token_id in zip(plain, token_ids):
-                output.sampled_token_ids[s.request_id] = token_id
-                if s.sampling_params.penalized:
-                    self.outputs_so_far.setdefault(s.request_id, []).append(token_id)
-                if s.sampling_params.logprobs is not None:
-                    row = sample_rows[s.request_id]
-                    output.logprobs[s.request_id] = _logprobs(
-                        logits[row:row + 1], [token_id], s.sampling_params.logprobs)[0]
-        for s in items:
-            if s.sample and s.num_draft_tokens:
-                first, count = sample_rows[s.request_id], s.num_draft_tokens + 1
-                # drafts skip penalized requests (Scheduler._drafts): a logit bias at most
-                positions = adjust_logits(logits[first:first + count],
-                                          [s.sampling_params] * count, [[]] * count,
-                                          [[]] * count, [()] * count)
-                if s.request_id in mask_rows:
-                    mask_first = mask_rows[s.request_id]
-                    positions = apply_token_bitmask(positions, bitmask.bitmask[
-                        mask_first:mask_first + count])
-                accepted, token_id = verify_drafts(
-                    positions, s.token_ids[-s.num_draft_tokens:], s.sampling_params,
-                    self._generator(s))
-                output.accepted_draft_ids[s.request_id] = accepted
-                output.sampled_token_ids[s.request_id] = token_id
-
-    def _constrain(self, logits: torch.Tensor, plain: list[ScheduledRequest],
-                   bitmask: GrammarBitmask | None, mask_rows: dict[str, int]) -> torch.Tensor:
-        """Mask the rows of constrained requests (structured outputs) in a copy (`logits` may
-        be a view of the model's, which logprobs read); the others, and batches with none,
-        pass untouched."""
-        if bitmask is None:
-            return logits
-        rows = [j for j, s in enumerate(plain) if s.request_id in mask_rows]
-        if rows:
-            masks = bitmask.bitmask[[mask_rows[plain[j].request_id] for j in rows]]
-            index = torch.tensor(rows, device=self.device)
-            logits = logits.index_put((index,), apply_token_bitmask(logits[index], masks))
-        return logits
-
-    def _score_prompts(self, items: list[ScheduledRequest], logits: torch.Tensor,
-                       prompt_rows: dict[str, tuple[int, int]],
-                       output: ModelRunnerOutput) -> None:
-        for item in items:
-            if item.request_id in prompt_rows:
-                first, count = prompt_rows[item.request_id]
-                start = item.start_position + 1
-                targets = item.prompt_token_ids[start:start + count]
-                output.prompt_logprobs[item.request_id] = (start, _logprobs(
-                    logits[first:first + count], targets, item.sampling_params.prompt_logprobs))
-
-    def _generator(self, item: ScheduledRequest) -> torch.Generator | None:
-        seed = item.sampling_params.seed
-        if seed is None:
-            return None
-        if item.request_id not in self.generators:
-            self.generators[item.request_id] = torch.Generator(self.device).manual_seed(
-                generator_seed(seed))
-        return self.generators[item.request_id]
+        rows = LogitRows.of(items)
+        if not rows.rows:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(take_rows(hidden, rows.rows)).float()
+        sampled = self.sampler.sample(logits, rows, batch.grammar_bitmask)
+        return ModelRunnerOutput(sampled_token_ids=sampled.token_ids,
+                                 accepted_draft_ids=sampled.accepted_draft_ids,
+                                 logprobs=sampled.logprobs,
+                                 prompt_logprobs=sampled.prompt_logprobs)
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[
             list[ScheduledRequest], torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -385,47 +304,3 @@ class ModelRunner:
                                       mask.view(hi - lo, 1, 1, max_blocks * self.block_size)))
         return groups
 
-
-def _take_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """tensor[rows]: a view where the rows are consecutive, as in a decode-only step, where
-    the copy (32 rows of a 49k vocabulary) cost as much as the sampling."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return tensor[rows[0]:rows[0] + len(rows)]
-    return tensor[torch.tensor(rows, device=tensor.device)]
-
-
-def _logit_rows(items: list[ScheduledRequest]
-                ) -> tuple[list[int], dict[str, int], dict[str, tuple[int, int]]]:
-    """Which hidden rows (positions in the flat batch) need logits: (the rows, request id ->
-    index of its first sampling row, request id -> (index of its first prompt-scoring row,
-    count)). A request samples at its last position, and at each draft before it."""
-    offset, rows = 0, []
-    sample_rows: dict[str, int] = {}
-    prompt_rows: dict[str, tuple[int, int]] = {}
-    for item in items:
-        n = len(item.token_ids)
-        if item.sampling_params.prompt_logprobs is not None and \
-                item.start_position + 1 < item.num_prompt_tokens:
-            # logits at position p score prompt token p + 1
-            last = min(item.start_position + n, item.num_prompt_tokens - 1)
-            count = last - item.start_position
-            prompt_rows[item.request_id] = (len(rows), count)
-            rows.extend(range(offset, offset + count))
-        if item.sample:
-            sample_rows[item.request_id] = len(rows)
-            rows.extend(range(offset + n - 1 - item.num_draft_tokens, offset + n))
-        offset += n
-    return rows, sample_rows, prompt_rows
-
-
-def _logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
-    """Log-probability of each chosen token and the top-n alternatives, per logits row."""
-    logprobs = logits.log_softmax(dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device).unsqueeze(1))
-    chosen_list = chosen.squeeze(1).tolist()
-    if top_n:
-        top_values, top_ids = logprobs.topk(top_n, dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_values.tolist())]
-    else:
-        tops = [[] for _ in token_ids]
-    return [TokenLogprob(t, lp, top) for t, lp, top in zip(token_ids, chosen_list, tops)]

@@ -1,12 +1,29 @@
-"""The batched sampler: one token per row of a logits matrix, each row with its own
-SamplingParams, in one pass."""
+"""The sampler: a step's logits in, its tokens out (`Sampler.sample`), in one call from the
+runner. It owns what sampling keeps per request (seeded generators, the tokens penalties
+count) and does every part of choosing a token: penalties and logit bias, a grammar's mask,
+draft verification (speculative decoding), and logprobs, the model's own before any mask."""
 
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import dataclass, field
+
 import torch
 
+from loom.core.batch import GrammarBitmask, ScheduledRequest
+from loom.model.logits import (
+    adjust_logits,
+    apply_token_bitmask,
+    apply_top_k_top_p,
+    inverse_cdf,
+    row_argmax,
+)
+from loom.model.spec_verify import verify_drafts
+from loom.outputs import TokenLogprob
 from loom.sampling import SamplingParams
+
+# what tests and benchmarks read from here: the logit operations the sampler applies
+__all__ = ["LogitRows", "SampledTokens", "Sampler", "adjust_logits", "apply_token_bitmask",
+           "apply_top_k_top_p", "generator_seed", "row_argmax"]
 
 _LOW_32_BITS = 2**32 - 1
 _BITS_64 = 2**64 - 1
@@ -27,10 +44,55 @@ def generator_seed(seed: int) -> int:
     return (z ^ (z >> 31)) & _LOW_32_BITS
 
 
-class Sampler:
-    """Samples one token per row of a logits matrix, each row with its own parameters.
+@dataclass(frozen=True)
+class LogitRows:
+    """Which rows of a step's logits are whose: the hidden rows (positions in the flat batch)
+    that need logits, each sampling request's first row among them, and each prompt-scoring
+    request's (first row, count). A request samples at its last position, and at each draft
+    before it."""
 
-    Random rows use inverse-CDF sampling: one uniform draw per row, located in the row's
+    items: list[ScheduledRequest]  # in the flat batch's order
+    rows: list[int]
+    sample_rows: dict[str, int]
+    prompt_rows: dict[str, tuple[int, int]]
+
+    @classmethod
+    def of(cls, items: list[ScheduledRequest]) -> LogitRows:
+        offset, rows = 0, []
+        sample_rows: dict[str, int] = {}
+        prompt_rows: dict[str, tuple[int, int]] = {}
+        for item in items:
+            n = len(item.token_ids)
+            if item.sampling_params.prompt_logprobs is not None and \
+                    item.start_position + 1 < item.num_prompt_tokens:
+                # logits at position p score prompt token p + 1
+                last = min(item.start_position + n, item.num_prompt_tokens - 1)
+                count = last - item.start_position
+                prompt_rows[item.request_id] = (len(rows), count)
+                rows.extend(range(offset, offset + count))
+            if item.sample:
+                sample_rows[item.request_id] = len(rows)
+                rows.extend(range(offset + n - 1 - item.num_draft_tokens, offset + n))
+            offset += n
+        return cls(items, rows, sample_rows, prompt_rows)
+
+
+@dataclass
+class SampledTokens:
+    """A step's choices, by request id: the token sampled, the drafts kept before it, its
+    logprob entry, and (first position, entries) of the prompt tokens scored."""
+
+    token_ids: dict[str, int] = field(default_factory=dict)
+    accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+
+
+class Sampler:
+    """Samples a step's tokens from its logits, keeping each request's sampling state.
+
+    Called directly, samples one token per row of a logits matrix, each row with its own
+    parameters. Random rows use inverse-CDF sampling: one uniform draw per row, located in the row's
     cumulative distribution. A per-request `torch.Generator` therefore produces one number per
     step, whatever else shares the batch: a seeded request's draws are its own. Its text is
     reproducible as far as its logits are; those can move in their last bits with the batch's
@@ -40,6 +102,12 @@ class Sampler:
     `exponential_` made that 25 ms for 32 rows of a 49k vocabulary, against 1.5 ms here:
     benchmarks/kernels/op_costs.py.)
     """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        self.generators: dict[str, torch.Generator] = {}
+        # the tokens sampled for each request with penalties (adjust_logits)
+        self.outputs_so_far: dict[str, list[int]] = {}
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -61,89 +129,111 @@ class Sampler:
         greedy_ids[rows] = inverse_cdf(sub.softmax(dim=-1), uniform)
         return greedy_ids
 
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop finished requests' state (the runner calls this in order with the steps)."""
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+            self.outputs_so_far.pop(request_id, None)
 
-def row_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """The first index of each row's largest value, as `argmax(dim=-1)`. On a CPU, numpy's
-    vectorised argmax: torch's scalar one was a visible part of a batched decode step
-    (benchmarks/kernels/op_costs.py times both)."""
-    if logits.device.type != "cpu" or logits.dtype != torch.float32:
-        return logits.argmax(dim=-1)
-    return torch.from_numpy(np.argmax(logits.contiguous().numpy(), axis=1))
+    def sample(self, logits: torch.Tensor, rows: LogitRows,
+               bitmask: GrammarBitmask | None) -> SampledTokens:
+        """One token per sampling request, in one batched call; requests with drafts verify
+        them first (their rows start at rows.sample_rows[id], one per draft, then one more).
+        Logprobs are the model's own, before any grammar's mask."""
+        out = SampledTokens()
+        items, sample_rows = rows.items, rows.sample_rows
+        mask_rows = bitmask.first_rows() if bitmask is not None else {}
+        plain = [s for s in items if s.sample and not s.num_draft_tokens]
+        if plain:
+            picked = take_rows(logits, [sample_rows[s.request_id] for s in plain])
+            params = [s.sampling_params for s in plain]
+            picked = adjust_logits(picked, params,
+                                   [self.outputs_so_far.get(s.request_id, []) for s in plain],
+                                   [s.prompt_token_ids for s in plain],
+                                   [s.banned_token_ids for s in plain])
+            token_ids = self(self._constrain(picked, plain, bitmask, mask_rows),
+                             params, [self._generator(s) for s in plain]).tolist()
+            for s, token_id in zip(plain, token_ids):
+                out.token_ids[s.request_id] = token_id
+                if s.sampling_params.penalized:
+                    self.outputs_so_far.setdefault(s.request_id, []).append(token_id)
+                if s.sampling_params.logprobs is not None:
+                    row = sample_rows[s.request_id]
+                    out.logprobs[s.request_id] = token_logprobs(
+                        logits[row:row + 1], [token_id], s.sampling_params.logprobs)[0]
+        for s in items:
+            if s.sample and s.num_draft_tokens:
+                self._verify(logits, s, sample_rows[s.request_id], bitmask, mask_rows, out)
+        self._score_prompts(logits, rows, out)
+        return out
 
+    def _verify(self, logits: torch.Tensor, s: ScheduledRequest, first: int,
+                bitmask: GrammarBitmask | None, mask_rows: dict[str, int],
+                out: SampledTokens) -> None:
+        count = s.num_draft_tokens + 1
+        # drafts skip penalized requests (Scheduler._drafts): a logit bias at most
+        positions = adjust_logits(logits[first:first + count], [s.sampling_params] * count,
+                                  [[]] * count, [[]] * count, [()] * count)
+        if bitmask is not None and s.request_id in mask_rows:
+            mask_first = mask_rows[s.request_id]
+            positions = apply_token_bitmask(positions,
+                                            bitmask.bitmask[mask_first:mask_first + count])
+        accepted, token_id = verify_drafts(positions, s.token_ids[-s.num_draft_tokens:],
+                                           s.sampling_params, self._generator(s))
+        out.accepted_draft_ids[s.request_id] = accepted
+        out.token_ids[s.request_id] = token_id
 
-def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """One token per row of (unnormalised) probabilities, located by that row's uniform draw
-    ([rows, 1]) in its cumulative distribution."""
-    cdf = probs.cumsum(dim=-1)
-    # right=True: the first token whose cumulative mass exceeds the draw, so a token of zero
-    # probability (flat cdf) is never chosen.
-    drawn = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
-    # Rounding can put the draw at the very top: take the last token with mass.
-    return torch.where(drawn < cdf.shape[-1], drawn, cdf.argmax(dim=-1))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask logits outside each row's top-k and nucleus (top-p) set with -inf."""
-    if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p):
+    def _constrain(self, logits: torch.Tensor, plain: list[ScheduledRequest],
+                   bitmask: GrammarBitmask | None, mask_rows: dict[str, int]) -> torch.Tensor:
+        """Mask the rows of constrained requests (structured outputs) in a copy (`logits` may
+        be a view of the model's, which logprobs read); the others, and batches with none,
+        pass untouched."""
+        if bitmask is None:
+            return logits
+        rows = [j for j, s in enumerate(plain) if s.request_id in mask_rows]
+        if rows:
+            masks = bitmask.bitmask[[mask_rows[plain[j].request_id] for j in rows]]
+            index = torch.tensor(rows, device=logits.device)
+            logits = logits.index_put((index,), apply_token_bitmask(logits[index], masks))
         return logits
-    vocab = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    drop = ranks >= ks.unsqueeze(1)
-    ps = torch.tensor(top_p, device=logits.device, dtype=logits.dtype).unsqueeze(1)
-    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= mass_before >= ps
-    drop[:, 0] = False  # the likeliest token stays, whatever top_p rounds to in float32
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+    @staticmethod
+    def _score_prompts(logits: torch.Tensor, rows: LogitRows, out: SampledTokens) -> None:
+        for item in rows.items:
+            if item.request_id in rows.prompt_rows:
+                first, count = rows.prompt_rows[item.request_id]
+                start = item.start_position + 1
+                targets = item.prompt_token_ids[start:start + count]
+                out.prompt_logprobs[item.request_id] = (start, token_logprobs(
+                    logits[first:first + count], targets, item.sampling_params.prompt_logprobs))
+
+    def _generator(self, item: ScheduledRequest) -> torch.Generator | None:
+        seed = item.sampling_params.seed
+        if seed is None:
+            return None
+        if item.request_id not in self.generators:
+            self.generators[item.request_id] = torch.Generator(self.device).manual_seed(
+                generator_seed(seed))
+        return self.generators[item.request_id]
 
 
-def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
-                  outputs: list[list[int]], prompts: list[list[int]],
-                  banned: list[tuple[int, ...]]) -> torch.Tensor:
-    """Row i adjusted as params[i] asks, in a copy (`logits` may be the model's, which
-    logprobs read; rows that ask nothing pass as they are): vLLM's repetition penalty (the
-    logits of tokens in prompts[i] or outputs[i] divided by it where positive, multiplied
-    where negative), OpenAI's frequency and presence penalties (minus frequency x count and
-    presence once, for each token in outputs[i], the tokens generated so far), logit_bias
-    (added), and banned[i] (-inf: EOS and stop tokens before min_tokens)."""
-    rows = [i for i, p in enumerate(params) if p.adjusts_logits or banned[i]]
-    if not rows:
-        return logits
-    logits = logits.clone()
-    device = logits.device
-    for i in rows:
-        p, row = params[i], logits[i]
-        if banned[i]:
-            row[torch.tensor(banned[i], device=device)] = float("-inf")
-        if p.repetition_penalty != 1.0 and (prompts[i] or outputs[i]):
-            seen = torch.tensor(sorted({*prompts[i], *outputs[i]}), device=device)
-            values = row[seen]
-            row[seen] = torch.where(values > 0, values / p.repetition_penalty,
-                                    values * p.repetition_penalty)
-        if (p.frequency_penalty or p.presence_penalty) and outputs[i]:
-            ids, counts = torch.tensor(outputs[i], device=device).unique(return_counts=True)
-            row[ids] -= p.frequency_penalty * counts + p.presence_penalty
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=device)
-            row[ids] += torch.tensor(list(p.logit_bias.values()), device=device)
-    return logits
+def take_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """tensor[rows]: a view where the rows are consecutive, as in a decode-only step, where
+    the copy (32 rows of a 49k vocabulary) cost as much as the sampling."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return tensor[rows[0]:rows[0] + len(rows)]
+    return tensor[torch.tensor(rows, device=tensor.device)]
 
 
-_MASK_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # disallowed, allowed
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
-    """`logits` with -inf wherever the row's bitmask (int32 [rows, ceil(vocab / 32)], bit j of
-    word w for token 32 w + j) disallows the token (structured outputs). Unpacked by numpy and
-    added as a 0 / -inf bias: on a CPU that took half the time of torch's masked_fill, and a
-    third of unpacking the bits with torch shifts (benchmarks/engine/structured.py's apply)."""
-    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1,
-                         bitorder="little")
-    vocab = logits.shape[-1]
-    if bits.shape[1] < vocab:  # logits padded past the tokenizer's vocabulary
-        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
-    bias = torch.from_numpy(_MASK_BIAS[bits[:, :vocab]]).to(logits.device)
-    return logits + bias
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int
+                   ) -> list[TokenLogprob]:
+    """Log-probability of each chosen token and the top-n alternatives, per logits row."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device).unsqueeze(1))
+    chosen_list = chosen.squeeze(1).tolist()
+    if top_n:
+        top_values, top_ids = logprobs.topk(top_n, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_values.tolist())]
+    else:
+        tops = [[] for _ in token_ids]
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(token_ids, chosen_list, tops)]

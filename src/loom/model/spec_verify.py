@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from loom.model.sampler import apply_top_k_top_p, inverse_cdf, row_argmax
+from loom.model.logits import apply_top_k_top_p, inverse_cdf, row_argmax
 from loom.sampling import SamplingParams
 
 

@@ -18,6 +18,8 @@ from loom import host
 
 THIS_MACHINE = "this"
 _FIELDS = ("memory_gb", "memory_bandwidth_gbs", "bf16_tflops")
+_OPTIONAL = ("fp8_tflops", "fp4_tflops", "driver_memory_gib", "interconnect_gbs")
+FP4_DTYPES = ("nvfp4", "mxfp4")
 
 
 class PlanError(ValueError):
@@ -26,8 +28,9 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """One accelerator as the planner sees it. `fp8_tflops` is None where the chip has no
-    fp8 tensor cores (fp8 weights then run at the bf16 rate)."""
+    """One accelerator as the planner sees it. `fp8_tflops` / `fp4_tflops` are None where
+    the chip has no such tensor cores. `driver_memory_gib`: what the driver exposes (ECC and
+    reserved memory taken out), where a published figure gives it."""
 
     key: str
     name: str
@@ -35,28 +38,43 @@ class GpuSpec:
     memory_bandwidth_gbs: float
     bf16_tflops: float
     fp8_tflops: float | None = None
+    fp4_tflops: float | None = None
+    driver_memory_gib: float | None = None
     interconnect: str = "none"
     interconnect_gbs: float | None = None
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def memory_bytes(self) -> int:
-        """The vendor's GB as binary GiB (see gpus.json's note)."""
-        return int(self.memory_gb * 2**30)
+        """What a process can allocate: the driver's figure, else the vendor's GB read as
+        binary GiB (see gpus.json's note)."""
+        return int((self.driver_memory_gib or self.memory_gb) * 2**30)
 
     def tflops(self, weight_dtype: str) -> float:
         """Dense tensor FLOP/s a matmul with these weights can reach at best. fp8 and int8
-        (W8A8) run on 8-bit tensor cores where the chip has them; int4 is weight-only
-        (AWQ / GPTQ / Marlin kernels): weights are expanded to 16-bit and multiplied at the
-        bf16 rate, so only its memory reads shrink."""
+        (W8A8) run on 8-bit tensor cores where the chip has them, fp4 (NVFP4 / MXFP4) on 4-bit
+        ones; int4, and fp4 on a chip without fp4 tensor cores, is weight-only (AWQ / GPTQ /
+        Marlin kernels): weights are expanded to 16-bit and multiplied at the bf16 rate, so
+        only its memory reads shrink."""
         if weight_dtype in ("fp8", "int8") and self.fp8_tflops:
             return self.fp8_tflops
+        if weight_dtype in FP4_DTYPES and self.fp4_tflops:
+            return self.fp4_tflops
         return self.bf16_tflops
+
+    def fp4_note(self, weight_dtype: str) -> str | None:
+        """Why fp4 weights on this chip compute at the 16-bit rate, or None."""
+        if weight_dtype not in FP4_DTYPES or self.fp4_tflops:
+            return None
+        return (f"{self.key} has no fp4 tensor cores: {weight_dtype} weights are dequantized "
+                "to 16-bit (weight-only kernels, e.g. vLLM's Marlin FP4): reads shrink, "
+                "matmuls run at the bf16 rate")
 
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key, "name": self.name, "memory_gb": self.memory_gb,
                 "memory_bandwidth_gbs": self.memory_bandwidth_gbs,
                 "bf16_tflops": self.bf16_tflops, "fp8_tflops": self.fp8_tflops,
+                "fp4_tflops": self.fp4_tflops, "driver_memory_gib": self.driver_memory_gib,
                 "interconnect": self.interconnect, "interconnect_gbs": self.interconnect_gbs,
                 "sources": self.sources}
 
@@ -68,9 +86,15 @@ def _spec(key: str, entry: dict[str, Any], where: str) -> GpuSpec:
     bad = [f for f in _FIELDS if entry[f] <= 0]
     if bad:
         raise PlanError(f"{where}: GPU {key!r}: {', '.join(bad)} must be > 0")
+    bad = [f for f in _OPTIONAL if entry.get(f) is not None
+           and (not isinstance(entry[f], (int, float)) or entry[f] <= 0)]
+    if bad:
+        raise PlanError(f"{where}: GPU {key!r}: {', '.join(bad)} must be a number > 0 or null")
     return GpuSpec(key=key, name=entry.get("name", key), memory_gb=entry["memory_gb"],
                    memory_bandwidth_gbs=entry["memory_bandwidth_gbs"],
                    bf16_tflops=entry["bf16_tflops"], fp8_tflops=entry.get("fp8_tflops"),
+                   fp4_tflops=entry.get("fp4_tflops"),
+                   driver_memory_gib=entry.get("driver_memory_gib"),
                    interconnect=entry.get("interconnect", "none"),
                    interconnect_gbs=entry.get("interconnect_gbs"),
                    sources=dict(entry.get("sources", {})))

@@ -27,6 +27,8 @@ class PlanModel:
     serve_name: str  # what to pass as --model / vllm serve's model
     gguf_weight_bytes: int | None = None
     hub_id: str | None = None
+    note: str | None = None  # what the shape stands in for, where it is not the model's own
+    loom_runs: bool = True   # False for a shape of an architecture loom does not serve
 
     @property
     def loom_model(self) -> str:
@@ -52,7 +54,8 @@ def resolve_model(text: str | None) -> PlanModel:
     if text is not None and text.lower() in known:
         entry = known[text.lower()]
         return PlanModel(text.lower(), arch_from_hf_config(entry["config"]), entry["hf_id"],
-                         hub_id=entry["hf_id"])
+                         hub_id=entry["hf_id"], note=entry.get("note"),
+                         loom_runs=entry.get("loom_runs", True))
     if text is None:
         from loom.model.arch import default_model_path
 

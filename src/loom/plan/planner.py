@@ -13,7 +13,12 @@ from loom.model.memory import KVCacheLayout, KVCacheSpec
 from loom.plan.catalogue import GpuSpec, PlanError, load_catalogue, resolve_gpus
 from loom.plan.models import PlanModel
 from loom.plan.roofline import Efficiency, ModelShape, StepModel, StepWork, roofline_step_model
-from loom.plan.sizing import KV_DTYPES, activation_bytes, weight_bytes_per_gpu
+from loom.plan.sizing import (
+    KV_DTYPES,
+    activation_bytes,
+    routed_expert_bytes_per_gpu,
+    weight_bytes_per_gpu,
+)
 
 GIB = 2**30
 # the weight dtypes loom serves (CUDA's auto dtype is bf16; a CPU's may be float32, which
@@ -30,7 +35,12 @@ WEIGHT_NOTES = {
     "int4": "int4 weights: serve an AWQ / GPTQ checkpoint of the model in its place; vLLM "
             "reads the quantization from its config. loom serves 16/32-bit or GGUF weights.",
     "fp8": "fp8 weights: vLLM quantizes them as it loads; loom serves 16/32-bit or GGUF "
-           "weights."}
+           "weights.",
+    "nvfp4": "nvfp4 weights: serve an NVFP4 checkpoint (e.g. NVIDIA ModelOpt's) in its place; "
+             "vLLM reads the quantization from its config. loom serves 16/32-bit or GGUF "
+             "weights.",
+    "mxfp4": "mxfp4 weights: serve an MXFP4 checkpoint (as gpt-oss ships) in its place; vLLM "
+             "reads the quantization from its config. loom serves 16/32-bit or GGUF weights."}
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,7 @@ class PlanSettings:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     efficiency: Efficiency = Efficiency()
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -90,10 +101,14 @@ class PlanFlags:
         "GPU", parse=csv_names))
     tensor_parallel_size: tuple[int, ...] = field(default=(1,), metadata=flag_help(
         "GPUs per replica, one value or a list, e.g. 1,2,4", parse=csv_ints))
-    weight_dtype: Literal["auto", "float32", "bf16", "fp16", "fp8", "int8", "int4", "gguf"] = \
-        field(default="auto", metadata=flag_help(
-            "weight storage (int4: weight-only, AWQ/GPTQ-style, computing in 16-bit); auto = "
-            "the GGUF's own for a .gguf, else bf16"))
+    weight_dtype: Literal["auto", "float32", "bf16", "fp16", "fp8", "int8", "int4", "nvfp4",
+                          "mxfp4", "gguf"] = field(default="auto", metadata=flag_help(
+        "weight storage (int4: weight-only, AWQ/GPTQ-style, computing in 16-bit; nvfp4 / "
+        "mxfp4: 4.5 / 4.25 bits a weight with their scales, on fp4 tensor cores where the GPU "
+        "has them, else weight-only); auto = the GGUF's own for a .gguf, else bf16"))
+    expert_parallel: bool = field(default=False, metadata=flag_help(
+        "mixture of experts: hold whole experts, num_experts / TP per GPU (vLLM's "
+        "--enable-expert-parallel); default: every expert sliced across the TP GPUs"))
     kv_dtype: Literal["float32", "bf16", "fp16", "fp8"] = field(
         default="bf16", metadata=flag_help("KV cache dtype"))
     safety_margin: float = field(default=0.10, metadata=flag_help(
@@ -120,8 +135,9 @@ class PlanFlags:
     max_num_seqs: int = field(default=128, metadata=flag_help(
         "sequences per step (sizes the logits)"))
 
-    GPU_FIELDS = ("gpus", "tensor_parallel_size", "weight_dtype", "kv_dtype", "safety_margin",
-                  "runtime_overhead", "efficiency", "gpu_spec", "price")
+    GPU_FIELDS = ("gpus", "tensor_parallel_size", "weight_dtype", "expert_parallel",
+                  "kv_dtype", "safety_margin", "runtime_overhead", "efficiency", "gpu_spec",
+                  "price")
 
 
 def settings(model: PlanModel, flags: PlanFlags) -> PlanSettings:
@@ -138,7 +154,7 @@ def settings(model: PlanModel, flags: PlanFlags) -> PlanSettings:
         weight_dtype=weight_dtype, kv_dtype=flags.kv_dtype, block_size=flags.block_size,
         safety_margin=flags.safety_margin, framework_bytes=parse_size(flags.runtime_overhead),
         max_num_batched_tokens=flags.max_num_batched_tokens, max_num_seqs=flags.max_num_seqs,
-        efficiency=Efficiency.parse(flags.efficiency))
+        efficiency=Efficiency.parse(flags.efficiency), expert_parallel=flags.expert_parallel)
 
 
 def gpus_of(flags: PlanFlags) -> list[GpuSpec]:
@@ -189,9 +205,11 @@ class Capacity:
 def capacity(model: PlanModel, gpu: GpuSpec, tp: int, s: PlanSettings) -> Capacity:
     """Weights, overhead and the KV blocks left on each GPU of `tp` x `gpu`."""
     arch = model.arch
-    weights = weight_bytes_per_gpu(model, tp, s.weight_dtype)
+    weights = weight_bytes_per_gpu(model, tp, s.weight_dtype, s.expert_parallel)
     kv_bytes = KV_DTYPES[s.kv_dtype]
-    shape = ModelShape.of(arch, tp, kv_bytes, weights)
+    shape = ModelShape.of(arch, tp, kv_bytes, weights,
+                          routed_expert_bytes_per_gpu(model, tp, s.weight_dtype,
+                                                      s.expert_parallel), s.expert_parallel)
     return Capacity(gpu, tp, weights,
                     activation_bytes(arch, tp, s.max_num_batched_tokens, s.max_num_seqs),
                     s.framework_bytes, int(gpu.memory_bytes * s.safety_margin),
@@ -221,6 +239,7 @@ def row(cap: Capacity, concurrency: int, model: PlanModel, s: PlanSettings) -> d
     prefill_tokens = min(s.max_num_batched_tokens, s.max_model_len)
     prefill_s = cap.step_model.time(StepWork.of([(prefill_tokens, 0, True)]))
     fits = cap.kv_budget_bytes > 0 and cap.num_blocks >= concurrency * blocks_per_seq
+    notes = [n for n in (cap.gpu.fp4_note(s.weight_dtype),) if n]
     return {
         "model": model.name, "gpu": cap.gpu.key, "gpu_name": cap.gpu.name,
         "tensor_parallel_size": cap.tp, "num_gpus": cap.tp, "concurrency": concurrency,
@@ -236,8 +255,14 @@ def row(cap: Capacity, concurrency: int, model: PlanModel, s: PlanSettings) -> d
         "num_kv_blocks": cap.num_blocks, "fits": fits,
         "max_concurrency": cap.num_blocks // blocks_per_seq,
         "max_context_at_concurrency": max_context,
-        "decode_tok_s_per_seq": 1 / decode_s, "decode_tok_s": concurrency / decode_s,
-        "prefill_tok_s": prefill_tokens / prefill_s,
+        # a configuration that does not fit has no speed: it would not run at all
+        "decode_tok_s_per_seq": 1 / decode_s if fits else None,
+        "decode_tok_s": concurrency / decode_s if fits else None,
+        "prefill_tok_s": prefill_tokens / prefill_s if fits else None,
+        "params_total": model.arch.num_parameters,
+        "params_active": model.arch.num_active_parameters,
+        "weight_bytes_read_per_decode_step": cap.step_model.shape.weight_bytes_read(concurrency),
+        "expert_parallel": s.expert_parallel, "notes": notes,
         "flags": flags(cap, model, s),
     }
 
@@ -248,7 +273,7 @@ def flags(cap: Capacity, model: PlanModel, s: PlanSettings) -> dict[str, Any]:
     memory vLLM may use for weights, activations and KV together: all but the margin)."""
     budget_mib = max(cap.kv_budget_bytes, 0) // 2**20
     loom = None
-    if cap.tp == 1 and budget_mib > 0 and s.weight_dtype in LOOM_DTYPES:
+    if cap.tp == 1 and budget_mib > 0 and s.weight_dtype in LOOM_DTYPES and model.loom_runs:
         loom = (f"--max-model-len {s.max_model_len} --kv-cache-memory {budget_mib}MiB "
                 f"--max-num-batched-tokens {s.max_num_batched_tokens} "
                 f"--max-num-seqs {s.max_num_seqs}" + LOOM_DTYPES[s.weight_dtype])
@@ -256,7 +281,8 @@ def flags(cap: Capacity, model: PlanModel, s: PlanSettings) -> dict[str, Any]:
             f"--gpu-memory-utilization {1 - s.safety_margin:.2f} "
             f"--max-num-batched-tokens {s.max_num_batched_tokens} --max-num-seqs {s.max_num_seqs}"
             + VLLM_WEIGHT_FLAGS.get(s.weight_dtype, "")
-            + (" --kv-cache-dtype fp8" if s.kv_dtype == "fp8" else ""))
+            + (" --kv-cache-dtype fp8" if s.kv_dtype == "fp8" else "")
+            + (" --enable-expert-parallel" if s.expert_parallel else ""))
     return {"kv_cache_memory_bytes": budget_mib * 2**20 if loom else None,
             "gpu_memory_utilization": round(1 - s.safety_margin, 2),
             "loom": loom, "vllm": vllm,

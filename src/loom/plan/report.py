@@ -31,7 +31,10 @@ def _gib(n: int | float) -> str:
     return f"{n / GIB:.1f}"
 
 
-def _rate(x: float) -> str:
+def _rate(x: float | None) -> str:
+    """A rate, or "-" where the configuration does not fit (it has no speed)."""
+    if x is None:
+        return "-"
     return f"{x:,.0f}" if x >= 10 else f"{x:.2g}"
 
 
@@ -49,6 +52,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
             "Fits": "yes" if r["fits"] else "NO",
             "Max conc. @len": str(r["max_concurrency"]),
             "Max ctx @conc": str(r["max_context_at_concurrency"]),
+            **({"Weights read/step GiB": _gib(r["weight_bytes_read_per_decode_step"])}
+               if r["params_active"] < r["params_total"] else {}),
             "Decode tok/s/seq": _rate(r["decode_tok_s_per_seq"]),
             "Decode tok/s": _rate(r["decode_tok_s"]),
             "Prefill tok/s": _rate(r["prefill_tok_s"]),
@@ -87,6 +92,7 @@ def print_plan(rows: list[dict[str, Any]], model: PlanModel, s: PlanSettings,
     for row in data:
         table.add_row(*(row.get(c, "-") for c in columns))
     console.print(table)
+    _print_model(rows, model, s, console)
     e = s.efficiency
     console.print(
         f"Safety margin {s.safety_margin:.0%} of memory; overhead = activations at "
@@ -107,6 +113,26 @@ def print_plan(rows: list[dict[str, Any]], model: PlanModel, s: PlanSettings,
                 console.print(f"  {r['flags']['download']}", highlight=False, soft_wrap=True)
             console.print(f"  {r['flags']['loom_serve']}", highlight=False, soft_wrap=True)
         console.print(f"  {r['flags']['vllm_serve']}", highlight=False, soft_wrap=True)
+        for note in r["notes"]:
+            console.print(f"  ({note})", highlight=False, soft_wrap=True)
         if r["flags"]["note"]:
             console.print(f"  ({r['flags']['note']})", highlight=False, soft_wrap=True)
 
+
+
+def _print_model(rows: list[dict[str, Any]], model: PlanModel, s: PlanSettings,
+                 console: Console) -> None:
+    """Total vs active parameters of a mixture of experts, and what its weight reads mean."""
+    if model.note:
+        console.print(f"{model.name}: {model.note}", highlight=False, soft_wrap=True)
+    arch = model.arch
+    if not arch.num_experts:
+        return
+    console.print(
+        f"{model.name}: {arch.num_parameters / 1e9:.1f}B parameters, "
+        f"{arch.num_active_parameters / 1e9:.1f}B active per token ({arch.num_experts_per_tok} "
+        f"of {arch.num_experts} experts); weights are held whole, a decode step of B "
+        f"sequences reads the experts its tokens touch, E(1-(1-k/E)^B) per layer (uniform "
+        f"routing, an upper estimate). Experts "
+        + ("placed whole, num_experts/TP per GPU (expert parallel)." if s.expert_parallel
+           else "sliced across the TP GPUs."), highlight=False, soft_wrap=True)

@@ -16,29 +16,44 @@ from typing import Any, Literal
 from loom.model.arch import ModelArch
 from loom.model.memory import KVCacheSpec
 from loom.plan.catalogue import GpuSpec, PlanError
+from loom.plan.moe import expert_coverage
 from loom.plan.sizing import ACTIVATION_BYTES, params_per_gpu
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What a step costs per token, per GPU, for one model and split."""
+    """What a step costs per token, per GPU, for one model and split. A mixture of experts
+    reads its routed experts' bytes only as far as the step's tokens cover them
+    (loom.plan.moe); its FLOPs per token are the active parameters'."""
 
-    linear_params: int          # matmul weights every fed token goes through
+    linear_params: int          # matmul weights every fed token goes through (active ones)
     lm_head_params: int         # only sampled rows reach the lm_head
     attention_flops_per_pair: int  # QK^T + PV per (query, key) pair, all layers
     kv_bytes_per_token: int
-    weight_bytes: int           # read once per step
+    weight_bytes: int           # read once per step (all but the routed experts)
+    expert_bytes: int = 0       # routed experts held, read by the share the tokens touch
+    num_experts: int = 0
+    experts_per_tok: int = 0
 
     @classmethod
-    def of(cls, arch: ModelArch, tp: int, kv_dtype_bytes: int, weight_bytes: int) -> ModelShape:
-        params = params_per_gpu(arch, tp)
+    def of(cls, arch: ModelArch, tp: int, kv_dtype_bytes: int, weight_bytes: int,
+           expert_bytes: int = 0, expert_parallel: bool = False) -> ModelShape:
+        """`weight_bytes`: all weights per GPU, of which `expert_bytes` are routed experts."""
+        params = params_per_gpu(arch, tp, expert_parallel)
         q_dim = arch.num_heads // tp * arch.head_dim
-        return cls(linear_params=params.linear,
+        return cls(linear_params=params.active_linear,
                    lm_head_params=arch.vocab_size * arch.hidden_size // tp,
                    attention_flops_per_pair=4 * arch.num_layers * q_dim,
                    kv_bytes_per_token=KVCacheSpec.for_model(arch, kv_dtype_bytes,
                                                             tp).bytes_per_token,
-                   weight_bytes=weight_bytes)
+                   weight_bytes=weight_bytes - expert_bytes, expert_bytes=expert_bytes,
+                   num_experts=arch.num_experts, experts_per_tok=arch.num_experts_per_tok)
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        """Weight bytes a step of `tokens` tokens reads: the dense part, and of the routed
+        experts the expected share those tokens touch."""
+        return self.weight_bytes + self.expert_bytes * expert_coverage(
+            tokens, self.num_experts, self.experts_per_tok)
 
 
 @dataclass(frozen=True)
@@ -84,7 +99,8 @@ class StepModel:
                 + float(s.attention_flops_per_pair) * work.attention_pairs)
 
     def memory_bytes(self, work: StepWork) -> float:
-        return float(self.shape.weight_bytes) + work.kv_tokens * self.shape.kv_bytes_per_token
+        return (self.shape.weight_bytes_read(work.tokens)
+                + work.kv_tokens * self.shape.kv_bytes_per_token)
 
     def time(self, work: StepWork) -> float:
         memory = self.byte_s * self.memory_bytes(work)

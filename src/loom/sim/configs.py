@@ -12,6 +12,7 @@ from pathlib import Path
 from loom.admission import AdmissionConfig
 from loom.config import EngineConfig
 from loom.plan.catalogue import PlanError
+from loom.plan.fitted import check_engine, shipped_profiles
 from loom.plan.models import resolve_model
 from loom.plan.planner import PlanFlags, capacity, flags, gpus_of, settings
 from loom.sim.profile import Profile, roofline_profile
@@ -31,6 +32,7 @@ class SimSetup:
     label: str | None = None
     replicas: tuple[int, ...] = (1,)
     routers: tuple[str, ...] = ("prefix",)
+    serving_engine: str = "vllm"  # whose fitted step model a --gpus what-if uses
 
     def __post_init__(self) -> None:
         """Engine flags the step model cannot represent are refused, not ignored: the
@@ -46,6 +48,7 @@ class SimSetup:
             raise ValueError(f"--replicas must be >= 1, got {bad[0]}")
         if self.profile and self.gpus.gpus:
             raise ValueError("give --profile or --gpus, not both")
+        check_engine(self.serving_engine)
         if not self.profile and not self.gpus.gpus:
             raise ValueError("give --profile PROFILE.json (loom simulate calibrate) or --gpus "
                              "with --model (roofline)")
@@ -72,14 +75,20 @@ def sim_configs(setup: SimSetup) -> tuple[list[SimConfig], list[str]]:
         max_num_seqs=engine.scheduler.max_num_seqs, concurrency=(1,)))
     common["max_model_len"] = plan.max_model_len
     configs, skipped = [], []
+    fitted = shipped_profiles()
     for gpu in gpus_of(setup.gpus):
+        gpu_plan, source = plan, "--efficiency" if setup.gpus.efficiency else ""
+        if not setup.gpus.efficiency:
+            eff, source = fitted.efficiency(setup.serving_engine, gpu.key)
+            gpu_plan = dataclasses.replace(plan, efficiency=eff)
         for tp in plan.tensor_parallel_sizes:
             try:
-                profile = roofline_profile(model, gpu, tp, plan)
+                profile = roofline_profile(model, gpu, tp, gpu_plan)
             except PlanError as e:
                 skipped.append(f"{gpu.key} x{tp}: {e}")
                 continue
-            serve = flags(capacity(model, gpu, tp, plan), model, plan)
+            profile.meta.update(serving_engine=setup.serving_engine, efficiency_source=source)
+            serve = flags(capacity(model, gpu, tp, gpu_plan), model, gpu_plan)
             loom = serve["loom_serve"]
             if loom and serve["download"]:  # loom reads from disk; vllm fetches the name
                 loom = f"{serve['download']} && {loom}"

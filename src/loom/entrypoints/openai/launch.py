@@ -1,8 +1,8 @@
-"""`loom serve`: its options, and the order it starts in.
+"""`loom serve`'s start-up order, from its dataclasses (`run_server`).
 
-Server options live in `ServerConfig` (server_config.py) and become flags the same way engine
-options do, so each is spelled once. Everything that can be refused without the model (bad
-flags, a port in use) is refused before the model loads.
+Server options live in `ServerConfig` (server_config.py) and become flags (cli/serve.py) the
+same way engine options do, so each is spelled once. Everything that can be refused without
+the model (bad flags, a port in use) is refused before the model loads.
 
 Start-up is two processes working at once: the engine process is started first (it imports
 torch and loads the model), then this process imports the HTTP stack (`server`) and builds its
@@ -12,8 +12,6 @@ what it needs to start the engine and no more.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -21,22 +19,8 @@ import socket
 import sys
 
 from loom.cluster.config import ClusterConfig
-from loom.config import EngineConfig, add_cli_args, from_cli_args
-from loom.entrypoints.openai.server_config import API_KEY_ENV, ServerConfig
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    add_cli_args(parser, ServerConfig)
-    add_cli_args(parser, ClusterConfig)
-
-
-def server_config(args: argparse.Namespace) -> ServerConfig:
-    """The flags, with the API key from the environment when no flag gives one (a flag's
-    value is visible to every user of the machine in `ps`)."""
-    config = from_cli_args(ServerConfig, args)
-    if config.api_key is None and os.environ.get(API_KEY_ENV):
-        config = dataclasses.replace(config, api_key=os.environ[API_KEY_ENV])
-    return config
+from loom.config import EngineConfig
+from loom.entrypoints.openai.server_config import ServerConfig
 
 
 def run_server(config: ServerConfig, cluster_config: ClusterConfig,

@@ -5,7 +5,7 @@ Routes: /v1/completions, /v1/chat/completions, /v1/responses (and GET/DELETE of 
 /v1/models (and /v1/models/{id}), /tokenize, /detokenize, /health, /metrics, /version, and
 with --enable-admin-routes /reset_prefix_cache.
 
-The app serves any engine client with AsyncEngine's surface (`EngineClient`): by default the
+The app serves any `EngineClient` (loom.engine.client), and sees nothing else of it: by default the
 engine in a child process (`loom.engine.process`: it loads the model while this process
 imports the HTTP stack, and its step loop has a GIL of its own), with `--engine-in-process`
 the engine on a thread of this process, or, with `--data-parallel-size N` above 1, N replicas
@@ -14,17 +14,14 @@ on Ray Serve (`loom.cluster`, imported only then).
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import signal
 import socket
 import warnings
-from collections.abc import AsyncIterable, AsyncIterator
-from concurrent.futures import Future
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
@@ -34,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 
 from loom.cluster.config import ClusterConfig
 from loom.config import EngineConfig
-from loom.engine.async_engine import EngineRequest
+from loom.engine.client import EngineClient
 from loom.entrypoints.openai import http_server
 from loom.entrypoints.openai.errors import APIError, install_error_handlers
 from loom.entrypoints.openai.fairness import ClientLimiter
@@ -80,27 +77,11 @@ logger = logging.getLogger(__name__)
 _SHUTDOWN_GRACE_S = 5.0  # after shutdown_timeout: time for the last error events to go out
 
 
-class EngineClient(Protocol):
-    """What the server uses of an engine: `core` with `.tokenizer`, `.model_name`,
-    `.max_model_len`, `.num_kv_blocks`, `.block_size` and `.metrics.prometheus_text()` (bytes,
-    or an awaitable of them); streams of outputs that can be closed; abort; the lifecycle."""
-
-    core: Any
-
-    def submit(self, requests: list[EngineRequest]) -> AsyncIterable[Any]: ...
-    def abort(self, request_id: str) -> None: ...
-    def start(self) -> None: ...
-    def drain(self) -> None: ...
-    def stop(self, reason: str = ...) -> None: ...
-    def shutdown(self, timeout: float = ...) -> None: ...
-    @property
-    def is_alive(self) -> bool: ...
-
-
 def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     """The app over an engine client; it starts and stops with the app's lifespan."""
-    model_name = config.served_model_name or engine.core.model_name
-    http_metrics = HTTPMetrics(engine.core.model_name)
+    facts = engine.facts
+    model_name = config.served_model_name or facts.model_name
+    http_metrics = HTTPMetrics(facts.model_name)
     checker = GrammarChecker(compile_workers(), config.grammar_compile_timeout)
     shared = {"checker": checker, "max_tokens_default": config.max_tokens_default or None,
               "limiter": ClientLimiter(config.max_concurrent_per_client,
@@ -148,12 +129,10 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         async def reset_prefix_cache() -> Response:
             """vLLM's: forget every cached prefix, so that benchmark repeats start cold
             (`loom bench run --repeats N --reset-prefix-cache`)."""
-            reset = getattr(engine, "reset_prefix_cache", None)
-            if reset is None:  # replicas on Ray: each holds its own cache
-                raise APIError(501, "reset_prefix_cache is not available with "
-                               "--data-parallel-size above 1; restart the server instead")
-            done = reset()
-            await (asyncio.wrap_future(done) if isinstance(done, Future) else done)
+            try:
+                await engine.reset_prefix_cache()
+            except NotImplementedError as e:  # replicas on Ray: each holds its own cache
+                raise APIError(501, str(e)) from e
             return Response(status_code=200)
 
     @get("/v1/responses/{response_id}")
@@ -165,8 +144,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         return responses.delete(response_id)
 
     def card() -> ModelCard:
-        return ModelCard(id=model_name, root=engine.core.model_name,
-                         max_model_len=engine.core.max_model_len)
+        return ModelCard(id=model_name, root=facts.model_name,
+                         max_model_len=facts.max_model_len)
 
     @get("/v1/models")
     async def list_models() -> ModelList:
@@ -186,10 +165,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
 
     @get("/metrics")
     async def metrics() -> Response:
-        text = engine.core.metrics.prometheus_text()
-        if inspect.isawaitable(text):  # replicas elsewhere: their series are fetched
-            text = await text
-        return Response(text + http_metrics.prometheus_text(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await engine.metrics_text() + http_metrics.prometheus_text(),
+                        media_type=CONTENT_TYPE_LATEST)
 
     @get("/version")
     async def version() -> dict[str, str]:
@@ -289,7 +266,7 @@ def serve(config: ServerConfig, sock: socket.socket, engine: EngineClient,
         uvicorn_config, config.shutdown_timeout, drain=engine.drain,
         stop=lambda: engine.stop("the server is shutting down: this request was aborted"),
         engine_alive=(lambda: engine.is_alive) if exit_with_engine else None)
-    logger.info("Serving %s on %s://%s:%d%s", engine.core.model_name,
+    logger.info("Serving %s on %s://%s:%d%s", engine.facts.model_name,
                 "http" if config.ssl_certfile is None else "https", config.host,
                 sock.getsockname()[1],  # the port bound: the one asked for, or --port 0's pick
                 "" if config.api_key is None else " (API key required)")

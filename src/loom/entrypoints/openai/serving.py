@@ -1,6 +1,6 @@
 """What the completions and chat endpoints share: limits and sampling parameters, submitting to
-the engine with the request tied to its HTTP connection, the one streaming loop, and
-server-sent events.
+the engine with the request tied to its HTTP connection, and the one streaming loop (its events
+are sse.py's; which field asked for a constraint, constraints.py's).
 
 A response's status is decided by the engine's first answer (the first output, or an error
 such as a prompt the engine can never run or a queue timeout), so streaming responses send
@@ -17,24 +17,19 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request, Response
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from loom.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
     EngineRequest,
     OutputStream,
-    RequestRejectedError,
 )
-from loom.entrypoints.openai.errors import INTERNAL_ERROR, APIError, error_body
+from loom.engine.client import EngineClient
+from loom.entrypoints.openai.constraints import Constraint, fields_kind, structured_spec
+from loom.entrypoints.openai.errors import INTERNAL_ERROR, APIError
 from loom.entrypoints.openai.fairness import ClientLimiter, client_of
-from loom.entrypoints.openai.protocol import (
-    ErrorResponse,
-    PromptTokensDetails,
-    SamplingRequest,
-    UsageInfo,
-)
+from loom.entrypoints.openai.protocol import SamplingRequest
+from loom.entrypoints.openai.protocol_answers import PromptTokensDetails, UsageInfo
+from loom.entrypoints.openai.sse import StreamEnding, sse_response
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling import (
     SEED_RANGE,
@@ -48,34 +43,8 @@ from loom.structured.grammar import StructuredOutputsError, check_writable
 
 logger = logging.getLogger(__name__)
 
-SSE_DONE = "data: [DONE]\n\n"
+_DONE_ENDING = StreamEnding()  # chat and completions: data: [DONE] last
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but the log shows why
-
-
-# JSON may carry these raw inside strings, but many line readers (Python's str.splitlines,
-# httpx's aiter_lines) break lines on them, which cuts an SSE event in two: escape them.
-_LINE_BREAKS_JSON_ALLOWS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028",
-                                          "\u2029": "\\u2029"})
-
-
-def sse(message: BaseModel) -> str:
-    return sse_json(message.model_dump_json())
-
-
-def sse_json(text: str, event: str | None = None) -> str:
-    """One server-sent event of JSON `text`; `event` names it on an `event:` line (the
-    Responses API's)."""
-    data = f"data: {text.translate(_LINE_BREAKS_JSON_ALLOWS)}\n\n"
-    return data if event is None else f"event: {event}\n{data}"
-
-
-@dataclass(frozen=True)
-class StreamEnding:
-    """How an endpoint's event stream ends: the event an error after the headers becomes,
-    and what follows the last event (chat and completions: `data: [DONE]`)."""
-
-    error_event: Callable[[ErrorResponse], str] = sse
-    last: str = SSE_DONE
 
 
 class ClientStream:
@@ -109,15 +78,6 @@ class ClientStream:
         if self._on_close is not None:
             self._on_close, on_close = None, self._on_close
             on_close()
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """A request's structured-output constraint and the field that carried it (what its
-    errors name)."""
-
-    params: StructuredOutputsParams
-    param: str
 
 
 @dataclass
@@ -154,21 +114,22 @@ class OpenAIServing:
     `max_tokens_default` bounds a chat answer that names no budget (None: the rest of the
     context)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, stream_interval: int, *,
+    def __init__(self, engine: EngineClient, model_name: str, stream_interval: int, *,
                  checker: GrammarChecker | None = None, limiter: ClientLimiter | None = None,
                  max_tokens_default: int | None = None) -> None:
         self.engine = engine
-        self.tokenizer = engine.core.tokenizer
+        facts = engine.facts
+        self.tokenizer = engine.tokenizer
         self.vocab_size = self.tokenizer.vocab_size
-        self.max_model_len = engine.core.max_model_len
-        self.kv_capacity = engine.core.num_kv_blocks * engine.core.block_size  # tokens
+        self.max_model_len = facts.max_model_len
+        self.kv_capacity = facts.kv_capacity  # tokens
         self.model_name = model_name
         self.stream_interval = stream_interval
         self.checker = checker or GrammarChecker(workers=1, timeout=10.0)
         self.limiter = limiter or ClientLimiter(None)
         self.max_tokens_default = max_tokens_default
         # the model's own defaults (--generation-config) for what a request leaves unset
-        self.sampling_defaults = engine.core.sampling_defaults
+        self.sampling_defaults = facts.sampling_defaults
 
     # -- turning a request into engine requests ----------------------------------------------
 
@@ -208,7 +169,7 @@ class OpenAIServing:
         `structured_outputs`, a `guided_*` field, OpenAI's `response_format`), checked here
         (`checked_constraint`) so a spec that cannot compile, or a choice the vocabulary cannot
         write, is a 400 naming the field."""
-        found = _structured_spec(request, format_param)
+        found = structured_spec(request, format_param)
         return None if found is None else await self.checked_constraint(*found, raw_request)
 
     async def checked_constraint(self, param: str, fields: Mapping[str, object],
@@ -264,7 +225,7 @@ class OpenAIServing:
                       prompt_param: str, stream: bool,
                       events: Callable[[ClientStream, list[RequestOutput]], AsyncIterator[str]],
                       response: Callable[[dict[str, RequestOutput]], BaseModel],
-                      ending: StreamEnding = StreamEnding(),
+                      ending: StreamEnding = _DONE_ENDING,
                       constraint: Constraint | None = None) -> Response:
         """Submit, wait for the engine's first outputs, then stream `events` (ended as
         `ending` says) or answer with `response` of the final outputs (by request id). The
@@ -281,7 +242,7 @@ class OpenAIServing:
             return Response(status_code=CLIENT_CLOSED)
         client_stream, first = started
         if stream:
-            return self._sse_response(client_stream, events(client_stream, first), ending)
+            return sse_response(client_stream, events(client_stream, first), ending)
         finals = await self._finish(client_stream, first, len(requests))
         if finals is None:
             return Response(status_code=CLIENT_CLOSED)
@@ -359,31 +320,6 @@ class OpenAIServing:
             stream.close()
         return finals if len(finals) == num_requests else None
 
-    @staticmethod
-    def _sse_response(stream: ClientStream, events: AsyncIterator[str],
-                      ending: StreamEnding) -> StreamingResponse:
-        """Send `events`, then `ending.last`. An error after the headers went out becomes
-        `ending.error_event` (by default an OpenAI-style error event, as vLLM sends it); its
-        text never carries an internal exception (the log does)."""
-
-        async def body() -> AsyncIterator[str]:
-            try:
-                async for event in events:
-                    yield event
-            except APIError as e:
-                yield ending.error_event(error_body(e.message, e.type, e.param))
-            except (RequestRejectedError, EngineDeadError) as e:
-                yield ending.error_event(error_body(str(e), "service_unavailable_error"))
-            except Exception:  # noqa: BLE001 - fail this response alone
-                logger.exception("Streaming response failed")
-                yield ending.error_event(error_body(INTERNAL_ERROR, "internal_server_error"))
-            finally:
-                stream.close()
-            if ending.last:
-                yield ending.last
-
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
 
 
 def check_failed(output: RequestOutput, constraint_param: str = "structured_outputs") -> None:
@@ -397,49 +333,12 @@ def check_failed(output: RequestOutput, constraint_param: str = "structured_outp
     raise APIError(500, INTERNAL_ERROR, type_="internal_server_error")
 
 
-def fields_kind(fields: Mapping[str, object]) -> str:
-    """The one structured-output kind `fields` set (for error messages), or ""."""
-    return next((k for k, v in fields.items() if v not in (None, False)), "")
-
-
 def usage(finals: list[RequestOutput], num_prompt_tokens: int, num_cached_tokens: int = 0
           ) -> UsageInfo:
     completion = sum(len(o.outputs[0].token_ids) for o in finals)
     return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion,
                      total_tokens=num_prompt_tokens + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
-
-
-def _structured_spec(request: SamplingRequest, format_param: str
-                     ) -> tuple[str, dict[str, object]] | None:
-    """(the request field that asked, StructuredOutputsParams' fields), or None;
-    `format_param` is what the API calls `response_format` (the Responses API: `text`). Two
-    of those fields at once is a 400 naming the second: neither would be silently dropped."""
-    so, fmt = request.structured_outputs, request.response_format
-    guided = {"json": request.guided_json, "regex": request.guided_regex,
-              "choice": request.guided_choice, "grammar": request.guided_grammar}
-    given = [kind for kind, value in guided.items() if value is not None]
-    asked = ["structured_outputs"] if so is not None else []
-    asked += [f"guided_{kind}" for kind in given[:1]]
-    if fmt is not None and fmt.type != "text":
-        asked.append(format_param)
-    if len(asked) > 1:
-        raise APIError(400, f"{asked[1]}: one kind of structured output per request, and "
-                       f"{asked[0]} is set too", asked[1])
-    if so is not None:
-        return "structured_outputs", {"json": so.json_, "regex": so.regex,
-                                      "choice": so.choice, "grammar": so.grammar,
-                                      "json_object": bool(so.json_object)}
-    if given:
-        return f"guided_{given[0]}", guided
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return format_param, {"json_object": True}
-    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
-        raise APIError(400, f"{format_param}: type json_schema needs json_schema.schema",
-                       format_param)
-    return format_param, {"json": fmt.json_schema.json_schema}
 
 
 def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:

@@ -19,21 +19,16 @@ from fastapi import Request, Response
 
 from loom.engine.async_engine import EngineRequest
 from loom.entrypoints.openai.errors import APIError
-from loom.entrypoints.openai.protocol import (
+from loom.entrypoints.openai.protocol import CompletionRequest
+from loom.entrypoints.openai.protocol_answers import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     UsageInfo,
 )
-from loom.entrypoints.openai.serving import (
-    Choice,
-    ClientStream,
-    OpenAIServing,
-    sse,
-    usage,
-)
+from loom.entrypoints.openai.serving import Choice, ClientStream, OpenAIServing, usage
+from loom.entrypoints.openai.sse import sse
 from loom.outputs import RequestOutput, TokenLogprob
 
 _PIECE_WINDOW = 8  # tokens decoded together at most when splitting a prompt into pieces

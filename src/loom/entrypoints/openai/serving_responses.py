@@ -28,15 +28,13 @@ from typing import Any
 from fastapi import Request, Response
 
 from loom.entrypoints.openai.protocol import (
-    ChatChoice,
     ChatCompletionRequest,
     ChatMessage,
-    ChatTokenLogprob,
-    DeltaToolCall,
     ErrorResponse,
     FunctionCall,
     ToolCall,
 )
+from loom.entrypoints.openai.protocol_answers import ChatChoice, ChatTokenLogprob, DeltaToolCall
 from loom.entrypoints.openai.protocol_responses import (
     DeletedResponse,
     FunctionCallItem,
@@ -53,8 +51,9 @@ from loom.entrypoints.openai.protocol_responses import (
     ResponsesUsage,
 )
 from loom.entrypoints.openai.response_store import ResponseStore
-from loom.entrypoints.openai.serving import ClientStream, StreamEnding, sse_json
+from loom.entrypoints.openai.serving import ClientStream
 from loom.entrypoints.openai.serving_chat import ChatChoiceState, ChatFields, ChatPlan, ChatServing
+from loom.entrypoints.openai.sse import StreamEnding, sse_json
 from loom.outputs import RequestOutput
 
 RESPONSES_FIELDS = ChatFields(messages="input", response_format="text",

@@ -10,10 +10,11 @@ JSON were built on the event loop. The text tokenized is capped (MAX_TOKENIZE_CH
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from fastapi import FastAPI, Response
 
+from loom.engine.client import EngineClient
+from loom.entrypoints.openai.chat_messages import chat_prompt_ids
 from loom.entrypoints.openai.errors import APIError
 from loom.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -21,17 +22,15 @@ from loom.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from loom.entrypoints.openai.serving_chat import chat_prompt_ids
 
 MAX_TOKENIZE_CHARS = 2**20  # of a prompt, or of a chat's messages together
 
 
-def add_tokenize_routes(app: FastAPI, engine: Any, special_tokens_in_content: bool = False
-                        ) -> None:
-    """Add the two routes; `engine` is what the server holds (only `engine.core.tokenizer`
-    and `.max_model_len` are read)."""
-    tokenizer = engine.core.tokenizer
-    max_model_len = engine.core.max_model_len
+def add_tokenize_routes(app: FastAPI, engine: EngineClient,
+                        special_tokens_in_content: bool = False) -> None:
+    """Add the two routes (they read only the engine's tokenizer and max_model_len)."""
+    tokenizer = engine.tokenizer
+    max_model_len = engine.facts.max_model_len
 
     def tokenize(request: TokenizeRequest) -> list[int]:
         if (request.prompt is None) == (request.messages is None):

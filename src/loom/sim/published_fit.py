@@ -1,0 +1,194 @@
+"""Fit the GPU step model's efficiency terms to published measurements (published.json).
+
+Each row is an offline run (every request queued at once) or a closed loop at fixed input /
+output lengths. At steady state the scheduler keeps B sequences running, B = the fewest of
+max_num_seqs, the requests and what the KV cache holds at full length; each step decodes one
+token of each and carries its share of the prefill chunks of the requests that replace
+finished ones (B * isl tokens per osl decode steps, more steps where the token budget caps
+them). A candidate `Efficiency` gives the roofline step model of that step, so a row's
+throughput and TPOT follow in closed form, and a coordinate search on the log error over a
+training split takes seconds. Terms stay physical: fractions of datasheet peaks in (0, 1],
+overheads >= 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from loom.plan.catalogue import GpuSpec, PlanError, builtin_catalogue
+from loom.plan.fitted import ErrorBand, FittedProfiles, generation
+from loom.plan.models import resolve_model
+from loom.plan.planner import PlanSettings, capacity
+from loom.plan.published import PublishedRow
+from loom.plan.roofline import Efficiency, StepWork
+
+MAX_NUM_SEQS = 2048           # trtllm-bench's PyTorch-backend default max batch size
+MAX_NUM_BATCHED_TOKENS = 8192  # and its default token budget per step
+KV_MARGIN = 0.05  # trtllm-bench gives the KV cache 0.90-0.95 of the memory left free
+MIN_ROWS = 5                  # fewer training rows: the GPU borrows its generation's fit
+TERMS = ("bandwidth", "compute", "interconnect", "step_overhead_s", "seq_overhead_s")
+LOWER = (0.05, 0.02, 0.05, 0.0, 0.0)
+UPPER = (1.0, 1.0, 1.0, 0.02, 2e-4)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    row: PublishedRow
+    output_tok_s: float
+    tpot_ms: float
+    batch: int
+
+    @property
+    def ratio(self) -> float | None:
+        """Predicted / published output throughput."""
+        return self.output_tok_s / self.row.output_tok_s if self.row.output_tok_s else None
+
+
+def _settings(row: PublishedRow, eff: Efficiency) -> PlanSettings:
+    kv = "fp8" if row.dtype in ("fp8", "fp4") else "bf16"
+    return PlanSettings(max_model_len=row.isl + row.osl, tensor_parallel_sizes=(row.tp,),
+                        weight_dtype=row.dtype, kv_dtype=kv,
+                        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                        max_num_seqs=MAX_NUM_SEQS, safety_margin=KV_MARGIN, efficiency=eff)
+
+
+def predict(row: PublishedRow, gpu: GpuSpec, eff: Efficiency) -> Prediction:
+    """The steady-state output throughput and TPOT of `row`'s workload under `eff`."""
+    model = resolve_model(row.shape_model)
+    cap = capacity(model, gpu, row.tp, _settings(row, eff))
+    per_seq = math.ceil((row.isl + row.osl / 2) / cap.settings.block_size)
+    batch = min(MAX_NUM_SEQS, row.num_requests, row.concurrency or MAX_NUM_SEQS,
+                cap.num_blocks // per_seq)
+    if batch < 1:
+        raise PlanError(f"{row.key}: the KV cache of {cap.num_blocks} blocks holds no request")
+    # one cycle: each of the batch's sequences prefills once and decodes osl tokens
+    cycle_tokens = batch * (row.isl + row.osl - 1)
+    steps = max(row.osl, math.ceil(cycle_tokens / MAX_NUM_BATCHED_TOKENS))
+    ctx = row.isl + row.osl / 2
+    prefill_pairs = batch * row.isl * (row.isl + 1) / 2
+    work = StepWork(tokens=round(cycle_tokens / steps), seqs=batch,
+                    sampled=round(batch * row.osl / steps), kv_tokens=round(batch * ctx),
+                    attention_pairs=round((batch * row.osl * ctx + prefill_pairs) / steps))
+    step_s = cap.step_model.time(work)
+    return Prediction(row, batch * row.osl / (steps * step_s), steps * step_s / row.osl * 1e3,
+                      batch)
+
+
+def _eff(x: list[float]) -> Efficiency:
+    return Efficiency(**dict(zip(TERMS, x)))
+
+
+def _log_errors(rows: list[tuple[PublishedRow, GpuSpec]], eff: Efficiency) -> list[float]:
+    return [math.log(predict(r, g, eff).output_tok_s / (r.output_tok_s or 1)) for r, g in rows]
+
+
+def fit_group(rows: list[tuple[PublishedRow, GpuSpec]]) -> tuple[Efficiency, float]:
+    """Coordinate search on the mean squared log(predicted / published throughput), each
+    term within its bounds; (terms, mean |error| % on these rows)."""
+    def loss(x: list[float]) -> float:
+        return sum(e * e for e in _log_errors(rows, _eff(x)))
+
+    x = [0.8, 0.6, 0.7, 2e-3, 2e-5]
+    best = loss(x)
+    for step in (2.0, 1.4, 1.15, 1.05):
+        improved = True
+        while improved:
+            improved = False
+            for i in range(len(x)):
+                for cand in (x[i] * step, x[i] / step, LOWER[i] if x[i] < 1e-6 else x[i]):
+                    trial = [*x[:i], min(max(cand, LOWER[i] or 1e-7), UPPER[i]), *x[i + 1:]]
+                    value = loss(trial)
+                    if value < best - 1e-12:
+                        x, best, improved = trial, value, True
+    errors = [abs(math.exp(e) - 1) * 100 for e in _log_errors(rows, _eff(x))]
+    return _eff(x), sum(errors) / len(errors)
+
+
+def fit(train: list[PublishedRow], catalogue: dict[str, GpuSpec] | None = None
+        ) -> FittedProfiles:
+    """Per engine and GPU with >= MIN_ROWS rows, else per engine and generation."""
+    catalogue = catalogue or builtin_catalogue()
+    usable = [r for r in train if r.gpu in catalogue and r.output_tok_s
+              and _known(r, catalogue[r.gpu])]
+    profiles: dict[str, dict[str, dict]] = {}
+    for engine in sorted({r.engine for r in usable}):
+        mine = [r for r in usable if r.engine == engine]
+        out = profiles.setdefault(engine, {})
+        groups: dict[str, list[PublishedRow]] = {}
+        for r in mine:
+            groups.setdefault(r.gpu, []).append(r)
+            groups.setdefault(generation(r.gpu), []).append(r)
+        for key, rs in sorted(groups.items()):
+            if len(rs) < MIN_ROWS:
+                continue
+            eff, err = fit_group([(r, catalogue[r.gpu]) for r in rs])
+            out[key] = {"efficiency": vars(eff), "train_rows": len(rs),
+                        "train_mean_abs_pct": round(err, 2)}
+    return FittedProfiles(profiles)
+
+
+def _known(row: PublishedRow, gpu: GpuSpec) -> bool:
+    """Whether loom can model the row: its model's shapes, dtype and GPU are catalogued."""
+    try:
+        predict(row, gpu, Efficiency())
+    except (PlanError, ValueError):
+        return False
+    return True
+
+
+JUDGED = "trtllm-perf-overview-v1.0"  # the test set this project is judged by: never fitted
+
+
+@dataclass(frozen=True)
+class Split:
+    """Training rows; our own held-out rows (Llama-3.1-70B at TP4, every GPU: a split by
+    configuration the fit never sees); the judged rows (a later TensorRT-LLM release)."""
+
+    train: list[PublishedRow]
+    held_out: list[PublishedRow]
+    judged: list[PublishedRow]
+
+
+def split(rows: tuple[PublishedRow, ...] | list[PublishedRow]) -> Split:
+    judged = [r for r in rows if r.source.key == JUDGED]
+    held = [r for r in rows if r.source.key != JUDGED and r.model == "llama-3.1-70b"
+            and r.tp == 4]
+    taken = {r.key for r in judged + held}
+    return Split([r for r in rows if r.key not in taken], held, judged)
+
+
+def predictions(rows: list[PublishedRow], fitted: FittedProfiles,
+                catalogue: dict[str, GpuSpec] | None = None) -> list[Prediction]:
+    """The fitted model's prediction of every row loom can model."""
+    catalogue = catalogue or builtin_catalogue()
+    out = []
+    for r in rows:
+        if r.gpu in catalogue and r.output_tok_s and _known(r, catalogue[r.gpu]):
+            eff, _ = fitted.efficiency(r.engine, r.gpu)
+            out.append(predict(r, catalogue[r.gpu], eff))
+    return out
+
+
+def band(preds: list[Prediction]) -> ErrorBand:
+    """Mean |error| of throughput (TTFT / TPOT where the rows publish them)."""
+    tput = [abs(p.ratio - 1) * 100 for p in preds if p.ratio is not None]
+    tpot = [abs(p.tpot_ms / p.row.tpot_ms - 1) * 100 for p in preds if p.row.tpot_ms]
+    offline = all(p.row.rate == "inf" and not p.row.concurrency for p in preds)
+    return ErrorBand(sum(tput) / len(tput) if tput else None, None,
+                     sum(tpot) / len(tpot) if tpot else None, len(preds),
+                     "offline max-throughput runs; low-load latency not checked" if offline
+                     else "")
+
+
+def calibrate_published(rows: tuple[PublishedRow, ...]) -> FittedProfiles:
+    """Fit on the training split; the held-out bands are the judged and own held-out rows'."""
+    parts = split(rows)
+    fitted = fit(parts.train)
+    held = predictions(parts.held_out + parts.judged, fitted)
+    bands = {e: band([p for p in held if p.row.engine == e]) for e in {p.row.engine
+                                                                       for p in held}}
+    return FittedProfiles(fitted.profiles, bands,
+                          {"train_rows": len(parts.train), "held_out_rows": len(parts.held_out),
+                           "judged_rows": len(parts.judged),
+                           "split": "judged: " + JUDGED + "; own held-out: Llama-3.1-70B TP4"})

@@ -1,0 +1,113 @@
+"""The step model fitted to published rows: it reproduces its training rows, never sees the
+held-out ones, and `loom simulate --engine` picks whose fit a what-if uses."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom.plan.catalogue import PlanError, builtin_catalogue
+from loom.plan.fitted import shipped_profiles
+from loom.plan.planner import PlanFlags
+from loom.plan.published import published_rows
+from loom.plan.roofline import Efficiency
+from loom.sim.configs import SimSetup, sim_configs
+from loom.sim.published_fit import JUDGED, fit_group, predictions, split
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_shipped_fit_reproduces_its_training_rows_within_its_training_error():
+    fitted, parts = shipped_profiles(), split(published_rows())
+    preds = predictions(parts.train, fitted)
+    assert len(preds) >= 60
+    for gpu, entry in fitted.profiles["trtllm"].items():
+        mine = [abs(p.ratio - 1) * 100 for p in preds if p.row.gpu == gpu]
+        if mine:
+            assert sum(mine) / len(mine) <= entry["train_mean_abs_pct"] + 0.5, gpu
+
+
+def test_held_out_rows_are_never_trained_on():
+    parts = split(published_rows())
+    train = {r.key for r in parts.train}
+    assert parts.judged and parts.held_out
+    assert not train & {r.key for r in parts.judged + parts.held_out}
+    assert all(r.source.key == JUDGED for r in parts.judged)
+    assert not any(r.source.key == JUDGED for r in parts.train)
+    assert shipped_profiles().meta["train_rows"] == len(parts.train)
+
+
+def test_fit_terms_stay_physical_and_improve_on_the_start():
+    rows = [r for r in split(published_rows()).train if r.gpu == "h100-sxm"
+            and r.model == "llama-3.1-8b"]
+    gpu = builtin_catalogue()["h100-sxm"]
+    eff, err = fit_group([(r, gpu) for r in rows])
+    assert 0 < eff.bandwidth <= 1 and 0 < eff.compute <= 1 and eff.step_overhead_s >= 0
+    start = [abs(p.ratio - 1) * 100 for p in predictions(rows, _roofline_only())]
+    assert err < sum(start) / len(start)
+
+
+def _roofline_only():
+    from loom.plan.fitted import FittedProfiles
+
+    return FittedProfiles({})
+
+
+def _step_model(engine: str, efficiency: str | None = None):
+    from loom.config import EngineConfig, ModelConfig
+
+    setup = SimSetup(EngineConfig(model=ModelConfig(model="llama-3.1-8b", max_model_len=4096)),
+                     gpus=PlanFlags(gpus=("h100-sxm",), efficiency=efficiency),
+                     serving_engine=engine)
+    configs, _ = sim_configs(setup)
+    return configs[0].profile
+
+
+def test_engine_picks_the_fitted_profile():
+    trt, vllm = _step_model("trtllm"), _step_model("vllm")
+    assert trt.meta["efficiency_source"] == "fitted to trtllm on h100-sxm"
+    assert vllm.meta["efficiency_source"].startswith("roofline assumptions")
+    want = Efficiency(**shipped_profiles().profiles["trtllm"]["h100-sxm"]["efficiency"])
+    assert trt.meta["efficiency"] == vars(want)
+    assert trt.step_model.step_s == pytest.approx(want.step_overhead_s)
+    assert vllm.step_model.step_s == Efficiency().step_overhead_s
+    assert _step_model("trtllm", "bandwidth=0.5").meta["efficiency_source"] == "--efficiency"
+
+
+def test_unknown_engine_is_a_clear_error():
+    with pytest.raises(PlanError, match="unknown engine 'tgi'; choose one of vllm, trtllm"):
+        SimSetup(gpus=PlanFlags(gpus=("h100-sxm",)), serving_engine="tgi")
+
+
+def _cli(argv: list[str]):
+    import argparse
+
+    from loom.cli.simulate import add_parser
+
+    parser = argparse.ArgumentParser(prog="loom")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def test_cli_what_if_prints_its_error_band(tmp_path, capsys):
+    from loom.workload.trace import Trace, TraceRequest, write_trace
+
+    write_trace(Trace([TraceRequest(max_tokens=32, prompt_len=200) for _ in range(20)]),
+                tmp_path / "t.jsonl")
+    common = ["simulate", "--model", "llama-3.1-8b", "--gpus", "h100-sxm", "--max-model-len",
+              "4096", "--trace", str(tmp_path / "t.jsonl"), "--rate", "4"]
+    args = _cli([*common, "--engine", "trtllm"])
+    assert args.func(args) == 0
+    band = shipped_profiles().band("trtllm")
+    out = capsys.readouterr().out
+    assert ("h100-sxm-tp1: step model fitted to trtllm on h100-sxm; expected error: "
+            f"throughput ±{band.throughput_pct:.0f}%, TTFT not published") in out
+    assert f"(held-out, {band.rows} rows: offline max-throughput runs" in out
+    args = _cli(common)
+    assert args.func(args) == 0
+    assert "expected error: unknown" in capsys.readouterr().out
+
+
+def test_cli_unknown_engine_names_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        _cli(["simulate", "--engine", "tgi"])
+    assert "--engine: unknown engine 'tgi'" in capsys.readouterr().err
