@@ -2,14 +2,16 @@
 (loading, conversion, start-up, memory, the step's kernels) at sizes no bundled file has: the
 tokenizer and settings of a reference GGUF, the architecture's sizes from the flags, F16
 weights drawn from N(0, 0.02) (norms 1). Quantize it with llama.cpp's `llama-quantize` to the
-type to measure. Its text is noise. Architectures: `llama` (a dense Llama/SmolLM), and two
-mixtures of experts, `qwen3moe` (Qwen3-MoE: per-head q/k norms, experts
-expert_feed_forward_length wide) and `olmoe` (OLMoE: q/k norms over the whole projections,
-experts feed_forward_length wide). Tensors are made and written one at a time, so memory
-holds one tensor, not the model. Run from the repository root; the reference here is the
-bundled model (`python -c "from loom.model.arch import default_model_path;
+type to measure. Its text is noise. Architectures: `llama` (a dense Llama/SmolLM), `qwen3`
+(Llama with per-head q/k norms), `gemma3` (per-head q/k norms, norms after attention and MLP
+too, `--window`-wide sliding layers five in every six, as llama.cpp's graph lays them out
+where a file names no pattern), and two mixtures of experts, `qwen3moe` (Qwen3-MoE: per-head
+q/k norms, experts expert_feed_forward_length wide) and `olmoe` (OLMoE: q/k norms over the
+whole projections, experts feed_forward_length wide). Tensors are made and written one at a
+time, so memory holds one tensor, not the model. Run from the repository root; the reference
+here is the bundled model (`python -c "from loom.model.arch import default_model_path;
 print(default_model_path())"`), whose vocabulary the file takes (any GGUF with a tokenizer
-will do, a vocab-only one too).
+will do, a vocab-only one too; `--chat-template FILE` replaces its template).
 
 SmolLM2-1.7B's shape:
 
@@ -41,13 +43,22 @@ tensors, Q4_K with Q6_K in the downs of some layers, with `loom.model.moe.moe_fr
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 
-ARCHITECTURES = ("llama", "qwen3moe", "olmoe")
+from loom.model.gguf_file import read_gguf
+
+ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen3moe", "olmoe")
 MIXTURES = ("qwen3moe", "olmoe")
+HEAD_NORMED = ("qwen3", "gemma3", "qwen3moe")  # RMSNorm over each head's q and k
+# The reference's architecture keys the file takes over (renamed); the others describe the
+# reference's own shape and family (a Gemma 4 vocabulary's experts, per-layer head counts)
+CARRIED_KEYS = ("context_length", "rope.freq_base", "attention.layer_norm_rms_epsilon")
 GGUF_FILE_TYPE_F16 = 1  # general.file_type: mostly F16
 
 
@@ -63,6 +74,7 @@ class Shape:
     experts: int = 0
     experts_used: int = 0
     expert_ffn: int = 0
+    window: int = 0  # gemma3: the sliding layers' window
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -78,6 +90,8 @@ class Shape:
                              "--expert-ffn")
         if not moe and self.experts:
             raise ValueError(f"{self.arch} has no experts: drop --experts")
+        if (self.arch == "gemma3") != (self.window > 0):
+            raise ValueError("--window is for gemma3, and needed there")
 
 
 def metadata(shape: Shape) -> dict[str, int]:
@@ -89,6 +103,8 @@ def metadata(shape: Shape) -> dict[str, int]:
     if shape.arch in MIXTURES:
         keys |= {"expert_count": shape.experts, "expert_used_count": shape.experts_used,
                  "expert_feed_forward_length": shape.expert_ffn}
+    if shape.window:
+        keys["attention.sliding_window"] = shape.window
     return {f"{shape.arch}.{key}": value for key, value in keys.items()}
 
 
@@ -113,9 +129,12 @@ def tensor_specs(shape: Shape, vocab: int) -> list[TensorSpec]:
         specs += [TensorSpec(block + name + ".weight", dims, "matrix") for name, dims in (
             ("attn_q", (q, h)), ("attn_k", (kv, h)), ("attn_v", (kv, h)),
             ("attn_output", (h, q)))]
-        if shape.arch == "qwen3moe":  # RMSNorm per head
+        if shape.arch in HEAD_NORMED:
             specs += [TensorSpec(block + f"attn_{x}_norm.weight", (shape.head_dim,), "norm")
                       for x in "qk"]
+        if shape.arch == "gemma3":  # the attention's and the MLP's outputs normed too
+            specs += [TensorSpec(block + norm + ".weight", (h,), "norm")
+                      for norm in ("post_attention_norm", "post_ffw_norm")]
         elif shape.arch == "olmoe":  # RMSNorm over the whole projection
             specs += [TensorSpec(block + "attn_q_norm.weight", (q,), "norm"),
                       TensorSpec(block + "attn_k_norm.weight", (kv,), "norm")]
@@ -132,40 +151,48 @@ def tensor_specs(shape: Shape, vocab: int) -> list[TensorSpec]:
     return specs
 
 
-def copy_settings(reference: gguf.GGUFReader, writer: gguf.GGUFWriter, arch: str,
-                  sizes: dict[str, int]) -> None:
-    """Every key-value of `reference` but its architecture, which `arch` replaces in the keys
-    named after it, and the sizes, which `sizes` gives."""
-    arch_field = reference.fields["general.architecture"]
-    reference_arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-    for field in reference.fields.values():
-        name = field.name
-        if name.startswith("GGUF.") or name == "general.architecture":
+def copy_settings(reference: Mapping[str, Any], writer: gguf.GGUFWriter, arch: str,
+                  sizes: dict[str, int], chat_template: str | None = None) -> None:
+    """Every key-value of `reference` (a header's metadata) but its architecture, which `arch`
+    replaces in the CARRIED_KEYS named after it (its other architecture keys are left out), the
+    sizes, which `sizes` gives, and its chat template where `chat_template` replaces it. Each
+    value is written in the type llama.cpp's converter gives it: integers UINT32 (INT32 in
+    arrays, as token types are), floats FLOAT32."""
+    reference_arch = reference["general.architecture"]
+    for name, value in reference.items():
+        if name == "general.architecture":
             continue
         if name.startswith(reference_arch + "."):
+            if name[len(reference_arch) + 1:] not in CARRIED_KEYS:
+                continue
             name = arch + name[len(reference_arch):]
-        if name in sizes:
+        if name in sizes or (chat_template is not None and name == "tokenizer.chat_template"):
             continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            values = [field.parts[i] for i in field.data]
-            if field.types[-1] == gguf.GGUFValueType.STRING:
-                writer.add_array(name, [bytes(v).decode("utf-8", "replace") for v in values])
-            else:
-                writer.add_array(name, [v.tolist()[0] for v in values])
-        elif field.types[0] == gguf.GGUFValueType.STRING:
-            writer.add_string(name, bytes(field.parts[field.data[0]]).decode())
+        if isinstance(value, list):
+            writer.add_array(name, value)
+        elif isinstance(value, bool):
+            writer.add_bool(name, value)
+        elif isinstance(value, int):
+            writer.add_uint32(name, value)
+        elif isinstance(value, float):
+            writer.add_float32(name, value)
         else:
-            writer.add_key_value(name, field.parts[field.data[0]].tolist()[0], field.types[0])
+            writer.add_string(name, value)
     for name, value in sizes.items():
         writer.add_uint32(name, value)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
 
-def write(shape: Shape, reference_path: str, out: str, seed: int = 0) -> None:
-    reference = gguf.GGUFReader(reference_path)
-    vocab = len(reference.fields["tokenizer.ggml.tokens"].data)
+def write(shape: Shape, reference: str | Mapping[str, Any], out: str, seed: int = 0,
+          chat_template: str | None = None) -> None:
+    """`reference`: a GGUF's path, or its header's metadata (a vocabulary amended first)."""
+    if isinstance(reference, str):
+        reference = read_gguf(Path(reference)).metadata
+    vocab = len(reference["tokenizer.ggml.tokens"])
     writer = gguf.GGUFWriter(out, shape.arch)
     copy_settings(reference, writer, shape.arch,
-                  {**metadata(shape), "general.file_type": GGUF_FILE_TYPE_F16})
+                  {**metadata(shape), "general.file_type": GGUF_FILE_TYPE_F16}, chat_template)
     specs = tensor_specs(shape, vocab)
     for spec in specs:
         dtype = np.float16 if spec.kind == "matrix" else np.float32
@@ -200,15 +227,19 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=0, help="experts per layer (MoE)")
     parser.add_argument("--experts-used", type=int, default=0, help="experts a token takes")
     parser.add_argument("--expert-ffn", type=int, default=0, help="an expert's width")
+    parser.add_argument("--window", type=int, default=0,
+                        help="gemma3: the sliding layers' window")
+    parser.add_argument("--chat-template", help="a Jinja file replacing the reference's template")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     try:
         shape = Shape(args.arch, args.hidden, args.ffn, args.layers, args.heads, args.kv_heads,
                       args.head_dim or args.hidden // args.heads, args.experts,
-                      args.experts_used, args.expert_ffn)
+                      args.experts_used, args.expert_ffn, args.window)
     except ValueError as e:
         parser.error(str(e))
-    write(shape, args.reference, args.out)
+    template = None if args.chat_template is None else Path(args.chat_template).read_text()
+    write(shape, args.reference, args.out, chat_template=template)
     print(f"wrote {args.out}")
 
 

@@ -124,6 +124,20 @@ class Tokenizer:
         does not, and gets loom's hermes-style tool prompt instead)."""
         return "tools" in (self.chat_template or "")
 
+    @functools.cached_property
+    def template_has_system_turn(self) -> bool:
+        """The chat template renders a system turn (Gemma 2's refuses one: loom's tool prompt
+        then opens the first user turn, where Gemma 3's template puts a system message)."""
+        from loom.model.chat_template import ChatTemplateError, render_chat_template
+
+        try:
+            render_chat_template(self.chat_template or "", [
+                {"role": "system", "content": "s"}, {"role": "user", "content": "u"}], None,
+                True, self.template_variables)
+        except ChatTemplateError:
+            return False
+        return True
+
     @property
     def template_variables(self) -> dict[str, str]:
         """The special tokens a template may name, as transformers passes them."""
@@ -145,7 +159,8 @@ class Tokenizer:
         if _TOOLS_IN_SYSTEM_MESSAGE.search(self.chat_template or ""):
             messages, tools = phi4_tool_messages(messages, tools), None
         elif not self.template_has_tools:
-            messages, tools = hermes_tool_messages(messages, tools), None
+            messages = hermes_tool_messages(messages, tools, self.template_has_system_turn)
+            tools = None
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         return render_chat_template(self.chat_template, messages, tools, add_generation_prompt,
@@ -189,10 +204,11 @@ _HERMES_TOOLS = (
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
 
 
-def hermes_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-                         ) -> list[dict[str, Any]]:
+def hermes_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                         system_turn: bool = True) -> list[dict[str, Any]]:
     """A conversation with tools for a template that knows none, in the hermes format Qwen2.5's
-    template writes: the tools in the system message, calls as <tool_call> blocks in the
+    template writes: the tools in the system message (without a `system_turn` in the
+    template: at the start of the first user turn), calls as <tool_call> blocks in the
     assistant's text, tool results as <tool_response> blocks of a user turn."""
     out = []
     for m in messages:
@@ -211,8 +227,10 @@ def hermes_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, A
     if tools:
         listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
         prompt = _HERMES_TOOLS.format(tools=listed)
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        first = "system" if system_turn else "user"
+        if out and out[0]["role"] == first:
+            out[0] = {"role": first, "content": f"{prompt}\n\n{out[0]['content']}"
+                      if first == "user" else f"{out[0]['content']}\n\n{prompt}"}
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out

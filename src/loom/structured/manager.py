@@ -142,8 +142,8 @@ class StructuredOutputManager:
 
                 tok = self._tokenizer
                 self._ll_tokenizer = llguidance.LLTokenizer(
-                    tok.backend.to_str(), n_vocab=self.vocab_size,
-                    eos_token=list(tok.eos_token_ids) or None)
+                    llguidance.TokenizerWrapper(_Vocabulary(tok, self.vocab_size)),
+                    n_vocab=self.vocab_size, eos_token=list(tok.eos_token_ids) or None)
         return self._ll_tokenizer
 
     def fill_bitmask(self, entries: list[tuple[GrammarState, list[int]]]) -> Any:
@@ -167,3 +167,28 @@ class StructuredOutputManager:
             if drafts:
                 state.matcher.rollback(len(drafts))
         return bitmask
+
+
+class _Vocabulary:
+    """The model's vocabulary as llguidance's TokenizerWrapper takes it: each token's own
+    bytes, only the control tokens special. llguidance's reader of a tokenizer.json makes
+    every added token special, and its tokenizer still makes them of their text: a grammar
+    writing `<think>` or `<tool_call>` (Qwen3's added, non-special tokens) had the token
+    forced, then refused ("the constraint needs text this model's vocabulary cannot
+    write"). Text is tokenized with special-token text as plain text (a control token is no
+    text a grammar writes); it comes as str only (bytes raise, so the wrapper passes str and
+    llguidance tokenizes what is not whole UTF-8 itself)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        added = tokenizer.backend.get_added_tokens_decoder()
+        self.tokens = [tokenizer.token_bytes(i) for i in range(vocab_size)]
+        self.special_token_ids = sorted(i for i, token in added.items() if token.special)
+        eos = list(tokenizer.eos_token_ids)
+        self.eos_token_id = eos[0] if eos else None
+        self.bos_token_id = tokenizer.bos_token_id
+        self._encode = tokenizer.encode_plain
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError("text, not bytes")
+        return self._encode(text)

@@ -5,7 +5,8 @@ outputs and tool calls.
 Reasoning: with `--reasoning-parser` (reasoning.py) the answer's `<think>` part goes to
 `reasoning_content` (streamed as `delta.reasoning_content`), and tool calls are read from the
 rest; an answer constrained from its first token (structured outputs, tool_choice required or
-a named function) has no reasoning to split. `chat_template_kwargs` (e.g.
+a named function) reasons only where its constraint writes `<think>` first (a regex or
+grammar can), whatever the prompt opened. `chat_template_kwargs` (e.g.
 `{"enable_thinking": false}`) are variables of the chat template.
 
 Tool calls: with `tool_choice` auto the answer is parsed by the model family's tool-call
@@ -154,8 +155,8 @@ class ChatServing(OpenAIServing):
         return ChatPlan(tool_use, len(token_ids), requests,
                         {r.request_id: ChatChoiceState(i) for i, r in enumerate(requests)},
                         constraint,
-                        None if self.reasoning is None or constrained
-                        else self.reasoning.starts_inside(prompt))
+                        None if self.reasoning is None
+                        else False if constrained else self.reasoning.starts_inside(prompt))
 
     async def _structured(self, request: ChatCompletionRequest, tool_use: ToolUse,
                           format_param: str, raw_request: Request) -> Constraint | None:
