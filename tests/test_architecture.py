@@ -51,7 +51,6 @@ FORBIDDEN = {
 ARGPARSE_ALLOWED = {
     "loom/config.py": "the flag generator (add_cli_args) beside the engine's dataclasses",
     "loom/entrypoints/openai/launch.py": "loom serve's own flags, with the server work",
-    "loom/eval/cli.py": "loom eval's command, registered in cli/main.py until it moves",
 }
 
 
