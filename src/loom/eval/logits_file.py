@@ -5,7 +5,7 @@ One .npz (numpy's zip of .npy arrays) holding, per chunk i, `targets_i` (the sco
 vocabulary entry a token: exact KL divergence needs every token's probability; a top-k with
 the log-sum-exp does not give it), or, from a server, the top-N with `top_ids_i`. float16 keeps
 log-probabilities to about 3 significant digits, which moves a KL divergence far less than the
-settings it is used to compare (a run against its own saved file scores ~1e-6). `meta` is a
+settings it is used to compare, once metrics.py renormalizes each row. `meta` is a
 JSON header: the format version, context, stride and how many chunks.
 """
 
@@ -64,3 +64,4 @@ def load(path: str | Path) -> tuple[LogitsMeta, list[ChunkScores]]:
                                   logprobs.astype(np.float32) if top is None else logprobs,
                                   top))
     return meta, scored
+

@@ -99,11 +99,19 @@ def check_comparable(ref: ChunkScores, test: ChunkScores) -> None:
 def position_kld(ref: ChunkScores, test: ChunkScores) -> np.ndarray:
     """KL(ref || test) at each scored position, exact or over top-N buckets."""
     if ref.full and test.full:
-        p = np.exp(ref.logprobs.astype(np.float64))
-        return (p * (ref.logprobs.astype(np.float64) - test.logprobs)).sum(axis=1)
+        p_log, q_log = _normalized(ref.logprobs), _normalized(test.logprobs)
+        return (np.exp(p_log) * (p_log - q_log)).sum(axis=1)
     if ref.full:
         return _bucketed(_gather(ref.logprobs, test.top_ids), test.logprobs)
     return _bucketed(ref.logprobs, _gather(test.logprobs, ref.top_ids))
+
+
+def _normalized(logprobs: np.ndarray) -> np.ndarray:
+    """Rows renormalized in float64: float32 (or a saved file's float16) log-probabilities sum
+    to one only within their rounding, and the divergence's first-order term must cancel."""
+    values = logprobs.astype(np.float64)
+    top = values.max(axis=1, keepdims=True)
+    return values - top - np.log(np.exp(values - top).sum(axis=1, keepdims=True))
 
 
 def _gather(full: np.ndarray, ids: np.ndarray) -> np.ndarray:
