@@ -25,11 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks.*
 from benchmarks.harness import host_line  # noqa: E402
-from loom.host import describe  # noqa: E402
 from loom.config import EngineConfig  # noqa: E402
 from loom.eval.config import ScoringConfig  # noqa: E402
 from loom.eval.metrics import KldResult, kl_divergence  # noqa: E402
 from loom.eval.run import score_text  # noqa: E402
+from loom.host import describe  # noqa: E402
 
 REFERENCE = {"dtype": "float32", "batched_matmul": "native", "kv_cache_dtype": "float32"}
 SETTINGS = {

@@ -65,7 +65,10 @@ class ServerScorer:
         if response.status_code != 200:
             raise ValueError(f"--base-url: /v1/completions answered {response.status_code}: "
                              f"{response.text[:300]}")
-        logprobs = response.json()["choices"][0]["logprobs"]
+        logprobs = response.json()["choices"][0].get("logprobs") or {}
+        if "token_logprobs" not in logprobs:
+            raise ValueError("--base-url: the server sent no legacy logprobs of the echoed "
+                             "prompt (llama-server, for one, scores generated tokens only)")
         return self._scores(chunk, logprobs)
 
     def _scores(self, chunk: Chunk, logprobs: dict[str, Any]) -> ChunkScores:
