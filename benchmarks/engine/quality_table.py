@@ -75,8 +75,9 @@ def main() -> None:
             print(f"| {name} | {batch} | {r.mean_kld:.2e} | {r.p99_kld:.2e} | "
                   f"{100 * r.top1_agreement:.2f}% | {r.perplexity:.4f} "
                   f"({r.reference_perplexity:.4f}) |", flush=True)
-            rows.append([f"quality-{commit}", f"{name}, batch {batch}: mean KLD / top-1 vs "
-                         "float32", f"{r.mean_kld:.3g} / {100 * r.top1_agreement:.2f}%",
+            run = f"quality-b{args.batches.replace(',', '-')}-{commit}"
+            rows.append([run, f"{name}, batch {batch}: mean KLD / top-1 vs float32",
+                         f"{r.mean_kld:.3g} / {100 * r.top1_agreement:.2f}%",
                          command, commit, host, datetime.date.today().isoformat()])
     if args.csv:
         new = not Path(args.csv).exists()
