@@ -64,7 +64,7 @@ COMMANDS = (
     Command("simulate", "loom.cli.simulate:add_parser",
             "predict a configuration's latency and throughput without running the model"),
     Command("eval", "loom.cli.eval:add_parser",
-            "measure a served model's quality"),
+            "measure a model's quality: perplexity, KL divergence from a reference"),
 )
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
