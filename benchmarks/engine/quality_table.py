@@ -45,7 +45,7 @@ CSV = Path(__file__).resolve().parents[1] / "summaries" / "quality.csv"
 def measure(batch: int, chunks: int, context: int) -> dict[str, KldResult]:
     scoring = ScoringConfig(context=context, max_chunks=chunks, batch_size=batch,
                             as_decode=True)
-    reference = score_text(None, scoring, EngineConfig.from_kwargs(**REFERENCE)).scored
+    reference = list(score_text(None, scoring, EngineConfig.from_kwargs(**REFERENCE)).scored)
     results = {}
     for name, flags in SETTINGS.items():
         gc.collect()

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loom.cli.flags import add_command, check_writable, opt
 from loom.cli.main import help_of
 from loom.config import EngineConfig, check_device, from_cli_args
 from loom.eval.config import ScoringConfig
+
+if TYPE_CHECKING:
+    from loom.eval.scores import ChunkScores
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,8 @@ def perplexity(args: argparse.Namespace) -> int:
 
     options, scoring, config = _read(args)
     run = score_text(options.text, scoring, config, options.base_url, options.api_key)
-    _maybe_save(options, scoring, config, run.scored)
-    _print(metrics.perplexity(run.scored, scoring.context), options.json)
+    _print(metrics.perplexity(_saved(options, scoring, config, run.scored), scoring.context),
+           options.json)
     return 0
 
 
@@ -87,21 +90,24 @@ def kld(args: argparse.Namespace) -> int:
         raise ValueError(f"--reference-dtype: only float32 is a reference, got "
                          f"{ref.reference_dtype!r}")
     if ref.reference is not None and logits_file.is_logits_file(ref.reference):
-        meta, reference = logits_file.load(ref.reference)
+        saved = logits_file.load(ref.reference)
+        meta = saved.meta
         if (meta.context, meta.stride) != (scoring.context, scoring.stride or scoring.context):
             raise ValueError(f"--reference {ref.reference} was scored with --context "
                              f"{meta.context} --stride {meta.stride}; give the same")
+        reference, vocab = iter(saved), saved.vocab_size
     else:
         ref_config = dataclasses.replace(config, model=dataclasses.replace(
             config.model, model=ref.reference or config.model.model))
         if ref.reference_dtype == "float32":
             ref_config = float32_reference(ref_config)
-        reference = score_text(options.text, scoring, ref_config).scored
-        gc.collect()  # the reference's engine goes before the tested one loads
+        scored = score_text(options.text, scoring, ref_config)
+        reference, vocab = scored.scored, scored.vocab_size
+    # both engines are loaded now and take turns, `--batch-size` chunks each
     run = score_text(options.text, scoring, config, options.base_url, options.api_key,
-                     expect_vocab=reference[0].vocab_size)
-    _maybe_save(options, scoring, config, run.scored)
-    _print(metrics.kl_divergence(reference, run.scored), options.json)
+                     expect_vocab=vocab)
+    tested = _saved(options, scoring, config, run.scored)
+    _print(metrics.kl_divergence(reference, tested), options.json)
     return 0
 
 
@@ -115,15 +121,16 @@ def _read(args: argparse.Namespace) -> tuple[EvalOptions, ScoringConfig, EngineC
     return options, scoring, config
 
 
-def _maybe_save(options: EvalOptions, scoring: ScoringConfig, config: EngineConfig,
-                scored: list[Any]) -> None:
+def _saved(options: EvalOptions, scoring: ScoringConfig, config: EngineConfig,
+           scored: Iterator[ChunkScores]) -> Iterator[ChunkScores]:
+    """`scored`, written to --save-logits as it passes, if given."""
     if options.save_logits is None:
-        return
+        return scored
     from loom.eval import logits_file
 
-    meta = logits_file.LogitsMeta(scoring.context, scoring.stride or scoring.context,
-                                  len(scored), str(config.model.model or "bundled"))
-    logits_file.save(options.save_logits, meta, scored)
+    meta = logits_file.LogitsMeta(scoring.context, scoring.stride or scoring.context, 0,
+                                  str(config.model.model or "bundled"))
+    return logits_file.saving(options.save_logits, meta, scored)
 
 
 def _print(result: Any, as_json: bool) -> None:

@@ -15,8 +15,9 @@ only cannot be compared (their buckets differ), and is refused.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,32 +57,36 @@ class KldResult:
     exact: bool  # False: over the top N and the rest's mass (a lower bound)
 
 
-def perplexity(scored: Sequence[ChunkScores], context: int) -> PerplexityResult:
-    per_chunk = [ChunkPerplexity(i, len(s.targets), math.exp(-float(s.target_logprobs.mean())))
-                 for i, s in enumerate(scored)]
-    logprobs = np.concatenate([s.target_logprobs for s in scored])
-    return PerplexityResult(math.exp(-float(logprobs.mean())), len(logprobs), context,
-                            per_chunk)
+def perplexity(scored: Iterable[ChunkScores], context: int) -> PerplexityResult:
+    """Over a stream of chunks: only each chunk's target log-probabilities are kept."""
+    logprobs = [s.target_logprobs for s in scored]
+    per_chunk = [ChunkPerplexity(i, len(lp), math.exp(-float(lp.mean())))
+                 for i, lp in enumerate(logprobs)]
+    every = np.concatenate(logprobs)
+    return PerplexityResult(math.exp(-float(every.mean())), len(every), context, per_chunk)
 
 
-def kl_divergence(reference: Sequence[ChunkScores], tested: Sequence[ChunkScores]
+def kl_divergence(reference: Iterable[ChunkScores], tested: Iterable[ChunkScores]
                   ) -> KldResult:
-    """Compare chunk by chunk; the two must have scored the same tokens with the same
-    vocabulary, else a ValueError says which differs."""
-    if len(reference) != len(tested):
-        raise ValueError(f"the reference scored {len(reference)} chunks, the tested run "
-                         f"{len(tested)}: give both the same text, --context and --stride")
-    per_position, agree = [], 0
-    for ref, test in zip(reference, tested):
+    """Compare chunk by chunk, as both streams yield them (only a chunk's distributions are
+    held at a time, and per position its divergence); the two must have scored the same
+    tokens with the same vocabulary, else a ValueError says which differs."""
+    per_position, agree, ref_lp, test_lp, exact = [], 0, [], [], True
+    for ref, test in itertools.zip_longest(reference, tested):
+        if ref is None or test is None:
+            raise ValueError("the reference and the tested run scored different numbers of "
+                             "chunks: give both the same text, --context and --stride")
         check_comparable(ref, test)
         per_position.append(position_kld(ref, test))
         agree += int((ref.top1() == test.top1()).sum())
+        ref_lp.append(ref.target_logprobs)
+        test_lp.append(test.target_logprobs)
+        exact = exact and ref.full and test.full
     kld = np.concatenate(per_position)
-    ref_ppl = perplexity(reference, 0).perplexity
-    test_ppl = perplexity(tested, 0).perplexity
+    ref_ppl = math.exp(-float(np.concatenate(ref_lp).mean()))
+    test_ppl = math.exp(-float(np.concatenate(test_lp).mean()))
     return KldResult(float(kld.mean()), float(np.percentile(kld, 99)), float(kld.max()),
-                     agree / len(kld), test_ppl, ref_ppl, test_ppl - ref_ppl, len(kld),
-                     exact=reference[0].full and tested[0].full)
+                     agree / len(kld), test_ppl, ref_ppl, test_ppl - ref_ppl, len(kld), exact)
 
 
 def check_comparable(ref: ChunkScores, test: ChunkScores) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from loom.config import EngineConfig
@@ -12,8 +13,12 @@ from loom.eval.text import Chunk, chunks, read_text
 
 @dataclass(frozen=True)
 class ScoredText:
+    """The chunks and their scores as a stream: scoring runs as it is read, `batch_size`
+    chunks at a time, so a whole text's distributions are never all in memory."""
+
     chunks: list[Chunk]
-    scored: list[ChunkScores]
+    scored: Iterator[ChunkScores]
+    vocab_size: int | None  # the width of a full distribution (None: a server's top-N)
 
 
 def score_text(text_path: str | None, scoring: ScoringConfig, config: EngineConfig,
@@ -21,7 +26,8 @@ def score_text(text_path: str | None, scoring: ScoringConfig, config: EngineConf
                expect_vocab: int | None = None) -> ScoredText:
     """Score `text_path` (the bundled text when None) with the engine of `config` in this
     process, or on the server at `base_url` (config.model.model then names its tokenizer).
-    `expect_vocab`: the reference's vocabulary size, checked before any scoring."""
+    `expect_vocab`: the reference's vocabulary size, checked before any scoring. Bad input
+    fails here; the scoring itself runs as `scored` is read."""
     text = read_text(text_path)  # bad input fails before the model loads
     if base_url is not None:
         from loom.eval.client import ServerScorer
@@ -32,16 +38,18 @@ def score_text(text_path: str | None, scoring: ScoringConfig, config: EngineConf
         if expect_vocab is not None and tokenizer.vocab_size > expect_vocab:
             _check_vocab(tokenizer.vocab_size, expect_vocab)
         scorer = ServerScorer(base_url, tokenizer, scoring.top_n, api_key)
+        vocab = None
     else:
         from loom.eval.offline import OfflineScorer, scoring_engine
 
         scorer = OfflineScorer(scoring_engine(config, scoring))
         _check_vocab(scorer.vocab_size, expect_vocab)
+        vocab = scorer.vocab_size
     tokenizer = scorer.tokenizer
     bos = tokenizer.bos_token_id if tokenizer.add_bos_token else None
     cut = chunks(tokenizer.encode(text, add_special_tokens=False), scoring.context,
                  scoring.stride, scoring.max_chunks, bos)
-    return ScoredText(cut, list(scorer.score(cut, scoring.batch_size)))
+    return ScoredText(cut, scorer.score(cut, scoring.batch_size), vocab)
 
 
 def _check_vocab(vocab: int, expected: int | None) -> None:
