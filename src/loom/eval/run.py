@@ -8,15 +8,14 @@ from dataclasses import dataclass
 from loom.config import EngineConfig
 from loom.eval.config import ScoringConfig
 from loom.eval.scores import ChunkScores
-from loom.eval.text import Chunk, chunks, read_text
+from loom.eval.text import chunks, read_text
 
 
 @dataclass(frozen=True)
 class ScoredText:
-    """The chunks and their scores as a stream: scoring runs as it is read, `batch_size`
-    chunks at a time, so a whole text's distributions are never all in memory."""
+    """A text's chunk scores as a stream: scoring runs as it is read, `batch_size` chunks at
+    a time, so a whole text's distributions are never all in memory."""
 
-    chunks: list[Chunk]
     scored: Iterator[ChunkScores]
     vocab_size: int | None  # the width of a full distribution (None: a server's top-N)
 
@@ -49,7 +48,7 @@ def score_text(text_path: str | None, scoring: ScoringConfig, config: EngineConf
     bos = tokenizer.bos_token_id if tokenizer.add_bos_token else None
     cut = chunks(tokenizer.encode(text, add_special_tokens=False), scoring.context,
                  scoring.stride, scoring.max_chunks, bos)
-    return ScoredText(cut, scorer.score(cut, scoring.batch_size), vocab)
+    return ScoredText(scorer.score(cut, scoring.batch_size), vocab)
 
 
 def _check_vocab(vocab: int, expected: int | None) -> None:
