@@ -34,3 +34,5 @@ def test_the_wheel_ships_every_file_the_kernels_compile_from(tmp_path: Path) -> 
     needed = {path.name for path in Path(kernels.__file__).parent.joinpath("csrc").iterdir()
               if path.suffix in (".cpp", ".h")}
     assert needed <= shipped, f"not in the wheel: {sorted(needed - shipped)}"
+    # and the text `loom eval` scores by default
+    assert "loom/eval/data/kjv-genesis-exodus.txt" in zipfile.ZipFile(wheel).namelist()

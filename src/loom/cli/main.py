@@ -63,8 +63,8 @@ COMMANDS = (
             "size a deployment (memory, concurrency) before buying or starting it"),
     Command("simulate", "loom.cli.simulate:add_parser",
             "predict a configuration's latency and throughput without running the model"),
-    Command("eval", "loom.eval.cli:add_parser",  # listed once its module is written
-            "measure a served model's quality"),
+    Command("eval", "loom.cli.eval:add_parser",
+            "measure a model's quality: perplexity, KL divergence from a reference"),
 )
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
