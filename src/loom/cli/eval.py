@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from loom.cli.dataclass_flags import add_engine_args, engine_config, from_cli_args
 from loom.cli.flags import add_command, check_writable, opt
 from loom.cli.main import help_of
-from loom.cli.dataclass_flags import add_engine_args, engine_config, from_cli_args
 from loom.config import EngineConfig, check_device
 from loom.eval.config import ScoringConfig
 

@@ -11,12 +11,13 @@ import numpy as np
 import torch
 
 from loom.config import EngineConfig
-from loom.core.batch import ModelRunnerOutput, ScheduledRequest
+from loom.core.batch import GrammarBitmask
 from loom.engine.core import EngineCore
 from loom.eval.config import ScoringConfig
 from loom.eval.scores import ChunkScores
 from loom.eval.text import Chunk
 from loom.model.runner import ModelRunner
+from loom.model.sampler import LogitRows, SampledTokens, Sampler
 from loom.sampling import SamplingParams
 
 
@@ -42,33 +43,34 @@ def float32_reference(config: EngineConfig) -> EngineConfig:
                    cache=replace(config.cache, kv_cache_dtype="float32"))
 
 
-class _CapturingRunner(ModelRunner):
-    """The model runner, keeping the log-softmax rows of the positions a chunk scores."""
+class _CapturingSampler(Sampler):
+    """The runner's sampler, keeping first the log-softmax rows of the positions a chunk
+    scores (the rows of the step's logits that score prompt tokens)."""
 
-    wanted: dict[str, int]  # request id -> first position whose logits are kept
-    rows: dict[str, dict[int, np.ndarray]]
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.wanted: dict[str, int] = {}  # request id -> first position whose logits are kept
+        self.rows: dict[str, dict[int, np.ndarray]] = {}
 
-    def _score_prompts(self, items: list[ScheduledRequest], logits: torch.Tensor,
-                       prompt_rows: dict[str, tuple[int, int]],
-                       output: ModelRunnerOutput) -> None:
-        super()._score_prompts(items, logits, prompt_rows, output)
-        for item in items:
-            if item.request_id not in prompt_rows or item.request_id not in self.wanted:
+    def sample(self, logits: torch.Tensor, rows: LogitRows,
+               bitmask: GrammarBitmask | None) -> SampledTokens:
+        for item in rows.items:
+            if item.request_id not in rows.prompt_rows or item.request_id not in self.wanted:
                 continue
-            first, count = prompt_rows[item.request_id]
+            first, count = rows.prompt_rows[item.request_id]
             keep_from = self.wanted[item.request_id]
             kept = self.rows.setdefault(item.request_id, {})
             for k in range(count):
                 position = item.start_position + k  # its logits predict position + 1
                 if position >= keep_from:
                     kept[position] = logits[first + k].log_softmax(-1).cpu().numpy()
+        return super().sample(logits, rows, bitmask)
 
 
 class OfflineScorer:
     def __init__(self, config: EngineConfig) -> None:
-        runner = _CapturingRunner.from_config(config)
-        runner.wanted, runner.rows = {}, {}
-        self.runner = runner
+        runner = ModelRunner.from_config(config)
+        runner.sampler = self.sampler = _CapturingSampler(runner.device)
         self.engine = EngineCore(config, runner)
         self.tokenizer = self.engine.tokenizer
         self.vocab_size = runner.info.vocab_size  # the width of a logits row
@@ -80,12 +82,12 @@ class OfflineScorer:
             group = chunks[start:start + batch_size]
             ids = [f"eval-{c.index}" for c in group]
             for request_id, chunk in zip(ids, group):
-                self.runner.wanted[request_id] = chunk.first_scored - 1
+                self.sampler.wanted[request_id] = chunk.first_scored - 1
                 self.engine.add_request(request_id, chunk.token_ids, params)
             self._run(set(ids))
             for request_id, chunk in zip(ids, group):
-                del self.runner.wanted[request_id]
-                rows = self.runner.rows.pop(request_id)
+                del self.sampler.wanted[request_id]
+                rows = self.sampler.rows.pop(request_id)
                 full = np.stack([rows[p] for p in range(chunk.first_scored - 1,
                                                         len(chunk.token_ids) - 1)])
                 yield ChunkScores.from_full(np.array(chunk.targets), full)
