@@ -14,11 +14,13 @@ import torch
 
 from loom import host
 from loom.config import CacheConfig, ModelConfig, check_device
+from loom.model import batch_invariant
 from loom.model.arch import ModelArch
 from loom.model.kernels import block_quant_linear_ops, fused_ops, paged_attention_ops
 from loom.model.linear import (
     BF16_ABOVE_ROWS,
     BF16_ABOVE_ROWS_AMX,
+    MatmulRows,
     amx_kernel_runs,
     onednn_prepack_supported,
 )
@@ -57,6 +59,8 @@ class Backends:
     bf16_above_rows: int | None = None
     # long prefill chunks attend in bf16 (model/attention.py, AttentionMetadata.prefill_bf16)
     bf16_prefill_attention: bool = False
+    # a request's numerics pinned whatever shares its steps (model/batch_invariant.py)
+    batch_invariant: bool = False
 
     @property
     def batched_bf16(self) -> bool:
@@ -65,9 +69,19 @@ class Backends:
     @property
     def per_token_prefill_max_positions(self) -> int:
         """Native path: prefill chunks of fewer query x context positions attend per token
-        (the runner's choice), fewer where the SDPA they compete with runs in bf16."""
+        (the runner's choice), fewer where the SDPA they compete with runs in bf16; all of
+        them under batch_invariant."""
+        if self.batch_invariant:
+            return batch_invariant.PER_TOKEN_EVERY_CHUNK
         return (PER_TOKEN_PREFILL_MAX_POSITIONS_BF16 if self.bf16_prefill_attention
                 else PER_TOKEN_PREFILL_MAX_POSITIONS)
+
+    @property
+    def matmul_rows(self) -> MatmulRows:
+        """The native matmul's path by a call's row count."""
+        if self.batch_invariant:
+            return MatmulRows(None, batch_invariant.INT8_EVERY_ROW)
+        return MatmulRows(self.bf16_above_rows)
 
     @property
     def prepack(self) -> bool:
@@ -86,6 +100,8 @@ class Backends:
                  f"long prefill attention {'bf16' if self.bf16_prefill_attention else 'as dtype'}",
                  f"matmuls {matmuls.get(self.linear, 'torch')}",
                  f"add + norm and SiLU * up {'fused kernels' if self.fused_ops else 'torch'}"]
+        if self.batch_invariant:
+            parts.append("batch-invariant (int8 matmuls and per-token attention at every size)")
         if self.num_threads:
             parts.append(f"{self.num_threads} threads")
         return ", ".join(parts)
@@ -120,6 +136,10 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
     # the casts in and out of bf16 are fused_ops' too
     bf16_above_rows = _bf16_above_rows(config, device, linear == "native" and fused is not None,
                                        bf16_copy_bytes)
+    if config.batch_invariant:
+        batch_invariant.check_supported(linear, native_decode,
+                                        any(map(arch.has_experts, range(arch.num_layers))))
+        bf16_above_rows = None
     return Backends(
         device=device, dtype=dtype, kv_dtype=kv_dtype, num_threads=num_threads,
         native_decode=native_decode, linear=linear, fused_ops=fused,
@@ -127,7 +147,8 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
         # where prefill's matmuls already run in bf16, its long attention does too: measured
         # faster on AMX (torch's bf16 SDPA runs on its tiles), not on other CPUs
         bf16_prefill_attention=(bf16_above_rows is not None and dtype == torch.float32
-                                and host.has_amx()))
+                                and host.has_amx()),
+        batch_invariant=config.batch_invariant)
 
 
 def resolve_device(name: str) -> torch.device:

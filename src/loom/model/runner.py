@@ -105,7 +105,7 @@ class ModelRunner:
                              block_quant=loaded.block_quant if backends.linear == "native"
                              else None,
                              fused_ops=backends.fused_ops,
-                             bf16_above_rows=backends.bf16_above_rows,
+                             matmul=backends.matmul_rows,
                              max_model_len=config.model.max_model_len)
         info = ModelInfo(loaded.name, loaded.tokenizer, loaded.arch.vocab_size,
                          loaded.arch.max_position_embeddings)
