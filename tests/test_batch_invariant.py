@@ -5,29 +5,16 @@ quality bound of issue 50 against float32 with 32 sequences sharing the step."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from benchmarks.engine.batch_invariance import PROMPTS, REFERENCE, compare, predictions
 from loom import LLM, SamplingParams
 from loom.config import ModelConfig
 from loom.model.backends import Backends
 from loom.model.batch_invariant import INT8_EVERY_ROW, PER_TOKEN_EVERY_CHUNK
 from loom.model.linear import INT8_MAX_ROWS
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Give me three tips for staying healthy.",
-    "Write a haiku about autumn leaves.",
-    "Explain what a rainbow is to a child.",
-    "How do I boil an egg?",
-    "What is 17 times 23?",
-    "Name three animals that live in the ocean.",
-    "Translate 'good morning' into Spanish.",
-    "Why is the sky blue?",
-    "Suggest a name for a small bakery.",
-]
 MAX_TOKENS = 24
 OPTIONS = {"kv_cache_memory": "64MiB", "max_model_len": 1024}
 
@@ -40,16 +27,14 @@ MIN_TOP1 = 0.99
 MAX_KLD = 5e-5
 
 
-def chats(llm: LLM) -> list[list[dict[str, str]]]:
-    return [[{"role": "user", "content": p}] for p in PROMPTS]
+CHATS = [[{"role": "user", "content": p}] for p in PROMPTS]
 
 
 def tokens(llm: LLM, params: list[SamplingParams], together: bool) -> list[list[int]]:
-    conversations = chats(llm)
     if together:
-        outs = llm.chat(conversations, params)
+        outs = llm.chat(CHATS, params)
     else:
-        outs = [llm.chat([c], [p])[0] for c, p in zip(conversations, params)]
+        outs = [llm.chat([c], [p])[0] for c, p in zip(CHATS, params)]
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -124,33 +109,13 @@ PASSAGE = (
 )
 
 
-def predictions(llm: LLM, copies: int) -> list[list[dict[int, float]]]:
-    """The top-20 next-token logprobs at every position of `copies` variants of the passage
-    (each opening with its own number, so no prefix is shared), teacher-forced in one step."""
-    prompts = [f"{i}. " + PASSAGE * 2 for i in range(copies)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0,
-                                                prompt_logprobs=20))
-    return [[dict(e.top) for e in o.prompt_logprobs[1:]] for o in outs]
-
-
-def compare(reference: list[list[dict[int, float]]], other: list[list[dict[int, float]]]
-            ) -> tuple[float, float]:
-    """(top-1 agreement, mean KL divergence over the reference's top 20)."""
-    agree, kld, count = 0, 0.0, 0
-    for ref_rows, rows in zip(reference, other):
-        for ref, row in zip(ref_rows, rows):
-            agree += max(ref, key=ref.get) == max(row, key=row.get)
-            floor = min(row.values())  # a token past the other's top 20: at most its 20th
-            kld += sum(math.exp(lp) * (lp - row.get(t, floor)) for t, lp in ref.items())
-            count += 1
-    return agree / count, kld / count
-
-
 @pytest.mark.integration
 def test_the_default_stays_within_the_bound_at_32_sequences() -> None:
-    reference = predictions(LLM(dtype="float32", batched_matmul="native",
-                                kv_cache_dtype="float32", **OPTIONS), 32)
-    default = predictions(LLM(max_num_seqs=32, **OPTIONS), 32)
+    """32 variants of a passage (each opening with its own number, so no prefix is shared),
+    teacher-forced in one step."""
+    prompts = [f"{i}. " + PASSAGE for i in range(32)]
+    reference = predictions(LLM(**REFERENCE, **OPTIONS), prompts, together=True)
+    default = predictions(LLM(max_num_seqs=32, **OPTIONS), prompts, together=True)
     top1, kld = compare(reference, default)
     assert top1 >= MIN_TOP1, f"top-1 agreement {top1:.2%}"
     assert kld <= MAX_KLD, f"mean KLD {kld:.2e}"
