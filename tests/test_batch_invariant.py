@@ -13,6 +13,7 @@ from loom import LLM, SamplingParams
 from loom.config import ModelConfig
 from loom.model.backends import Backends
 from loom.model.batch_invariant import INT8_EVERY_ROW, PER_TOKEN_EVERY_CHUNK
+from loom.model.kernels import block_quant_linear_ops
 from loom.model.linear import INT8_MAX_ROWS
 
 MAX_TOKENS = 24
@@ -28,14 +29,23 @@ MAX_KLD = 5e-5
 
 
 CHATS = [[{"role": "user", "content": p}] for p in PROMPTS]
+# Together, the prompts share their steps with these too: 22 decode rows, past the 12 up to
+# which the native matmul's default takes its int8 path (with 10 the default's tokens and
+# logprobs agree by that alone).
+FILLERS = [[{"role": "user", "content": f"Tell me a fact about the number {i}."}]
+           for i in range(12)]
 
 
-def tokens(llm: LLM, params: list[SamplingParams], together: bool) -> list[list[int]]:
+def answers(llm: LLM, params: list[SamplingParams], together: bool
+            ) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's tokens and their logprobs, bit for bit: decoded one prompt a call, or
+    all in one call among the fillers."""
     if together:
-        outs = llm.chat(CHATS, params)
+        outs = llm.chat(CHATS + FILLERS, params + params[:1] * len(FILLERS))[:len(CHATS)]
     else:
         outs = [llm.chat([c], [p])[0] for c, p in zip(CHATS, params)]
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return [(list(o.outputs[0].token_ids), [e.logprob for e in o.outputs[0].logprobs])
+            for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -44,36 +54,39 @@ def invariant() -> LLM:
 
 
 def greedy() -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=MAX_TOKENS, temperature=0)] * len(PROMPTS)
+    return [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)] * len(PROMPTS)
 
 
 def seeded() -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=100 + i)
+    return [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=100 + i,
+                           logprobs=1)
             for i in range(len(PROMPTS))]
 
 
 @pytest.mark.integration
 def test_greedy_alone_and_together_agree(invariant: LLM) -> None:
     assert invariant.engine.runner.backends.batch_invariant
-    alone = tokens(invariant, greedy(), together=False)
-    assert tokens(invariant, greedy(), together=True) == alone
-    assert all(len(t) > 4 for t in alone)
+    """Tokens and logprobs bit for bit (the default mode's logprobs differ in all ten)."""
+    alone = answers(invariant, greedy(), together=False)
+    assert answers(invariant, greedy(), together=True) == alone
+    assert all(len(ids) > 4 for ids, _ in alone)
 
 
 @pytest.mark.integration
 def test_seeded_sampling_alone_and_together_agree(invariant: LLM) -> None:
-    alone = tokens(invariant, seeded(), together=False)
-    assert tokens(invariant, seeded(), together=True) == alone
-    assert alone != tokens(invariant, greedy(), together=False)  # the draws did sample
+    alone = answers(invariant, seeded(), together=False)
+    assert answers(invariant, seeded(), together=True) == alone
+    sampled = [ids for ids, _ in alone]
+    assert sampled != [ids for ids, _ in answers(invariant, greedy(), together=False)]
 
 
 @pytest.mark.integration
 def test_small_prefill_chunks_change_no_token(invariant: LLM) -> None:
     """A token budget of 16 cuts every prompt into chunks whose edges depend on the others
     in the step; the tokens are still those of each prompt alone, unchunked."""
-    alone = tokens(invariant, greedy(), together=False)
+    alone = answers(invariant, greedy(), together=False)
     chunked = LLM(batch_invariant=True, max_num_batched_tokens=16, max_num_seqs=8, **OPTIONS)
-    assert tokens(chunked, greedy(), together=True) == alone
+    assert answers(chunked, greedy(), together=True) == alone
 
 
 @pytest.mark.unit
@@ -99,6 +112,10 @@ def test_the_pinned_kernel_gives_a_row_the_same_bits_in_any_batch(invariant: LLM
     x = torch.randn(40, layer.in_features, generator=torch.Generator().manual_seed(0))
     alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
     assert torch.equal(layer(x), alone)
+    # without the pin the 40 rows take the kernel's fp32 path and round apart from 1 row's
+    ops = block_quant_linear_ops()
+    unpinned = ops.block_quant_linear(x, layer.panels, layer.bias, INT8_MAX_ROWS[4])
+    assert not torch.equal(unpinned, alone)
 
 
 PASSAGE = (
