@@ -55,7 +55,8 @@ PANEL_CHANNELS = 8
 # against two byte products for 4-bit codes (measured over the bundled model's Q4_1 layers and
 # Q8_0 lm_head; benchmarks/kernels/linear_layout.py times both paths). Both paths read the same
 # panels, so the choice is per call. Not batch-invariant: a decode row in a step of more rows takes
-# the fp32 path and can round differently.
+# the fp32 path and can round differently (--batch-invariant takes int8 for every call:
+# model/batch_invariant.py).
 INT8_MAX_ROWS = {4: 12, 8: 20}
 
 # Rows above which a layer with bf16 copies sends a call to them (`Linear`'s bf16_above_rows,
