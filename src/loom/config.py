@@ -95,9 +95,9 @@ class ModelConfig:
         "when the native kernel runs: native = the kernel itself; bfloat16 = bf16 copies "
         "of the weights (loom's AMX kernel where the CPU has AMX, else oneDNN; 2 bytes a "
         "weight more memory; fast only with native bf16; on CPUs with AMX the attention "
-        "of long prefill chunks then runs in bf16 too; faster at 8-32 users, but on an "
-        "AVX-512 EPYC its top-1 prediction left float32's more often than 1 in 100 at 32 "
-        "sequences: BENCHMARKS.md); auto = native"))
+        "of long prefill chunks then runs in bf16 too; faster, but on an AVX-512 EPYC "
+        "its top-1 prediction left float32's more often than 1 in 100 at 32 sequences: "
+        "BENCHMARKS.md); auto = native"))
     batch_invariant: bool = field(default=False, metadata=flag_help(
         "the same prompt with the same seed gives the same tokens whatever else shares the "
         "batch: every matmul on the native kernel's per-row int8 path, every prompt token's "
