@@ -136,3 +136,11 @@ def test_the_default_stays_within_the_bound_at_32_sequences() -> None:
     top1, kld = compare(reference, default)
     assert top1 >= MIN_TOP1, f"top-1 agreement {top1:.2%}"
     assert kld <= MAX_KLD, f"mean KLD {kld:.2e}"
+
+
+@pytest.mark.integration
+def test_paths_it_cannot_pin_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="batch_invariant needs the native matmul"):
+        LLM(batch_invariant=True, linear_backend="torch", **OPTIONS)
+    with pytest.raises(ValueError, match="batch_invariant needs the native paged attention"):
+        LLM(batch_invariant=True, attention_backend="torch", **OPTIONS)
