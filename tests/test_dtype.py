@@ -1,7 +1,8 @@
 """bf16 against float32: the same model must make (almost) the same predictions, as a bfloat16
-model and as a float32 one whose wide matmuls run in bf16 (the default on CPUs with native bf16
-instructions when the native kernel takes the weights). benchmarks/kernels/dtype_accuracy.py
-measures this at length; here one passage, teacher-forced, guards against a broken bf16 path.
+model and as a float32 one whose wide matmuls run in bf16 (`batched_matmul bfloat16`; auto
+keeps float32 matmuls: tests/test_batch_invariant.py guards their quality bound).
+benchmarks/kernels/dtype_accuracy.py measures this at length; here one passage,
+teacher-forced, guards against a broken bf16 path.
 And which dtype and matmuls auto picks where."""
 
 from __future__ import annotations
@@ -39,16 +40,16 @@ def prompt_predictions(llm: LLM) -> tuple[list[int], list[float]]:
     return [e.top[0][0] for e in entries], [e.logprob for e in entries]
 
 
-def test_auto_runs_bf16_matmuls_exactly_where_the_cpu_has_them(llm: LLM) -> None:
-    """The bundled GGUF: float32 on the native kernel, its wide calls in bf16 where the CPU
-    has native bf16; a model the kernel cannot take would run bfloat16 there."""
+def test_auto_runs_the_bundled_gguf_in_float32(llm: LLM) -> None:
+    """The bundled GGUF: float32 on the native kernel, its wide calls too (no bf16 copies); a
+    model the kernel cannot take would run bfloat16 where the CPU has native bf16."""
     auto = LLM(kv_cache_memory="64MiB", max_model_len=1024)
     backends = auto.engine.runner.backends
     native = backends.linear == "native"
     expected = torch.bfloat16 if has_native_bf16() and not native else torch.float32
     assert backends.dtype == expected
-    assert backends.batched_bf16 == (native and has_native_bf16())
-    assert auto.engine.runner.model.lm_head.has_bf16_copy == backends.batched_bf16
+    assert not backends.batched_bf16
+    assert not auto.engine.runner.model.lm_head.has_bf16_copy
     answer = auto.chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(max_tokens=24, temperature=0))[0].outputs[0].text
     assert "Paris" in answer
@@ -68,8 +69,8 @@ def test_bf16_predicts_like_float32(llm: LLM) -> None:
 @pytest.mark.parametrize(("native_bf16", "amx"), [(True, True), (True, False), (False, False)])
 def test_auto_choices_on_each_cpu(monkeypatch, native_bf16: bool, amx: bool) -> None:
     """resolve_backends on each kind of CPU, for a model the native kernel takes (blocks) and
-    one it cannot: the dtype, the wide matmuls and from how many rows, and the error for bf16
-    matmuls without the kernel."""
+    one it cannot: the dtype, the wide matmuls (bf16 only when asked for) and from how many
+    rows, and the error for bf16 matmuls without the kernel."""
     arch = load_model(None).arch
     monkeypatch.setattr(host, "has_native_bf16", lambda: native_bf16)
     monkeypatch.setattr(backends, "amx_kernel_runs", lambda: amx)  # AMX tiles granted
@@ -78,33 +79,30 @@ def test_auto_choices_on_each_cpu(monkeypatch, native_bf16: bool, amx: bool) -> 
     if probe.linear != "native":
         pytest.skip("the native kernel does not build here")
 
-    def resolve(has_blocks: bool = True, copy_bytes: int = 1 << 20, **model: str):
-        return resolve_backends(ModelConfig(**model), CacheConfig(), arch, has_blocks,
-                                copy_bytes)
+    def resolve(has_blocks: bool = True, **model: str):
+        return resolve_backends(ModelConfig(**model), CacheConfig(), arch, has_blocks)
 
     auto = resolve()
-    assert (auto.dtype, auto.linear, auto.batched_bf16) == (torch.float32, "native", native_bf16)
-    above = BF16_ABOVE_ROWS_AMX if amx else BF16_ABOVE_ROWS
-    assert auto.bf16_above_rows == (above if native_bf16 else None)
-    assert (f"bf16 above {above} rows" in auto.describe()) == native_bf16
-    assert auto.bf16_prefill_attention == amx  # long prefill attention follows, on AMX
-    assert ("long prefill attention bf16" in auto.describe()) == amx
-    # against a bf16 SDPA short chunks stay per-token rows only up to a smaller bound
-    assert auto.per_token_prefill_max_positions == (
-        PER_TOKEN_PREFILL_MAX_POSITIONS_BF16 if amx else PER_TOKEN_PREFILL_MAX_POSITIONS)
-    assert PER_TOKEN_PREFILL_MAX_POSITIONS_BF16 < PER_TOKEN_PREFILL_MAX_POSITIONS
+    assert (auto.dtype, auto.linear, auto.batched_bf16) == (torch.float32, "native", False)
+    assert not auto.bf16_prefill_attention
+    assert "bf16" not in auto.describe()
+    assert auto.per_token_prefill_max_positions == PER_TOKEN_PREFILL_MAX_POSITIONS
     no_blocks = resolve(has_blocks=False)
     assert no_blocks.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
     assert not no_blocks.batched_bf16
     assert not resolve(dtype="float32").batched_bf16  # float32 asked for: float32 matmuls
     assert not resolve(batched_matmul="native").batched_bf16
     assert not resolve(batched_matmul="native").bf16_prefill_attention
-    too_big = 4 * host.available_ram_bytes()  # auto keeps no copies that would not fit
-    assert not resolve(copy_bytes=too_big).batched_bf16
-    assert resolve(copy_bytes=too_big, batched_matmul="bfloat16").batched_bf16
     forced = resolve(dtype="float32", batched_matmul="bfloat16")
-    assert forced.batched_bf16
+    above = BF16_ABOVE_ROWS_AMX if amx else BF16_ABOVE_ROWS
+    assert forced.bf16_above_rows == above
+    assert f"bf16 above {above} rows" in forced.describe()
     assert forced.bf16_prefill_attention == amx  # measured faster on AMX only
+    assert ("long prefill attention bf16" in forced.describe()) == amx
+    # against a bf16 SDPA short chunks stay per-token rows only up to a smaller bound
+    assert forced.per_token_prefill_max_positions == (
+        PER_TOKEN_PREFILL_MAX_POSITIONS_BF16 if amx else PER_TOKEN_PREFILL_MAX_POSITIONS)
+    assert PER_TOKEN_PREFILL_MAX_POSITIONS_BF16 < PER_TOKEN_PREFILL_MAX_POSITIONS
     with pytest.raises(ValueError, match="batched_matmul 'bfloat16' applies to the native"):
         resolve(has_blocks=False, dtype="float32", batched_matmul="bfloat16")
 

@@ -93,11 +93,21 @@ class ModelConfig:
         "when the native kernel runs: native = the kernel itself; bfloat16 = bf16 copies "
         "of the weights (loom's AMX kernel where the CPU has AMX, else oneDNN; 2 bytes a "
         "weight more memory; fast only with native bf16; on CPUs with AMX the attention "
-        "of long prefill chunks then runs in bf16 too); auto = "
-        "bfloat16 with --dtype auto on CPUs with native bf16 when the copies take at most a "
-        "quarter of the available memory, else native"))
+        "of long prefill chunks then runs in bf16 too; faster, but on an AVX-512 EPYC "
+        "its top-1 prediction left float32's more often than 1 in 100 at 32 sequences: "
+        "BENCHMARKS.md); auto = native"))
+    batch_invariant: bool = field(default=False, metadata=flag_help(
+        "the same prompt with the same seed gives the same tokens whatever else shares the "
+        "batch: every matmul on the native kernel's per-row int8 path, every prompt token's "
+        "attention a query of its own in the paged kernel, so neither the batch's rows nor "
+        "prefill chunk boundaries change a request's numerics (loom.model.batch_invariant); "
+        "needs a GGUF the native kernel takes, on CPU"))
 
     def __post_init__(self) -> None:
+        if self.batch_invariant and self.batched_matmul == "bfloat16":
+            raise ValueError("batch_invariant runs every matmul on the native kernel's per-row "
+                             "path; batched_matmul 'bfloat16' would send wide calls to bf16 "
+                             "copies: use 'auto' or 'native'")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

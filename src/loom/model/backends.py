@@ -14,11 +14,13 @@ import torch
 
 from loom import host
 from loom.config import CacheConfig, ModelConfig, check_device
+from loom.model import batch_invariant
 from loom.model.arch import ModelArch
 from loom.model.kernels import block_quant_linear_ops, fused_ops, paged_attention_ops
 from loom.model.linear import (
     BF16_ABOVE_ROWS,
     BF16_ABOVE_ROWS_AMX,
+    MatmulRows,
     amx_kernel_runs,
     onednn_prepack_supported,
 )
@@ -38,12 +40,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PER_TOKEN_PREFILL_MAX_POSITIONS = 1 << 24
 PER_TOKEN_PREFILL_MAX_POSITIONS_BF16 = 1 << 16  # where long chunks attend in bf16
 
-# auto keeps bf16 copies of a GGUF's weights (about 3.5x its 4-bit size) only up to this
-# share of the memory available at start-up: the KV cache takes up to another quarter, and a
-# home server's other programs the rest. A larger model stays on the native kernel alone.
-_BF16_COPY_RAM_SHARE = 0.25
-
-
 @dataclass(frozen=True)
 class Backends:
     device: torch.device
@@ -57,6 +53,8 @@ class Backends:
     bf16_above_rows: int | None = None
     # long prefill chunks attend in bf16 (model/attention.py, AttentionMetadata.prefill_bf16)
     bf16_prefill_attention: bool = False
+    # a request's numerics pinned whatever shares its steps (model/batch_invariant.py)
+    batch_invariant: bool = False
 
     @property
     def batched_bf16(self) -> bool:
@@ -65,9 +63,19 @@ class Backends:
     @property
     def per_token_prefill_max_positions(self) -> int:
         """Native path: prefill chunks of fewer query x context positions attend per token
-        (the runner's choice), fewer where the SDPA they compete with runs in bf16."""
+        (the runner's choice), fewer where the SDPA they compete with runs in bf16; all of
+        them under batch_invariant."""
+        if self.batch_invariant:
+            return batch_invariant.PER_TOKEN_EVERY_CHUNK
         return (PER_TOKEN_PREFILL_MAX_POSITIONS_BF16 if self.bf16_prefill_attention
                 else PER_TOKEN_PREFILL_MAX_POSITIONS)
+
+    @property
+    def matmul_rows(self) -> MatmulRows:
+        """The native matmul's path by a call's row count."""
+        if self.batch_invariant:
+            return MatmulRows(None, batch_invariant.INT8_EVERY_ROW)
+        return MatmulRows(self.bf16_above_rows)
 
     @property
     def prepack(self) -> bool:
@@ -86,16 +94,17 @@ class Backends:
                  f"long prefill attention {'bf16' if self.bf16_prefill_attention else 'as dtype'}",
                  f"matmuls {matmuls.get(self.linear, 'torch')}",
                  f"add + norm and SiLU * up {'fused kernels' if self.fused_ops else 'torch'}"]
+        if self.batch_invariant:
+            parts.append("batch-invariant (int8 matmuls and per-token attention at every size)")
         if self.num_threads:
             parts.append(f"{self.num_threads} threads")
         return ", ".join(parts)
 
 
 def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
-                     has_block_quant: bool, bf16_copy_bytes: int = 0) -> Backends:
-    """The backends for this model on this machine. bf16_copy_bytes: what bf16 copies of the
-    block-quantized weights would take (`batched_matmul`). Raises ValueError when a backend
-    asked for by name cannot run here, naming what it needs."""
+                     has_block_quant: bool) -> Backends:
+    """The backends for this model on this machine. Raises ValueError when a backend asked
+    for by name cannot run here, naming what it needs."""
     device = resolve_device(config.device)
     # whether the native kernel would take these weights in float32 ("auto" here: asking
     # does not raise; the real choice below does, for a backend that cannot run)
@@ -118,8 +127,11 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
     linear = _linear_backend(config.linear_backend, has_block_quant, device, dtype)
     fused = fused_ops() if device.type == "cpu" and dtype == torch.float32 else None
     # the casts in and out of bf16 are fused_ops' too
-    bf16_above_rows = _bf16_above_rows(config, device, linear == "native" and fused is not None,
-                                       bf16_copy_bytes)
+    bf16_above_rows = _bf16_above_rows(config, linear == "native" and fused is not None)
+    if config.batch_invariant:
+        batch_invariant.check_supported(linear, native_decode,
+                                        any(map(arch.has_experts, range(arch.num_layers))))
+        bf16_above_rows = None
     return Backends(
         device=device, dtype=dtype, kv_dtype=kv_dtype, num_threads=num_threads,
         native_decode=native_decode, linear=linear, fused_ops=fused,
@@ -127,7 +139,8 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
         # where prefill's matmuls already run in bf16, its long attention does too: measured
         # faster on AMX (torch's bf16 SDPA runs on its tiles), not on other CPUs
         bf16_prefill_attention=(bf16_above_rows is not None and dtype == torch.float32
-                                and host.has_amx()))
+                                and host.has_amx()),
+        batch_invariant=config.batch_invariant)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -141,8 +154,8 @@ def resolve_dtype(name: str, device: torch.device, native_linear: bool = False) 
     """auto: bfloat16 on CUDA. On a CPU with native bf16 instructions, float32 when the native
     kernel takes the model's weights (native_linear): at a few rows its int8 path reads a
     quarter of bf16's bytes (2.4x bf16's decode step at one sequence on an AVX-512 EPYC), and
-    above them the matmuls run in bf16 anyway (`_bf16_above_rows`); else bfloat16. float32 on
-    other CPUs."""
+    its fp32 path keeps float32's quality where bf16 would not (`_bf16_above_rows`); else
+    bfloat16. float32 on other CPUs."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
@@ -150,33 +163,20 @@ def resolve_dtype(name: str, device: torch.device, native_linear: bool = False) 
     return torch.bfloat16 if host.has_native_bf16() and not native_linear else torch.float32
 
 
-def _bf16_above_rows(config: ModelConfig, device: torch.device, native_with_casts: bool,
-                     copy_bytes: int) -> int | None:
+def _bf16_above_rows(config: ModelConfig, native_with_casts: bool) -> int | None:
     """The row count above which the native kernel's calls go to bf16 copies of the weights,
-    or None for no copies. Copies when asked for, or by auto with dtype auto on a CPU with
-    native bf16 when they take at most _BF16_COPY_RAM_SHARE of the available memory (with
-    dtype float32 asked for, the matmuls stay float32 too); the row count is where bf16
-    overtook the int8 path with the copies this process makes (AMX tiles or oneDNN's slices,
-    model/linear.py)."""
-    if not _batched_bf16(config, device, native_with_casts, copy_bytes):
+    or None for no copies. Copies only when asked for (`batched_matmul bfloat16`): auto keeps
+    none, as bf16 activations left float32's top-1 prediction at 32 sequences more often than
+    issue 50's bound allows (BENCHMARKS.md, "Quality of the matmul settings"). The row count
+    is where bf16 overtook the int8 path with the copies this process makes (AMX tiles or
+    oneDNN's slices, model/linear.py)."""
+    if config.batched_matmul != "bfloat16":
         return None
-    return BF16_ABOVE_ROWS_AMX if amx_kernel_runs() else BF16_ABOVE_ROWS
-
-
-def _batched_bf16(config: ModelConfig, device: torch.device, native_with_casts: bool,
-                  copy_bytes: int) -> bool:
-    if config.batched_matmul == "native":
-        return False
     if not native_with_casts:
-        if config.batched_matmul == "bfloat16":
-            raise ValueError("batched_matmul 'bfloat16' applies to the native kernel's matmuls "
-                             "(a GGUF model with block-quantized weights in float32, and a "
-                             "C++ compiler); use 'native' or 'auto'")
-        return False
-    if config.batched_matmul == "bfloat16":
-        return True
-    return (config.dtype == "auto" and device.type == "cpu" and host.has_native_bf16()
-            and copy_bytes <= _BF16_COPY_RAM_SHARE * host.available_ram_bytes())
+        raise ValueError("batched_matmul 'bfloat16' applies to the native kernel's matmuls "
+                         "(a GGUF model with block-quantized weights in float32, and a "
+                         "C++ compiler); use 'native' or 'auto'")
+    return BF16_ABOVE_ROWS_AMX if amx_kernel_runs() else BF16_ABOVE_ROWS
 
 
 def _native_decode(backend: str, arch: ModelArch, block_size: int, device: torch.device,

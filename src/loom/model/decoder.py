@@ -32,7 +32,7 @@ from loom.model.attention import (
     write_kv,
 )
 from loom.model.kernels import block_quant_linear_ops
-from loom.model.linear import Linear
+from loom.model.linear import Linear, MatmulRows
 from loom.model.moe import MoeBlock, Routing, moe_from_hf
 from loom.model.weights import BlockQuantWeight, LazyWeights
 
@@ -41,15 +41,14 @@ class DecoderLayer:
     def __init__(self, w: Mapping[str, torch.Tensor], prefix: str, arch: ModelArch,
                  attention: LayerAttention, rope: int | None, qk_rows: torch.Tensor | None,
                  norm: partial[torch.Tensor], prepack: bool,
-                 block_quant: dict[str, BlockQuantWeight], bf16_above_rows: int | None,
+                 block_quant: dict[str, BlockQuantWeight], matmul: MatmulRows,
                  experts: bool) -> None:
         """rope: the index of the layer's RoPE table in the model's, None for none; qk_rows:
         the order of the fused QKV projection's rows that puts a partial rotary's pairs half a
         head apart (`_rotary_layout`), None to keep the checkpoint's; norm: a norm weight by
         name, as the model applies it; experts: the MLP is a mixture of experts."""
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
-        linear = partial(_linear, w, prepack=prepack, block_quant=block_quant,
-                         bf16_above_rows=bf16_above_rows)
+        linear = partial(_linear, w, prepack=prepack, block_quant=block_quant, matmul=matmul)
         qkv_bias = (torch.cat([w[attn + f"{x}_proj.bias"] for x in "qkv"]) if arch.attention_bias
                     else None)
         self.qkv = linear(_qkv_names(w, prefix), qkv_bias, rows=qk_rows)
@@ -106,10 +105,10 @@ def _gate_up_names(w: Mapping[str, torch.Tensor], prefix: str) -> list[str]:
 
 def _linear(w: Mapping[str, torch.Tensor], names: list[str], bias: torch.Tensor | None,
             prepack: bool, block_quant: dict[str, BlockQuantWeight],
-            bf16_above_rows: int | None, rows: torch.Tensor | None = None) -> Linear:
+            matmul: MatmulRows, rows: torch.Tensor | None = None) -> Linear:
     """One projection from the named weights, stacked along the output rows (then reordered
     by `rows` where given); with the GGUF's block-quantized form too when every part has one
-    (and then, with bf16_above_rows, a bf16 copy for wide calls: model/linear.py). The fp32
+    (and then, by `matmul`, a bf16 copy for wide calls: model/linear.py). The fp32
     parts are stacked only when the layer will use them."""
     quant, ops = None, None
     if all(n in block_quant for n in names):
@@ -120,7 +119,7 @@ def _linear(w: Mapping[str, torch.Tensor], names: list[str], bias: torch.Tensor 
     if rows is not None and bias is not None:
         bias = bias[rows]
     if Linear.uses_panels(quant, ops):
-        return Linear(None, bias, prepack, quant, ops, bf16_above_rows)
+        return Linear(None, bias, prepack, quant, ops, matmul.bf16_above, matmul.int8_max)
     weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
     if rows is not None:
         weight = weight[rows]
@@ -132,10 +131,10 @@ class DecoderModel:
                  device: torch.device, prepack: bool = False,
                  block_quant: dict[str, BlockQuantWeight] | None = None,
                  fused_ops: ModuleType | None = None,
-                 bf16_above_rows: int | None = None, max_model_len: int | None = None) -> None:
+                 matmul: MatmulRows | None = None, max_model_len: int | None = None) -> None:
         """prepack: hold the projection weights prepacked for oneDNN; block_quant: the GGUF's
-        block-quantized weights, for the native matmul (see model/linear.py), which with
-        bf16_above_rows hands calls of more rows to bf16 copies of them; fused_ops: the compiled
+        block-quantized weights, for the native matmul (see model/linear.py), whose path for
+        a call of so many rows `matmul` picks (bf16 copies, int8, fp32); fused_ops: the compiled
         add + RMSNorm and SiLU * up (CPU float32), else torch's ops; max_model_len: the context
         served (default the model's), which picks LongRoPE's long or short factors."""
         self.arch = arch
@@ -161,7 +160,8 @@ class DecoderModel:
         self.embed_scale = (None if arch.embedding_scale == 1.0 else
                             torch.tensor(arch.embedding_scale).to(device=device, dtype=dtype))
         head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = _linear(w, [head], None, prepack, block_quant, bf16_above_rows)
+        matmul = matmul or MatmulRows()
+        self.lm_head = _linear(w, [head], None, prepack, block_quant, matmul)
 
         def norm(name: str) -> torch.Tensor:  # Gemma's (1 + w), folded into the weight once
             return w[name] + arch.norm_offset if arch.norm_offset else w[name]
@@ -183,7 +183,7 @@ class DecoderModel:
                          LayerAttention(scale, arch.sliding_window if arch.is_sliding(i) else None,
                                         arch.attn_softcap),
                          tables.get(_rope_key(arch, i)), qk_rows, norm, prepack, block_quant,
-                         bf16_above_rows, arch.has_experts(i))
+                         matmul, arch.has_experts(i))
             for i in range(arch.num_layers)]
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim

@@ -30,6 +30,8 @@ oneDNN's matmul on oneDNN-packed slices of the output columns, one per thread
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -53,7 +55,8 @@ PANEL_CHANNELS = 8
 # against two byte products for 4-bit codes (measured over the bundled model's Q4_1 layers and
 # Q8_0 lm_head; benchmarks/kernels/linear_layout.py times both paths). Both paths read the same
 # panels, so the choice is per call. Not batch-invariant: a decode row in a step of more rows takes
-# the fp32 path and can round differently.
+# the fp32 path and can round differently (--batch-invariant takes int8 for every call:
+# model/batch_invariant.py).
 INT8_MAX_ROWS = {4: 12, 8: 20}
 
 # Rows above which a layer with bf16 copies sends a call to them (`Linear`'s bf16_above_rows,
@@ -66,6 +69,15 @@ INT8_MAX_ROWS = {4: 12, 8: 20}
 # user.
 BF16_ABOVE_ROWS = 1
 BF16_ABOVE_ROWS_AMX = 3
+
+
+@dataclass(frozen=True)
+class MatmulRows:
+    """Which path a native-kernel call takes by its row count: calls of more rows than
+    bf16_above go to bf16 copies (None: no copies); of up to int8_max[code bits], the int8
+    path; others, the fp32 one."""
+    bf16_above: int | None = None
+    int8_max: Mapping[int, int] = field(default_factory=lambda: dict(INT8_MAX_ROWS))
 
 
 def onednn_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -131,11 +143,13 @@ class Linear:
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
                  prepack: bool = False, block_quant: BlockQuantWeight | None = None,
                  block_quant_ops: ModuleType | None = None,
-                 bf16_above_rows: int | None = None) -> None:
+                 bf16_above_rows: int | None = None,
+                 int8_max_rows: Mapping[int, int] = INT8_MAX_ROWS) -> None:
         """block_quant (with the compiled block_quant_ops): the same weight in the GGUF's
         format; when `uses_panels` says so, every matmul uses it and `weight` is not kept
         (it may then be None). bf16_above_rows: calls of more rows than this run in
-        bf16 on a copy of that weight instead (module docstring)."""
+        bf16 on a copy of that weight instead (module docstring); int8_max_rows: calls of up
+        to this many rows (by code width) take the kernel's int8 path."""
         self.bias = bias
         self.panels: torch.Tensor | None = None
         self.batched_slices: list[torch.Tensor] | None = None  # oneDNN's, or:
@@ -144,7 +158,7 @@ class Linear:
             self.out_features, self.in_features = block_quant.shape
             self.panels = to_panels(block_quant, block_quant_ops)
             self._block_quant_ops = block_quant_ops
-            self._code_bits = 4 if block_quant.kind in FOUR_BIT_KINDS else 8
+            self._int8_max_rows = int8_max_rows[4 if block_quant.kind in FOUR_BIT_KINDS else 8]
             self.weight, self.prepacked = None, False
             if bf16_above_rows is not None:
                 self._bf16_above_rows = bf16_above_rows
@@ -184,7 +198,7 @@ class Linear:
                                                   self.bias))
             else:
                 out = self._block_quant_ops.block_quant_linear(
-                    rows, self.panels, self.bias, INT8_MAX_ROWS[self._code_bits])
+                    rows, self.panels, self.bias, self._int8_max_rows)
             return out if flat else out.view(*x.shape[:-1], self.out_features)
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")

@@ -92,14 +92,13 @@ class ModelRunner:
         loaded = load_model(config.model.model)
         block_size = config.cache.block_size
         backends = resolve_backends(
-            config.model, config.cache, loaded.arch, has_block_quant=bool(loaded.block_quant),
-            bf16_copy_bytes=sum(2 * n * k for n, k in loaded.block_quant_shapes.values()))
+            config.model, config.cache, loaded.arch, has_block_quant=bool(loaded.block_quant))
         model = DecoderModel(loaded.arch, loaded.weights, backends.dtype, backends.device,
                              prepack=backends.prepack,
                              block_quant=loaded.block_quant if backends.linear == "native"
                              else None,
                              fused_ops=backends.fused_ops,
-                             bf16_above_rows=backends.bf16_above_rows,
+                             matmul=backends.matmul_rows,
                              max_model_len=config.model.max_model_len)
         info = ModelInfo(loaded.name, loaded.tokenizer, loaded.arch.vocab_size,
                          loaded.arch.max_position_embeddings)
