@@ -2,11 +2,13 @@
 (loading, conversion, start-up, memory, the step's kernels) at sizes no bundled file has: the
 tokenizer and settings of a reference GGUF, the architecture's sizes from the flags, F16
 weights drawn from N(0, 0.02) (norms 1). Quantize it with llama.cpp's `llama-quantize` to the
-type to measure. Its text is noise. Architectures: `llama` (a dense Llama/SmolLM), and two
-mixtures of experts, `qwen3moe` (Qwen3-MoE: per-head q/k norms, experts
-expert_feed_forward_length wide) and `olmoe` (OLMoE: q/k norms over the whole projections,
-experts feed_forward_length wide). Tensors are made and written one at a time, so memory
-holds one tensor, not the model. Run from the repository root; the reference here is the
+type to measure. Its text is noise. Architectures: `llama` (a dense Llama/SmolLM), `qwen3`
+(Llama's with per-head q/k norms and an output layer of its own), `gemma3` (Gemma 3: per-head
+q/k norms, norms after attention and MLP too, `--sliding-window` positions in five layers of
+six, tied embeddings), and two mixtures of experts, `qwen3moe` (Qwen3-MoE: per-head q/k
+norms, experts expert_feed_forward_length wide) and `olmoe` (OLMoE: q/k norms over the whole
+projections, experts feed_forward_length wide). Tensors are made and written one at a time,
+so memory holds one tensor, not the model. Run from the repository root; the reference here is the
 bundled model (`python -c "from loom.model.arch import default_model_path;
 print(default_model_path())"`), whose vocabulary the file takes (any GGUF with a tokenizer
 will do, a vocab-only one too).
@@ -32,7 +34,15 @@ OLMoE-1B-7B's shape (64 experts, 8 a token, 1024 wide: about 7B weights, 14 GB i
         --experts 64 --experts-used 8 --expert-ffn 1024 --out olmoe-f16.gguf
     llama-quantize olmoe-f16.gguf olmoe-Q4_K_M.gguf Q4_K_M
 
-llama.cpp loads both: llama-quantize as above, then `llama-perplexity -m X-Q4_K_M.gguf -f
+Qwen3-8B's and Gemma-3-4B's (the latter's window 1024):
+
+    python benchmarks/synthetic_gguf.py --arch qwen3 --reference $REF --hidden 4096 \
+        --ffn 12288 --layers 36 --heads 32 --kv-heads 8 --head-dim 128 --out qwen3-f16.gguf
+    python benchmarks/synthetic_gguf.py --arch gemma3 --reference $REF --hidden 2560 \
+        --ffn 10240 --layers 34 --heads 8 --kv-heads 4 --head-dim 256 \
+        --sliding-window 1024 --out gemma3-f16.gguf
+
+llama.cpp loads the mixtures: llama-quantize as above, then `llama-perplexity -m X-Q4_K_M.gguf -f
 text.txt -c 128 --chunks 2 -nr` (`-nr`: llama.cpp's repacking for AMX crashed at start-up on the
 AMX Xeon, for a dense file too) ran on a small shape of each; loom reads their expert
 tensors, Q4_K with Q6_K in the downs of some layers, with `loom.model.moe.moe_from_gguf`.
@@ -46,8 +56,10 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
-ARCHITECTURES = ("llama", "qwen3moe", "olmoe")
+ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen3moe", "olmoe")
 MIXTURES = ("qwen3moe", "olmoe")
+HEAD_NORMS = ("qwen3", "gemma3", "qwen3moe")  # an RMSNorm per head on q and k
+OWN_OUTPUT = ("qwen3", "qwen3moe", "olmoe")  # an output layer, not the embeddings tied
 GGUF_FILE_TYPE_F16 = 1  # general.file_type: mostly F16
 
 
@@ -63,6 +75,7 @@ class Shape:
     experts: int = 0
     experts_used: int = 0
     expert_ffn: int = 0
+    sliding_window: int = 0  # gemma3's sliding layers' window
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -78,6 +91,8 @@ class Shape:
                              "--expert-ffn")
         if not moe and self.experts:
             raise ValueError(f"{self.arch} has no experts: drop --experts")
+        if (self.arch == "gemma3") != (self.sliding_window > 0):
+            raise ValueError("--sliding-window (positive) is gemma3's, and needed for it")
 
 
 def metadata(shape: Shape) -> dict[str, int]:
@@ -89,6 +104,8 @@ def metadata(shape: Shape) -> dict[str, int]:
     if shape.arch in MIXTURES:
         keys |= {"expert_count": shape.experts, "expert_used_count": shape.experts_used,
                  "expert_feed_forward_length": shape.expert_ffn}
+    if shape.sliding_window:
+        keys["attention.sliding_window"] = shape.sliding_window
     return {f"{shape.arch}.{key}": value for key, value in keys.items()}
 
 
@@ -104,7 +121,7 @@ def tensor_specs(shape: Shape, vocab: int) -> list[TensorSpec]:
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     specs = [TensorSpec("token_embd.weight", (vocab, h), "matrix"),
              TensorSpec("output_norm.weight", (h,), "norm")]
-    if shape.arch in MIXTURES:  # both have an output layer of their own
+    if shape.arch in OWN_OUTPUT:
         specs.append(TensorSpec("output.weight", (vocab, h), "matrix"))
     for layer in range(shape.layers):
         block = f"blk.{layer}."
@@ -113,7 +130,10 @@ def tensor_specs(shape: Shape, vocab: int) -> list[TensorSpec]:
         specs += [TensorSpec(block + name + ".weight", dims, "matrix") for name, dims in (
             ("attn_q", (q, h)), ("attn_k", (kv, h)), ("attn_v", (kv, h)),
             ("attn_output", (h, q)))]
-        if shape.arch == "qwen3moe":  # RMSNorm per head
+        if shape.arch == "gemma3":
+            specs += [TensorSpec(block + norm + ".weight", (h,), "norm")
+                      for norm in ("post_attention_norm", "post_ffw_norm")]
+        if shape.arch in HEAD_NORMS:
             specs += [TensorSpec(block + f"attn_{x}_norm.weight", (shape.head_dim,), "norm")
                       for x in "qk"]
         elif shape.arch == "olmoe":  # RMSNorm over the whole projection
@@ -200,12 +220,14 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=0, help="experts per layer (MoE)")
     parser.add_argument("--experts-used", type=int, default=0, help="experts a token takes")
     parser.add_argument("--expert-ffn", type=int, default=0, help="an expert's width")
+    parser.add_argument("--sliding-window", type=int, default=0,
+                        help="gemma3: positions its sliding layers attend to")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     try:
         shape = Shape(args.arch, args.hidden, args.ffn, args.layers, args.heads, args.kv_heads,
                       args.head_dim or args.hidden // args.heads, args.experts,
-                      args.experts_used, args.expert_ffn)
+                      args.experts_used, args.expert_ffn, args.sliding_window)
     except ValueError as e:
         parser.error(str(e))
     write(shape, args.reference, args.out)
