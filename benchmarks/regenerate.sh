@@ -10,7 +10,8 @@
 #                   model's own file), smollm2-135m-f16 (the bundled model converted by
 #                   llama.cpp's convert_hf_to_gguf.py), smollm2-135m-<TYPE> (that quantized
 #                   by llama-quantize), big-f16 (SmolLM2-1.7B's shape with random weights,
-#                   benchmarks/synthetic_gguf.py), big-<TYPE>
+#                   benchmarks/synthetic_gguf.py), big-<TYPE>, gemma3-4b-<TYPE> and
+#                   olmoe-<TYPE> (those models' shapes, likewise; the bundled vocabulary)
 #   $NGRAM          the n-gram speculative config
 # and this checkout's .venv first on PATH. Run it on a machine with nothing else running; the
 # peers need benchmarks/peers/setup_*.sh first, the GGUFs llama.cpp's llama-quantize
@@ -68,7 +69,17 @@ model() {  # NAME: a GGUF, made once; prints its path
                     && python "$CHECKOUT/benchmarks/synthetic_gguf.py" --reference "$reference" \
                         --hidden 2048 --ffn 8192 --layers 24 --heads 32 --kv-heads 32 \
                         --out "$file.part" >&2 ;;
-            smollm2-135m-*|big-*)
+            gemma3-4b-f16)  # Gemma-3-4B's shape, random weights
+                python "$CHECKOUT/benchmarks/synthetic_gguf.py" --arch gemma3 \
+                    --reference "$(model bundled)" --hidden 2560 --ffn 10240 --layers 34 \
+                    --heads 8 --kv-heads 4 --head-dim 256 --window 1024 \
+                    --out "$file.part" >&2 ;;
+            olmoe-f16)  # OLMoE-1B-7B's shape, random weights
+                python "$CHECKOUT/benchmarks/synthetic_gguf.py" --arch olmoe \
+                    --reference "$(model bundled)" --hidden 2048 --ffn 1024 --layers 16 \
+                    --heads 16 --kv-heads 16 --experts 64 --experts-used 8 --expert-ffn 1024 \
+                    --out "$file.part" >&2 ;;
+            smollm2-135m-*|big-*|gemma3-4b-*|olmoe-*)
                 local source
                 source=$(model "${name%-*}-f16") \
                     && "$LLAMA_BIN/llama-quantize" "$source" "$file.part" "${name##*-}" >&2 ;;

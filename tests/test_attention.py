@@ -51,7 +51,8 @@ DTYPES = [(torch.float32, torch.float32, 1e-5), (torch.float32, torch.float16, 1
 
 
 @pytest.mark.parametrize("dtype,cache_dtype,tolerance", DTYPES)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         [(9, 3, 64), (4, 4, 128), (8, 1, 64), (8, 4, 256)])  # Gemma 3 4B
 def test_native_decode_attention_matches_torch(dtype, cache_dtype, tolerance, num_heads,
                                                num_kv_heads, head_dim) -> None:
     ops = paged_attention_ops()
@@ -61,7 +62,8 @@ def test_native_decode_attention_matches_torch(dtype, cache_dtype, tolerance, nu
 
 
 @pytest.mark.parametrize("dtype,cache_dtype,tolerance", DTYPES)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (6, 3, 64), (4, 4, 128)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (6, 3, 64), (4, 4, 128),
+                                                              (4, 1, 256)])
 def test_rows_over_one_block_table_attend_in_tiles_each_over_its_own_context(
         dtype, cache_dtype, tolerance, num_heads, num_kv_heads, head_dim) -> None:
     """A chunk's tokens as consecutive rows, each over the request's blocks up to its own
@@ -211,6 +213,7 @@ def test_shapes_outside_the_kernel_are_reported_unsupported() -> None:
     ops = paged_attention_ops()
     f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
     assert not ops.supported(4, 4, 32, 16, f32, f32)  # head_dim
+    assert not ops.supported(6, 2, 256, 16, f32, f32)  # head_dim 256 is built for G 1, 2, 4, 8
     assert not ops.supported(9, 3, 64, 8, f32, f32)  # block size
     assert not ops.supported(9, 3, 64, 16, f16, f16)  # fp16 activations
     assert not ops.supported(9, 3, 64, 16, bf16, f16)  # bf16 activations over an fp16 cache
@@ -335,7 +338,8 @@ def test_short_prefill_chunks_attend_per_token_on_the_native_path(native: bool) 
                          [(torch.float32, torch.float32, 1e-5),
                           (torch.float32, torch.float16, 2e-3),  # a key's rounding may differ
                           (torch.bfloat16, torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         [(9, 3, 64), (4, 4, 128), (8, 1, 64), (8, 4, 256)])
 @pytest.mark.parametrize("step", ["decodes", "prefills", "mixed"])
 def test_fused_rope_write_decode_matches_the_torch_path(dtype, cache_dtype, tolerance, num_heads,
                                                         num_kv_heads, head_dim, step) -> None:
@@ -588,7 +592,8 @@ VARIANT_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
 @pytest.mark.parametrize("dtype,cache_dtype,tolerance", DTYPES)
 @pytest.mark.parametrize("window,lens", WINDOW_CASES)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 128)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 128),
+                                                              (8, 4, 256)])
 def test_windowed_decode_rows_attend_exactly_their_window(dtype, cache_dtype, tolerance, window,
                                                           lens, num_heads, num_kv_heads,
                                                           head_dim) -> None:

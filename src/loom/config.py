@@ -79,7 +79,7 @@ class ModelConfig:
     attention_backend: Literal["auto", "native", "torch"] = field(
         default="auto", metadata=flag_help(
         "decode attention: native = loom's C++ paged kernel (CPU; compiled on first use; "
-        "block_size 16, head_dim 64/128), torch = gather + SDPA; auto = native where it "
+        "block_size 16, head_dim 64/128/256), torch = gather + SDPA; auto = native where it "
         "builds and fits, else torch"))
     linear_backend: Literal["auto", "native", "onednn", "torch"] = field(
         default="auto", metadata=flag_help(

@@ -190,9 +190,9 @@ def _native_decode(backend: str, arch: ModelArch, block_size: int, device: torch
     if backend == "native":
         raise ValueError(
             "attention_backend 'native' is unavailable: it needs a CPU device, a C++ "
-            "compiler (see any warning above), block_size 16, head_dim 64 or 128, 1-8 "
-            "query heads per kv head and float32 (KV cache float32 or float16) or bfloat16 "
-            "(KV cache bfloat16); use 'torch' or 'auto'")
+            "compiler (see any warning above), block_size 16, head_dim 64 or 128 with 1-8 "
+            "query heads per kv head (or 256 with 1, 2, 4 or 8) and float32 (KV cache "
+            "float32 or float16) or bfloat16 (KV cache bfloat16); use 'torch' or 'auto'")
     return False
 
 

@@ -591,10 +591,12 @@ static void decode(const DecodeArgs<T, C>& a) {
   });
 }
 
-// (G, D) instantiated; anything else goes through torch.
+// (G, D) instantiated; anything else goes through torch. Head dim 256 is Gemma 3's (4, 2 or 8
+// query heads per kv head there), so only the power-of-two G are built for it.
 #define LOOM_FOR_EACH_SHAPE(X) \
   X(1, 64) X(2, 64) X(3, 64) X(4, 64) X(5, 64) X(6, 64) X(7, 64) X(8, 64) \
-  X(1, 128) X(2, 128) X(3, 128) X(4, 128) X(5, 128) X(6, 128) X(7, 128) X(8, 128)
+  X(1, 128) X(2, 128) X(3, 128) X(4, 128) X(5, 128) X(6, 128) X(7, 128) X(8, 128) \
+  X(1, 256) X(2, 256) X(4, 256) X(8, 256)
 
 // The (query, cache) types instantiated: fp32 over fp32 or fp16, bf16 over bf16.
 static bool supported_types(c10::ScalarType dtype, c10::ScalarType cache_dtype) {
