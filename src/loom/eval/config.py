@@ -22,9 +22,10 @@ class ScoringConfig:
     batch_size: int = field(default=1, metadata=flag_help(
         "chunks in flight together, sharing each step (so batch effects show)"))
     as_decode: bool = field(default=False, metadata=flag_help(
-        "feed one token of each chunk a step (a step budget of --batch-size tokens), so "
-        "every matmul has as many rows as decoding --batch-size sequences does; default: "
-        "chunks prefill as the engine's budget allows"))
+        "a step budget of --batch-size tokens, so every matmul has as many rows as "
+        "decoding --batch-size sequences does (the scheduler fills the budget from the "
+        "first chunks waiting, so attention is not a decode's); default: chunks prefill "
+        "as the engine's budget allows"))
     top_n: int = field(default=20, metadata=flag_help(
         "with --base-url: the server's logprobs per token (OpenAI's legacy `logprobs`)"))
 

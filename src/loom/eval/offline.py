@@ -23,7 +23,7 @@ from loom.sampling import SamplingParams
 
 def scoring_engine(config: EngineConfig, scoring: ScoringConfig) -> EngineConfig:
     """The engine as scoring runs it: no prefix caching (a cached position gets no logits),
-    room for `batch_size` sequences; with `as_decode`, a step budget of one token each. Unless
+    room for `batch_size` sequences; with `as_decode`, a step budget of one token a sequence. Unless
     a KV size is given, the cache holds those sequences and no more (not a share of RAM)."""
     s, c = config.scheduler, config.cache
     seqs = scoring.batch_size
