@@ -23,7 +23,7 @@ OPTIONS = {"kv_cache_memory": "64MiB", "max_model_len": 1024}
 # 99%, and a mean KL divergence (over the float32 reference's top 20 tokens, the part prompt
 # logprobs return) far below bf16 copies' 6e-4 and far above float32 matmuls' 5e-7 (8,192
 # tokens of docs/architecture.md, benchmarks/engine/batch_invariance.py, BENCHMARKS.md
-# "Quality of the matmul settings"): a default that rounded activations to bf16 fails it.
+# "Quality: settings against float32"): a default that rounded activations to bf16 fails it.
 MIN_TOP1 = 0.99
 MAX_KLD = 5e-5
 

@@ -167,7 +167,7 @@ def _bf16_above_rows(config: ModelConfig, native_with_casts: bool) -> int | None
     """The row count above which the native kernel's calls go to bf16 copies of the weights,
     or None for no copies. Copies only when asked for (`batched_matmul bfloat16`): auto keeps
     none, as bf16 activations left float32's top-1 prediction at 32 sequences more often than
-    issue 50's bound allows (BENCHMARKS.md, "Quality of the matmul settings"). The row count
+    issue 50's bound allows (BENCHMARKS.md, "Quality: settings against float32"). The row count
     is where bf16 overtook the int8 path with the copies this process makes (AMX tiles or
     oneDNN's slices, model/linear.py)."""
     if config.batched_matmul != "bfloat16":

@@ -43,8 +43,9 @@ def _return_freed_heap() -> None:
     """Hand the memory loading freed back to the OS. Converting a GGUF's blocks and laying them
     out in panels frees about a model's size in large arrays, and glibc's malloc keeps most of
     that in its heap (its mmap threshold grows with the blocks freed), so a 1.7B-parameter
-    Q4_K_M model stayed 1.2 GiB more resident than it needed (BENCHMARKS.md, "Start-up with
-    your own GGUF"). malloc_trim(0) returns the free pages; elsewhere than glibc, nothing."""
+    Q4_K_M model stayed 1.2 GiB more resident than it needed
+    (BENCHMARKS.md, "Start-up"). malloc_trim(0) returns the free pages; elsewhere than glibc,
+    nothing."""
     try:
         libc = ctypes.CDLL(None)
         trim = libc.malloc_trim
