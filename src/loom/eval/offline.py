@@ -23,8 +23,9 @@ from loom.sampling import SamplingParams
 
 def scoring_engine(config: EngineConfig, scoring: ScoringConfig) -> EngineConfig:
     """The engine as scoring runs it: no prefix caching (a cached position gets no logits),
-    room for `batch_size` sequences; with `as_decode`, a step budget of one token a sequence. Unless
-    a KV size is given, the cache holds those sequences and no more (not a share of RAM)."""
+    room for `batch_size` sequences; with `as_decode`, a step budget of one token a
+    sequence. Unless a KV size is given, the cache holds those sequences and no more (not a
+    share of RAM)."""
     s, c = config.scheduler, config.cache
     seqs = scoring.batch_size
     budget = seqs if scoring.as_decode else max(s.max_num_batched_tokens, seqs)
@@ -58,12 +59,13 @@ class _CapturingSampler(Sampler):
             if item.request_id not in rows.prompt_rows or item.request_id not in self.wanted:
                 continue
             first, count = rows.prompt_rows[item.request_id]
-            keep_from = self.wanted[item.request_id]
-            kept = self.rows.setdefault(item.request_id, {})
-            for k in range(count):
-                position = item.start_position + k  # its logits predict position + 1
-                if position >= keep_from:
-                    kept[position] = logits[first + k].log_softmax(-1).cpu().numpy()
+            skip = max(0, self.wanted[item.request_id] - item.start_position)
+            if skip >= count:
+                continue
+            # logits at position p predict p + 1; one log-softmax over the kept rows
+            kept = logits[first + skip:first + count].log_softmax(-1).cpu().numpy()
+            self.rows.setdefault(item.request_id, {}).update(
+                (item.start_position + skip + k, row) for k, row in enumerate(kept))
         return super().sample(logits, rows, bitmask)
 
 
