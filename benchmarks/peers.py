@@ -154,16 +154,17 @@ def build_specs(args: argparse.Namespace) -> dict[str, ServerSpec]:
 
 
 def loom_dtype(flags: list[str]) -> str:
-    """The dtype `loom serve` will run: --dtype if given, else what auto picks on this CPU for
-    the bundled GGUF (float32, with bf16 matmuls above a few rows where the CPU has native
-    bf16 instructions: model/linear.py)."""
+    """The dtype `loom serve` will run: --dtype if given, else what auto picks for the bundled
+    GGUF (float32; bf16 copies of the weights for wide matmuls only with `--batched-matmul
+    bfloat16` on a CPU with native bf16 instructions: model/linear.py)."""
     for i, flag in enumerate(flags):
         if flag == "--dtype" and i + 1 < len(flags) and flags[i + 1] != "auto":
             return flags[i + 1]
         if flag.startswith("--dtype=") and flag != "--dtype=auto":
             return flag.split("=", 1)[1]
-    if not has_native_bf16():
-        return "auto = float32 on this CPU"
+    joined = " ".join(flags).replace("=", " ")
+    if "--batched-matmul bfloat16" not in joined or not has_native_bf16():
+        return "auto = float32"
     from loom.model.linear import BF16_ABOVE_ROWS, BF16_ABOVE_ROWS_AMX  # torch: only here
 
     above = BF16_ABOVE_ROWS_AMX if has_amx() else BF16_ABOVE_ROWS
