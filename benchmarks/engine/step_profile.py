@@ -24,6 +24,7 @@ import collections
 import statistics
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,9 +88,12 @@ def busy_engine(dtype: str, num_decodes: int, prefill_len: int,
 
 
 def add_prefill(engine: EngineCore, tag: str, prefill_len: int) -> None:
+    """A prompt of its own per tag: one prompt for every step would be prefilled once and then
+    found in the prefix cache."""
     if prefill_len == 0:
         return
-    engine.add_request(tag, [100 + (j * 13) % 20000 for j in range(prefill_len)],
+    start = zlib.crc32(tag.encode())
+    engine.add_request(tag, [100 + (start + j * 13) % 20000 for j in range(prefill_len)],
                        SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
 
 
@@ -102,7 +106,7 @@ def profile_busy_step(dtype: str, num_decodes: int, prefill_len: int, steps: int
     runner._prepare = timed(phases, "prepare inputs", runner._prepare)
     model.forward = timed(phases, "forward", model.forward)
     model.compute_logits = timed(phases, "lm_head (logits)", model.compute_logits)
-    runner.sampler = timed(phases, "sampling", runner.sampler)
+    runner.sampler.sample = timed(phases, "sampling", runner.sampler.sample)
     engine.scheduler.update = timed(phases, "scheduler update", engine.scheduler.update)
     engine._process = timed(phases, "process outputs", engine._process)
     step = timed(phases, "whole step", engine.step)
