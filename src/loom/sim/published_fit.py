@@ -1,14 +1,15 @@
 """Fit the GPU step model's efficiency terms to published measurements (published.json).
 
-Each row is an offline run (every request queued at once) or a closed loop at fixed input /
-output lengths. At steady state the scheduler keeps B sequences running, B = the fewest of
-max_num_seqs, the requests and what the KV cache holds at full length; each step decodes one
-token of each and carries its share of the prefill chunks of the requests that replace
-finished ones (B * isl tokens per osl decode steps, more steps where the token budget caps
-them). A candidate `Efficiency` gives the roofline step model of that step, so a row's
-throughput and TPOT follow in closed form, and a coordinate search on the log error over a
-training split takes seconds. Terms stay physical: fractions of datasheet peaks in (0, 1],
-overheads >= 0.
+Each row is an offline run (every request queued at once) or a closed loop of N users at fixed
+input / output lengths, run under its source's scheduler limits. Offline, at steady state the
+scheduler keeps B sequences running, B = the fewest of max_num_seqs, the requests and what the
+KV cache holds at their average length; each step decodes one token of each and carries its
+share of the prefill chunks of the requests that replace finished ones (B * isl tokens per osl
+decode steps, more steps where the token budget caps them). A closed loop moves in lockstep
+waves (`_waves`). A candidate `Efficiency` gives the roofline step model of those steps, so a
+row's throughput, TPOT, TTFT and latency follow in closed form, and a coordinate search on the
+log error of every published figure over a training split takes seconds. Terms stay physical:
+fractions of datasheet peaks in (0, 1], overheads >= 0.
 """
 
 from __future__ import annotations
