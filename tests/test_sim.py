@@ -444,7 +444,7 @@ def test_cli_help_shows_calibrate_as_optional_and_the_shipped_models(capsys):
     assert "llama-3.1-70b" in " ".join(out.split())
 
 
-def test_served_calibration_recovers_the_servers_overheads(monkeypatch, tmp_path):
+def test_served_calibration_recovers_the_servers_overheads(tmp_path):
     """The served path end to end with the server stood in for by a simulation whose steps
     cost 3 ms + 0.1 ms a sequence more (no timing): the profile it writes adds those terms."""
     import dataclasses
@@ -460,8 +460,8 @@ def test_served_calibration_recovers_the_servers_overheads(monkeypatch, tmp_path
         assert "--num-kv-blocks" in flags and load.max_concurrency in (1, 16)
         return simulate_run(served.sim_config(slower, 2048), trace, ids, load)
 
-    monkeypatch.setattr(served, "_served", fake_server)
-    points = served.measure_points(_profile(), trace, ids, (1, 16), 2048, tmp_path)
+    points = served.measure_points(_profile(), trace, ids, (1, 16), 2048, tmp_path,
+                                   fake_server)
     fitted = served.fit_overheads(_profile(), points)
     added = fitted.meta["served"]
     assert added["added_step_s"] == pytest.approx(0.003, rel=0.35)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 from loom.cli.flags import check_writable
 
 if TYPE_CHECKING:
+    from loom.workload.load import Load
+    from loom.workload.results import RunResult
     from loom.workload.trace import Trace
 
 USERS = (1, 16)  # the closed loops measured: one user, and the load the check runs at
@@ -28,6 +30,20 @@ def calibration_trace(num_requests: int, seed: int) -> tuple[Trace, list[list[in
     return trace, prompt_token_ids(trace, load_tokenizer(path), seed)
 
 
+def serve_and_replay(flags: list[str], trace: Trace, load: Load, log: Path) -> RunResult:
+    """A fresh `loom serve` with `flags` on loopback, the trace replayed at `load` by `loom
+    bench`'s client."""
+    import asyncio
+    import shlex
+
+    from loom.bench.replay import Target, replay
+    from loom.bench.server import LOOM_SERVE, LocalServer
+
+    with LocalServer(LOOM_SERVE, shlex.join(flags), log) as server:
+        return asyncio.run(replay(trace, load, Target(server.url, server_pid=server.pid),
+                                  progress=False))
+
+
 def calibrate_served(offline: str, output: str, num_requests: int = NUM_REQUESTS,
                      seed: int = SEED) -> int:
     from loom.sim.profile import Profile
@@ -38,7 +54,8 @@ def calibrate_served(offline: str, output: str, num_requests: int = NUM_REQUESTS
     trace, ids = calibration_trace(num_requests, seed)
     work = Path(output).with_suffix(".served-logs")
     work.mkdir(parents=True, exist_ok=True)
-    points = measure_points(profile, trace, ids, USERS, profile.max_model_len, work)
+    points = measure_points(profile, trace, ids, USERS, profile.max_model_len, work,
+                            serve_and_replay)
     served = fit_overheads(profile, points)
     served.save(output)
     for p in points:

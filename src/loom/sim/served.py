@@ -12,9 +12,8 @@ The profile keeps its offline fit and records the points and the terms it added.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,10 @@ from loom.sim.result import SimConfig, simulate_run
 from loom.workload.load import Load
 from loom.workload.results import RunResult
 from loom.workload.trace import Trace
+
+# runs a real `loom serve` with these flags and replays the trace at the load against it (the
+# command line's: loom.sim stays below the HTTP client)
+Serve = Callable[[list[str], Trace, Load, Path], RunResult]
 
 
 @dataclass(frozen=True)
@@ -63,23 +66,14 @@ def fit_overheads(profile: Profile, points: list[ServedPoint]) -> Profile:
     return dataclasses.replace(profile, step_model=model, meta=meta)
 
 
-def _served(flags: list[str], trace: Trace, load: Load, log: Path) -> RunResult:
-    from loom.bench.replay import Target, replay
-    from loom.bench.server import LOOM_SERVE, LocalServer
-
-    with LocalServer(LOOM_SERVE, shlex.join(flags), log) as server:
-        return asyncio.run(replay(trace, load, Target(server.url, server_pid=server.pid),
-                                  progress=False))
-
-
 def measure_points(profile: Profile, trace: Trace, ids: list[list[int]], users: tuple[int, ...],
-                   max_model_len: int, work_dir: Path) -> list[ServedPoint]:
+                   max_model_len: int, work_dir: Path, serve: Serve) -> list[ServedPoint]:
     """Each closed loop served (a fresh `loom serve` with the profile's cache) and simulated."""
     config = sim_config(profile, max_model_len)
     points = []
     for n in users:
         load = Load(max_concurrency=n)
-        real = _served(config.flags(), trace, load, work_dir / f"served-{n}.log")
+        real = serve(config.flags(), trace, load, work_dir / f"served-{n}.log")
         sim = simulate_run(config, trace, ids, load)
         points.append(ServedPoint(n, real.get("mean_tpot_ms") / 1e3,
                                   sim.get("mean_tpot_ms") / 1e3,
