@@ -7,7 +7,7 @@ from importlib import resources
 
 import pytest
 
-from loom.plan.published import ENGINES, published_rows
+from loom.plan.published import ENGINES, FIGURES, published_rows
 
 pytestmark = pytest.mark.unit
 
@@ -18,7 +18,7 @@ def test_every_row_has_a_source_with_a_commit_or_url_and_a_figure():
         assert r.source.url.startswith("https://")
         assert r.source.commit is None or len(r.source.commit) == 40
         assert r.engine in ENGINES and r.source.engine_version
-        assert r.output_tok_s or r.total_tok_s or r.ttft_ms or r.tpot_ms
+        assert any(getattr(r, f) for f in FIGURES)
         assert r.isl >= 1 and r.osl >= 1 and r.tp >= 1
     assert len({r.key for r in rows}) == len(rows), "duplicate rows"
 
@@ -28,6 +28,20 @@ def test_counts():
     assert len(rows) >= 60
     assert len({r.gpu for r in rows}) >= 4
     assert len({r.model for r in rows}) >= 3
+    assert len({r.engine for r in rows}) >= 2
+
+
+def test_vllm_rows_are_recorded_as_their_sources_state_them():
+    """Spot checks: vLLM CI build 9515 (H200, 32 in / 128 out, batch 8) and the RTX 4090
+    Mistral-7B sweep (256 / 128, max concurrency 16)."""
+    rows = published_rows()
+    ci = next(r for r in rows if r.source.key == "vllm-perf-benchmark-9515"
+              and r.model == "llama-3.1-8b")
+    assert (ci.gpu, ci.isl, ci.osl, ci.concurrency, ci.latency_ms) == ("h200", 32, 128, 8,
+                                                                        833.421)
+    sweep = next(r for r in rows if r.gpu == "rtx-4090" and r.concurrency == 16)
+    assert (sweep.output_tok_s, sweep.ttft_ms, sweep.engine) == (644, 155, "vllm")
+    assert sweep.source.max_num_batched_tokens == 2048  # vLLM V1's default under 70 GiB
 
 
 def test_a_row_is_recorded_as_its_source_states_it():

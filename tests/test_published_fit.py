@@ -20,10 +20,12 @@ def test_the_shipped_fit_reproduces_its_training_rows_within_its_training_error(
     fitted, parts = shipped_profiles(), split(published_rows())
     preds = predictions(parts.train, fitted)
     assert len(preds) >= 60
-    for gpu, entry in fitted.profiles["trtllm"].items():
-        mine = [abs(p.ratio - 1) * 100 for p in preds if p.row.gpu == gpu]
-        if mine:
-            assert sum(mine) / len(mine) <= entry["train_mean_abs_pct"] + 0.5, gpu
+    for engine, per_gpu in fitted.profiles.items():
+        for gpu, entry in per_gpu.items():
+            mine = [abs(x - 1) * 100 for p in preds if p.row.gpu == gpu
+                    and p.row.engine == engine for x in p.ratios().values()]
+            if mine:
+                assert sum(mine) / len(mine) <= entry["train_mean_abs_pct"] + 0.5, gpu
 
 
 def test_held_out_rows_are_never_trained_on():
@@ -34,6 +36,24 @@ def test_held_out_rows_are_never_trained_on():
     assert all(r.source.key == JUDGED for r in parts.judged)
     assert not any(r.source.key == JUDGED for r in parts.train)
     assert shipped_profiles().meta["train_rows"] == len(parts.train)
+    # vLLM held out by source and GPU: its H200 rows never train, its RTX 4090 rows do
+    assert {r.gpu for r in parts.held_out if r.engine == "vllm"} == {"h200"}
+    assert {r.gpu for r in parts.train if r.engine == "vllm"} == {"rtx-4090"}
+
+
+def test_a_closed_loop_predicts_ttft_tpot_and_latency_consistently():
+    """Lockstep waves: latency = TTFT + (osl - 1) TPOT; more users, later first tokens."""
+    from loom.sim.published_fit import predict
+
+    rows = sorted((r for r in published_rows() if r.gpu == "rtx-4090"),
+                  key=lambda r: r.concurrency)
+    gpu = builtin_catalogue()["rtx-4090"]
+    preds = [predict(r, gpu, Efficiency()) for r in rows]
+    for p in preds:
+        assert p.latency_ms == pytest.approx(p.ttft_ms + (p.row.osl - 1) * p.tpot_ms)
+        assert set(p.ratios()) == {"output_tok_s", "ttft_ms"}
+    assert [p.ttft_ms for p in preds] == sorted(p.ttft_ms for p in preds)
+    assert preds[-1].output_tok_s > preds[0].output_tok_s
 
 
 def test_fit_terms_stay_physical_and_improve_on_the_start():

@@ -442,3 +442,33 @@ def test_cli_help_shows_calibrate_as_optional_and_the_shipped_models(capsys):
     assert out.startswith("usage: loom simulate (--profile PROFILE | --gpus GPUS --model MODEL)")
     assert "loom simulate calibrate --output PROFILE" in out
     assert "llama-3.1-70b" in " ".join(out.split())
+
+
+def test_served_calibration_recovers_the_servers_overheads(tmp_path):
+    """The served path end to end with the server stood in for by a simulation whose steps
+    cost 3 ms + 0.1 ms a sequence more (no timing): the profile it writes adds those terms."""
+    import dataclasses
+
+    from loom.sim import served
+
+    slower = dataclasses.replace(_profile(), step_model=dataclasses.replace(
+        STEP, step_s=STEP.step_s + 0.003, seq_s=STEP.seq_s + 1e-4))
+    trace = _trace(24)
+    ids = prompt_token_ids(trace, None, 0)
+
+    def fake_server(flags, trace, load, log):
+        assert "--num-kv-blocks" in flags and load.max_concurrency in (1, 16)
+        return simulate_run(served.sim_config(slower, 2048), trace, ids, load)
+
+    points = served.measure_points(_profile(), trace, ids, (1, 16), 2048, tmp_path,
+                                   fake_server)
+    fitted = served.fit_overheads(_profile(), points)
+    added = fitted.meta["served"]
+    assert added["added_step_s"] == pytest.approx(0.003, rel=0.35)
+    assert added["added_seq_s"] == pytest.approx(1e-4, rel=0.35)
+    assert fitted.step_model.step_s > STEP.step_s and fitted.source == "calibrated"
+    path = tmp_path / "served.json"
+    fitted.save(path)
+    assert Profile.load(path).meta["served"]["points"][1]["users"] == 16
+    with pytest.raises(ValueError, match="two or more loads"):
+        served.fit_overheads(_profile(), points[:1])

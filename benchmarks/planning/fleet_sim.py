@@ -50,7 +50,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--question-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--slo-size", type=int, default=100,
-                   help="fleet size whose total rate the replicas-for-an-SLO search uses")
+                   help="fleet size whose total rate the replicas-for-an-SLO search uses "
+                        "(0: no search)")
     p.add_argument("--slo-ttft-p95", type=float, default=0.5, help="seconds")
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--gpu", default="h100-sxm")
@@ -144,6 +145,8 @@ def _replicas_for_slo(args: argparse.Namespace, config: Any, routers: list[str])
     the SLO, per router: bisection between a tenth and four times that size, to within a
     twentieth of it."""
     size = args.slo_size
+    if size <= 0:
+        return
     rate = size * args.per_replica_rate
     trace, ids = _traffic(args, size * args.requests_per_replica,
                           max(1, round(size * args.documents_per_replica)))

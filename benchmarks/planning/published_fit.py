@@ -17,13 +17,27 @@ from loom.plan.fitted import FittedProfiles, shipped_profiles
 from loom.plan.published import published_rows
 from loom.sim.published_fit import Prediction, calibrate_published, predictions, split
 
+FIGURES = {"output_tok_s": "throughput", "ttft_ms": "TTFT", "tpot_ms": "TPOT",
+           "latency_ms": "latency"}
+
 
 def _summary(name: str, preds: list[Prediction]) -> str:
-    errs = [abs(p.ratio - 1) * 100 for p in preds if p.ratio is not None]
-    if not errs:
-        return f"{name}: no rows"
-    return (f"{name}: throughput |error| mean {statistics.mean(errs):.1f}%, max "
-            f"{max(errs):.1f}% over {len(errs)} rows; TTFT, TPOT: not published by these rows")
+    """Mean and max |error| of each figure the rows publish."""
+    parts = []
+    for key, label in FIGURES.items():
+        errs = [abs(x - 1) * 100 for p in preds if (x := p.ratios().get(key)) is not None]
+        parts.append(f"{label} |error| mean {statistics.mean(errs):.1f}%, max {max(errs):.1f}%"
+                     f" over {len(errs)} rows" if errs else f"{label}: not published")
+    return f"{name}: " + "; ".join(parts)
+
+
+def _line(p: Prediction) -> str:
+    r = p.row
+    load = f"c{r.concurrency}" if r.concurrency else "offline"
+    cells = [f"{FIGURES[k]} {getattr(r, k):,.1f}→{getattr(p, k):,.1f} ({x:.2f})"
+             for k, x in p.ratios().items()]
+    return f"  {r.engine} {r.model} {r.dtype} {r.gpu} TP{r.tp} {r.isl}/{r.osl} {load}: " + \
+        ", ".join(cells)
 
 
 def _ratios(preds: list[Prediction]) -> list[tuple[str, float, float]]:
@@ -67,18 +81,21 @@ def main() -> None:
     if args.markdown:
         _markdown(predictions(parts.judged + parts.held_out, fitted))
         return
+    held = {e: [r for r in parts.held_out if r.engine == e] for e in ("trtllm", "vllm")}
     for name, subset in (("judged (TensorRT-LLM v1.0)", parts.judged),
-                         ("own held-out (Llama-3.1-70B TP4, v0.17)", parts.held_out),
-                         ("training", parts.train)):
+                         ("own held-out, TensorRT-LLM (Llama-3.1-70B TP4, v0.17)",
+                          held["trtllm"]),
+                         ("own held-out, vLLM (CI build 9515, H200)", held["vllm"]),
+                         ("training, TensorRT-LLM", [r for r in parts.train
+                                                     if r.engine == "trtllm"]),
+                         ("training, vLLM (RTX 4090)", [r for r in parts.train
+                                                        if r.engine == "vllm"])):
         preds = predictions(subset, fitted)
         print(_summary(name, preds))
-        if name == "training":
+        if name.startswith("training, T"):
             continue
         for p in preds:
-            r = p.row
-            print("  ".join([f"{r.model} {r.dtype} {r.gpu} TP{r.tp} {r.isl}/{r.osl}",
-                            f"{r.output_tok_s:,.0f}", f"{p.output_tok_s:,.0f}",
-                            f"{p.ratio:.2f}"]))
+            print(_line(p))
         ratios = _ratios(preds)
         if ratios:
             errs = [abs(b / a - 1) * 100 for _, a, b in ratios]

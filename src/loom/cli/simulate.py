@@ -149,6 +149,9 @@ class CalibrateFlags:
     grid: Literal["quick", "default"] = opt("default",
         "quick: a smoke run in seconds; default: a few minutes on 2 cores")
     repeats: int = opt(3, "timed steps per grid point")
+    served: str | None = opt(None,
+        "offline PROFILE: add what `loom serve` costs on top of it, measured against a real "
+        "server on loopback (closed loops of 1 and 16 users), and write --output")
 
 
 def _setup_flags(p: argparse.ArgumentParser) -> None:
@@ -348,6 +351,10 @@ def calibrate(args: argparse.Namespace) -> int:
         return calibrate_published(flags.calibrate_output)
     if not flags.calibrate_output:
         raise ValueError("loom simulate calibrate needs --output (or --published)")
+    if flags.served:
+        from loom.cli.simulate_served import calibrate_served
+
+        return calibrate_served(flags.served, flags.calibrate_output)
     check_writable(flags.calibrate_output, "--output")  # not after minutes of measuring
     config = engine_config(args)
     check_device(config.model.device)

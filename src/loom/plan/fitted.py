@@ -39,13 +39,16 @@ class ErrorBand:
     tpot_pct: float | None
     rows: int
     scope: str = ""  # what kind of runs the rows are (a band says nothing beyond them)
+    latency_pct: float | None = None  # mean end-to-end request latency
 
     def describe(self) -> str:
         def pct(x: float | None) -> str:
             return f"±{x:.0f}%" if x is not None else "not published"
 
         return (f"expected error: throughput {pct(self.throughput_pct)}, TTFT "
-                f"{pct(self.ttft_pct)}, TPOT {pct(self.tpot_pct)} (held-out, {self.rows} rows"
+                f"{pct(self.ttft_pct)}, TPOT {pct(self.tpot_pct)}"
+                + (f", latency {pct(self.latency_pct)}" if self.latency_pct is not None else "")
+                + f" (held-out, {self.rows} rows"
                 + (f": {self.scope})" if self.scope else ")"))
 
 
@@ -58,7 +61,10 @@ class FittedProfiles:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def efficiency(self, engine: str, gpu: str) -> tuple[Efficiency, str]:
-        """(the terms for `engine` on `gpu`, where they come from)."""
+        """(the terms for `engine` on `gpu`, where they come from). Another engine's fit is
+        never borrowed: TensorRT-LLM's fitted per-step overhead stands in for what its offline
+        rows' large batches cost and overstates a small batch's latency several-fold
+        (BENCHMARKS.md, the vLLM rows)."""
         check_engine(engine)
         mine = self.profiles.get(engine, {})
         for key, what in ((gpu, f"fitted to {engine} on {gpu}"),

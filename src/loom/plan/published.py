@@ -14,7 +14,8 @@ from loom.plan.catalogue import PlanError
 
 ENGINES = ("vllm", "trtllm", "sglang")
 # checkpoints whose architecture is another catalogued model's (same shapes, new weights)
-SAME_SHAPE = {"llama-3.3-70b": "llama-3.1-70b"}
+SAME_SHAPE = {"llama-3.3-70b": "llama-3.1-70b", "llama-3-70b": "llama-3.1-70b"}
+FIGURES = ("output_tok_s", "total_tok_s", "ttft_ms", "tpot_ms", "latency_ms")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class Source:
     engine: str
     engine_version: str
     method: str
+    # the engine's scheduler limits and the memory it leaves free, as the source states them or
+    # as that engine defaults (the defaults here are trtllm-bench's PyTorch backend's)
+    max_num_seqs: int = 2048
+    max_num_batched_tokens: int = 8192
+    memory_margin: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,7 @@ class PublishedRow:
     total_tok_s: float | None
     ttft_ms: float | None
     tpot_ms: float | None
+    latency_ms: float | None = None  # mean end-to-end request latency
 
     @property
     def engine(self) -> str:
@@ -78,8 +85,7 @@ def _row(obj: dict, sources: dict[str, Source], where: str) -> PublishedRow:
         raise PlanError(f"{where}: unknown engine {row.engine!r}")
     if min(row.tp, row.isl, row.osl, row.num_requests) < 1:
         raise PlanError(f"{where}: tp, isl, osl and num_requests must be >= 1")
-    if all(getattr(row, f) is None for f in ("output_tok_s", "total_tok_s", "ttft_ms",
-                                              "tpot_ms")):
+    if all(getattr(row, f) is None for f in FIGURES):
         raise PlanError(f"{where}: a row without a published figure")
     return row
 
@@ -90,6 +96,8 @@ def published_rows() -> tuple[PublishedRow, ...]:
     obj = json.loads(resources.files("loom.plan").joinpath("published.json").read_text())
     sources = {k: Source(key=k, url=v["url"], repo=v.get("repo"), path=v.get("path"),
                          commit=v.get("commit"), engine=v["engine"],
-                         engine_version=v["engine_version"], method=v["method"])
+                         engine_version=v["engine_version"], method=v["method"],
+                         **{f: v[f] for f in ("max_num_seqs", "max_num_batched_tokens",
+                                              "memory_margin") if f in v})
                for k, v in obj["sources"].items()}
     return tuple(_row(r, sources, f"published.json row {i}") for i, r in enumerate(obj["rows"]))

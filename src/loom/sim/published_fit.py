@@ -1,14 +1,15 @@
 """Fit the GPU step model's efficiency terms to published measurements (published.json).
 
-Each row is an offline run (every request queued at once) or a closed loop at fixed input /
-output lengths. At steady state the scheduler keeps B sequences running, B = the fewest of
-max_num_seqs, the requests and what the KV cache holds at full length; each step decodes one
-token of each and carries its share of the prefill chunks of the requests that replace
-finished ones (B * isl tokens per osl decode steps, more steps where the token budget caps
-them). A candidate `Efficiency` gives the roofline step model of that step, so a row's
-throughput and TPOT follow in closed form, and a coordinate search on the log error over a
-training split takes seconds. Terms stay physical: fractions of datasheet peaks in (0, 1],
-overheads >= 0.
+Each row is an offline run (every request queued at once) or a closed loop of N users at fixed
+input / output lengths, run under its source's scheduler limits. Offline, at steady state the
+scheduler keeps B sequences running, B = the fewest of max_num_seqs, the requests and what the
+KV cache holds at their average length; each step decodes one token of each and carries its
+share of the prefill chunks of the requests that replace finished ones (B * isl tokens per osl
+decode steps, more steps where the token budget caps them). A closed loop moves in lockstep
+waves (`_waves`). A candidate `Efficiency` gives the roofline step model of those steps, so a
+row's throughput, TPOT, TTFT and latency follow in closed form, and a coordinate search on the
+log error of every published figure over a training split takes seconds. Terms stay physical:
+fractions of datasheet peaks in (0, 1], overheads >= 0.
 """
 
 from __future__ import annotations
@@ -21,11 +22,8 @@ from loom.plan.fitted import ErrorBand, FittedProfiles, generation
 from loom.plan.models import resolve_model
 from loom.plan.planner import PlanSettings, capacity
 from loom.plan.published import PublishedRow
-from loom.plan.roofline import Efficiency, StepWork
+from loom.plan.roofline import Efficiency, StepModel, StepWork
 
-MAX_NUM_SEQS = 2048           # trtllm-bench's PyTorch-backend default max batch size
-MAX_NUM_BATCHED_TOKENS = 8192  # and its default token budget per step
-KV_MARGIN = 0.05  # trtllm-bench gives the KV cache 0.90-0.95 of the memory left free
 MIN_ROWS = 5                  # fewer training rows: the GPU borrows its generation's fit
 TERMS = ("bandwidth", "compute", "interconnect", "step_overhead_s", "seq_overhead_s")
 LOWER = (0.05, 0.02, 0.05, 0.0, 0.0)
@@ -38,33 +36,50 @@ class Prediction:
     output_tok_s: float
     tpot_ms: float
     batch: int
+    ttft_ms: float | None = None     # closed-loop rows only (an offline run's is its queue)
+    latency_ms: float | None = None
 
     @property
     def ratio(self) -> float | None:
         """Predicted / published output throughput."""
         return self.output_tok_s / self.row.output_tok_s if self.row.output_tok_s else None
 
+    def ratios(self) -> dict[str, float]:
+        """Predicted / published, for every figure the row publishes and the model predicts."""
+        out = {}
+        for name in ("output_tok_s", "ttft_ms", "tpot_ms", "latency_ms"):
+            published, predicted = getattr(self.row, name), getattr(self, name)
+            if published and predicted:
+                out[name] = predicted / published
+        return out
+
 
 def _settings(row: PublishedRow, eff: Efficiency) -> PlanSettings:
     kv = "fp8" if row.dtype in ("fp8", "fp4") else "bf16"
+    src = row.source
     return PlanSettings(max_model_len=row.isl + row.osl, tensor_parallel_sizes=(row.tp,),
                         weight_dtype=row.dtype, kv_dtype=kv,
-                        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                        max_num_seqs=MAX_NUM_SEQS, safety_margin=KV_MARGIN, efficiency=eff)
+                        max_num_batched_tokens=src.max_num_batched_tokens,
+                        max_num_seqs=src.max_num_seqs, safety_margin=src.memory_margin,
+                        efficiency=eff)
 
 
 def predict(row: PublishedRow, gpu: GpuSpec, eff: Efficiency) -> Prediction:
-    """The steady-state output throughput and TPOT of `row`'s workload under `eff`."""
+    """The steady-state throughput and TPOT of `row`'s workload under `eff` (and TTFT and
+    latency for a closed loop)."""
     model = resolve_model(row.shape_model)
     cap = capacity(model, gpu, row.tp, _settings(row, eff))
     per_seq = math.ceil((row.isl + row.osl / 2) / cap.settings.block_size)
-    batch = min(MAX_NUM_SEQS, row.num_requests, row.concurrency or MAX_NUM_SEQS,
+    batch = min(row.source.max_num_seqs, row.num_requests, row.concurrency or row.num_requests,
                 cap.num_blocks // per_seq)
     if batch < 1:
         raise PlanError(f"{row.key}: the KV cache of {cap.num_blocks} blocks holds no request")
+    if row.concurrency:
+        return _waves(row, cap.step_model, batch)
+    budget = row.source.max_num_batched_tokens
     # one cycle: each of the batch's sequences prefills once and decodes osl tokens
     cycle_tokens = batch * (row.isl + row.osl - 1)
-    steps = max(row.osl, math.ceil(cycle_tokens / MAX_NUM_BATCHED_TOKENS))
+    steps = max(row.osl, math.ceil(cycle_tokens / budget))
     ctx = row.isl + row.osl / 2
     prefill_pairs = batch * row.isl * (row.isl + 1) / 2
     work = StepWork(tokens=round(cycle_tokens / steps), seqs=batch,
@@ -75,17 +90,41 @@ def predict(row: PublishedRow, gpu: GpuSpec, eff: Efficiency) -> Prediction:
                       batch)
 
 
+def _waves(row: PublishedRow, model: StepModel, batch: int) -> Prediction:
+    """A closed loop of `batch` users at fixed lengths moves in lockstep: they start together,
+    so they finish together and their replacements prefill together. A wave is the prefill of
+    batch * isl tokens in budget-sized steps (a user's first token comes at the end of the
+    step holding its prompt), then osl - 1 decode steps of the whole batch."""
+    budget = row.source.max_num_batched_tokens
+    total, elapsed, ttft_sum = batch * row.isl, 0.0, 0.0
+    for start in range(0, total, budget):
+        n = min(budget, total - start)
+        done = (start + n) // row.isl - start // row.isl  # prompts this step completes
+        elapsed += model.time(StepWork(tokens=n, seqs=math.ceil(n / row.isl) + 1, sampled=done,
+                                       kv_tokens=n, attention_pairs=n * (row.isl + 1) // 2))
+        ttft_sum += done * elapsed
+    ctx = row.isl + row.osl / 2
+    decode_s = model.time(StepWork(tokens=batch, seqs=batch, sampled=batch,
+                                   kv_tokens=round(batch * ctx),
+                                   attention_pairs=round(batch * ctx)))
+    ttft_s = ttft_sum / batch
+    wave_s = elapsed + (row.osl - 1) * decode_s
+    return Prediction(row, batch * row.osl / wave_s, decode_s * 1e3, batch, ttft_s * 1e3,
+                      (ttft_s + (row.osl - 1) * decode_s) * 1e3)
+
+
 def _eff(x: list[float]) -> Efficiency:
     return Efficiency(**dict(zip(TERMS, x)))
 
 
 def _log_errors(rows: list[tuple[PublishedRow, GpuSpec]], eff: Efficiency) -> list[float]:
-    return [math.log(predict(r, g, eff).output_tok_s / (r.output_tok_s or 1)) for r, g in rows]
+    """log(predicted / published) of every published figure of every row."""
+    return [math.log(x) for r, g in rows for x in predict(r, g, eff).ratios().values()]
 
 
 def fit_group(rows: list[tuple[PublishedRow, GpuSpec]]) -> tuple[Efficiency, float]:
-    """Coordinate search on the mean squared log(predicted / published throughput), each
-    term within its bounds; (terms, mean |error| % on these rows)."""
+    """Coordinate search on the mean squared log(predicted / published) of every figure the
+    rows publish, each term within its bounds; (terms, mean |error| % over those figures)."""
     def loss(x: list[float]) -> float:
         return sum(e * e for e in _log_errors(rows, _eff(x)))
 
@@ -109,8 +148,7 @@ def fit(train: list[PublishedRow], catalogue: dict[str, GpuSpec] | None = None
         ) -> FittedProfiles:
     """Per engine and GPU with >= MIN_ROWS rows, else per engine and generation."""
     catalogue = catalogue or builtin_catalogue()
-    usable = [r for r in train if r.gpu in catalogue and r.output_tok_s
-              and _known(r, catalogue[r.gpu])]
+    usable = [r for r in train if r.gpu in catalogue and _known(r, catalogue[r.gpu])]
     profiles: dict[str, dict[str, dict]] = {}
     for engine in sorted({r.engine for r in usable}):
         mine = [r for r in usable if r.engine == engine]
@@ -138,12 +176,14 @@ def _known(row: PublishedRow, gpu: GpuSpec) -> bool:
 
 
 JUDGED = "trtllm-perf-overview-v1.0"  # the test set this project is judged by: never fitted
+HELD_SOURCES = ("vllm-perf-benchmark-9515",)  # vLLM held out by source and GPU (H200)
 
 
 @dataclass(frozen=True)
 class Split:
-    """Training rows; our own held-out rows (Llama-3.1-70B at TP4, every GPU: a split by
-    configuration the fit never sees); the judged rows (a later TensorRT-LLM release)."""
+    """Training rows; our own held-out rows (TensorRT-LLM's Llama-3.1-70B at TP4 on every GPU:
+    a configuration the fit never sees; vLLM's H200 rows: a source and GPU its fit never
+    sees); the judged rows (a later TensorRT-LLM release)."""
 
     train: list[PublishedRow]
     held_out: list[PublishedRow]
@@ -152,8 +192,9 @@ class Split:
 
 def split(rows: tuple[PublishedRow, ...] | list[PublishedRow]) -> Split:
     judged = [r for r in rows if r.source.key == JUDGED]
-    held = [r for r in rows if r.source.key != JUDGED and r.model == "llama-3.1-70b"
-            and r.tp == 4]
+    held = [r for r in rows if r.source.key in HELD_SOURCES or (
+        r.engine == "trtllm" and r.source.key != JUDGED and r.model == "llama-3.1-70b"
+        and r.tp == 4)]
     taken = {r.key for r in judged + held}
     return Split([r for r in rows if r.key not in taken], held, judged)
 
@@ -164,21 +205,22 @@ def predictions(rows: list[PublishedRow], fitted: FittedProfiles,
     catalogue = catalogue or builtin_catalogue()
     out = []
     for r in rows:
-        if r.gpu in catalogue and r.output_tok_s and _known(r, catalogue[r.gpu]):
+        if r.gpu in catalogue and _known(r, catalogue[r.gpu]):
             eff, _ = fitted.efficiency(r.engine, r.gpu)
             out.append(predict(r, catalogue[r.gpu], eff))
     return out
 
 
 def band(preds: list[Prediction]) -> ErrorBand:
-    """Mean |error| of throughput (TTFT / TPOT where the rows publish them)."""
-    tput = [abs(p.ratio - 1) * 100 for p in preds if p.ratio is not None]
-    tpot = [abs(p.tpot_ms / p.row.tpot_ms - 1) * 100 for p in preds if p.row.tpot_ms]
+    """Mean |error| of each figure over the rows that publish it."""
+    def mean(name: str) -> float | None:
+        errs = [abs(x - 1) * 100 for p in preds if (x := p.ratios().get(name)) is not None]
+        return sum(errs) / len(errs) if errs else None
+
     offline = all(p.row.rate == "inf" and not p.row.concurrency for p in preds)
-    return ErrorBand(sum(tput) / len(tput) if tput else None, None,
-                     sum(tpot) / len(tpot) if tpot else None, len(preds),
+    return ErrorBand(mean("output_tok_s"), mean("ttft_ms"), mean("tpot_ms"), len(preds),
                      "offline max-throughput runs; low-load latency not checked" if offline
-                     else "")
+                     else "", mean("latency_ms"))
 
 
 def calibrate_published(rows: tuple[PublishedRow, ...]) -> FittedProfiles:
@@ -191,4 +233,5 @@ def calibrate_published(rows: tuple[PublishedRow, ...]) -> FittedProfiles:
     return FittedProfiles(fitted.profiles, bands,
                           {"train_rows": len(parts.train), "held_out_rows": len(parts.held_out),
                            "judged_rows": len(parts.judged),
-                           "split": "judged: " + JUDGED + "; own held-out: Llama-3.1-70B TP4"})
+                           "split": "judged: " + JUDGED + "; own held-out: trtllm Llama-3.1-70B "
+                                    "TP4, " + ", ".join(HELD_SOURCES)})
