@@ -70,8 +70,13 @@ class Model:
 def tiny_models(families: list[str], work: Path) -> list[Model]:
     """Each family's tiny model as a folder and its converter's Q8_0 (made once in `work`)."""
     from llama_cpp_tree import llama_cpp_tree
-    from model_fixtures import (FAMILY_SPECS, MOE_SPECS, build_tiny_model,
-                                convert_with_llama_cpp, save_hf_folder)
+    from model_fixtures import (
+        FAMILY_SPECS,
+        MOE_SPECS,
+        build_tiny_model,
+        convert_with_llama_cpp,
+        save_hf_folder,
+    )
 
     specs = {**FAMILY_SPECS, **MOE_SPECS}
     models, jobs = [], []
