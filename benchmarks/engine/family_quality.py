@@ -164,8 +164,12 @@ def main() -> None:
                              f"{r.mean_kld:.3g} / {100 * r.top1_agreement:.2f}%", command, rev,
                              host, datetime.date.today().isoformat()])
     if args.csv:
+        new = not Path(args.csv).exists()
         with open(args.csv, "a", newline="") as f:
-            csv.writer(f).writerows(rows)
+            writer = csv.writer(f, lineterminator="\n")
+            if new:
+                writer.writerow(["run", "figure", "value", "command", "commit", "host", "date"])
+            writer.writerows(rows)
 
 
 if __name__ == "__main__":
