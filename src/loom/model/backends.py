@@ -147,10 +147,11 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """auto: bfloat16 on CUDA, float32 on a CPU. Native bf16 instructions (avx512_bf16, AMX)
-    make a bfloat16 model faster, not good enough: against float32 it left the top-1
-    prediction at more positions than issue 50's bound allows (top-1 agreement >= 99%), on
-    the bundled model as a Hugging Face folder and on every family's tiny model
-    (BENCHMARKS.md, "Quality: settings against float32"). `--dtype bfloat16` still asks."""
+    halve a bfloat16 model's weights and speed its prefill, but against float32 it left the
+    top-1 prediction at more positions than issue 50's bound allows (top-1 agreement >=
+    99%), on the bundled model as a Hugging Face folder and on every family's tiny model,
+    and decoded no faster there (BENCHMARKS.md, "Quality: settings against float32").
+    `--dtype bfloat16` still asks for it."""
     if name != "auto":
         return DTYPES[name]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
