@@ -22,8 +22,8 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    """The bundled SmolLM2-135M-Instruct with a small KV cache, in float32: bf16 (the default
-    on CPUs with native bf16) is not batch-invariant, and these tests compare greedy tokens
+    """The bundled SmolLM2-135M-Instruct with a small KV cache, in float32 (auto's on a CPU,
+    named for any device): bf16 is not batch-invariant, and these tests compare greedy tokens
     across batch compositions and schedulers. (float32 is, except across the native matmul's
     switch between its int8 and fp32 paths, which moves logprobs by less than the margins
     of these prompts' greedy choices.)"""

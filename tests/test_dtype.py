@@ -12,7 +12,6 @@ import torch
 
 from loom import LLM, SamplingParams, host
 from loom.config import CacheConfig, ModelConfig
-from loom.host import has_native_bf16
 from loom.model import backends
 from loom.model.backends import (
     PER_TOKEN_PREFILL_MAX_POSITIONS,
@@ -41,13 +40,11 @@ def prompt_predictions(llm: LLM) -> tuple[list[int], list[float]]:
 
 
 def test_auto_runs_the_bundled_gguf_in_float32(llm: LLM) -> None:
-    """The bundled GGUF: float32 on the native kernel, its wide calls too (no bf16 copies); a
-    model the kernel cannot take would run bfloat16 where the CPU has native bf16."""
+    """The bundled GGUF: float32 (on the native kernel where it builds), its wide calls too (no
+    bf16 copies)."""
     auto = LLM(kv_cache_memory="64MiB", max_model_len=1024)
     backends = auto.engine.runner.backends
-    native = backends.linear == "native"
-    expected = torch.bfloat16 if has_native_bf16() and not native else torch.float32
-    assert backends.dtype == expected
+    assert backends.dtype == torch.float32
     assert not backends.batched_bf16
     assert not auto.engine.runner.model.lm_head.has_bf16_copy
     answer = auto.chat([{"role": "user", "content": "What is the capital of France?"}],
@@ -87,8 +84,8 @@ def test_auto_choices_on_each_cpu(monkeypatch, native_bf16: bool, amx: bool) -> 
     assert not auto.bf16_prefill_attention
     assert "bf16" not in auto.describe()
     assert auto.per_token_prefill_max_positions == PER_TOKEN_PREFILL_MAX_POSITIONS
-    no_blocks = resolve(has_blocks=False)
-    assert no_blocks.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+    no_blocks = resolve(has_blocks=False)  # a Hugging Face folder: float32 too, on any CPU
+    assert no_blocks.dtype == torch.float32
     assert not no_blocks.batched_bf16
     assert not resolve(dtype="float32").batched_bf16  # float32 asked for: float32 matmuls
     assert not resolve(batched_matmul="native").batched_bf16

@@ -10,6 +10,7 @@ Run from the repository root:
 
     python benchmarks/engine/cpu_dtypes.py                  # about 3 minutes on 2 cores
     python benchmarks/engine/cpu_dtypes.py --rounds 1 --configs auto float32
+    python benchmarks/engine/cpu_dtypes.py --model HF_FOLDER --max-num-seqs 8 --requests 24
 """
 
 from __future__ import annotations
@@ -60,19 +61,24 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--model", help="default: the bundled GGUF (its vocabulary is used)")
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=64, help="of the mixed workload")
     args = parser.parse_args()
     tokenizer = bundled_tokenizer()
-    engines = {name: LLM(kv_cache_memory="1GiB", max_num_seqs=32, **CONFIGS[name])
+    engines = {name: LLM(args.model, kv_cache_memory="1GiB", max_num_seqs=args.max_num_seqs,
+                         **CONFIGS[name])
                for name in args.configs}
     print(host_line())
     for name, llm in engines.items():
         print(f"{name}: {llm.engine.runner.backends.describe()}")
     print(f"\n| round | config | prefill of {args.prompt_len} tokens, ms | one user, tok/s "
-          "| mixed, 32 seqs, tok/s |")
+          f"| mixed, {args.max_num_seqs} seqs, tok/s |")
     print("|--:|---|--:|--:|--:|")
     for round_ in range(1, args.rounds + 1):
         order = round_order(args.configs, round_ - 1)
-        items = mixed_workload(tokenizer, seed=round_)  # new prompts: no cached prefill
+        # new prompts: no cached prefill
+        items = mixed_workload(tokenizer, args.requests, seed=round_)
         for name in order:
             llm = engines[name]
             row = (prefill_ms(llm, args.prompt_len, round_), one_user_tok_s(llm, 64),

@@ -60,10 +60,8 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
         default="auto",
         metadata=flag_help("weight and activation dtype (the KV cache's: --kv-cache-dtype); "
-                           "auto = bfloat16 on CUDA; on CPUs with native bf16 "
-                           "(avx512_bf16/AMX) float32 where the native kernel takes the "
-                           "model's weights (see --batched-matmul), else bfloat16; float32 "
-                           "elsewhere"))
+                           "auto = bfloat16 on CUDA, float32 on CPUs (bfloat16 "
+                           "costs accuracy: README, --dtype)"))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=flag_help(
         "auto = cuda when available, else cpu"))
     max_model_len: int | None = field(default=None, metadata=flag_help(

@@ -106,12 +106,7 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
     """The backends for this model on this machine. Raises ValueError when a backend asked
     for by name cannot run here, naming what it needs."""
     device = resolve_device(config.device)
-    # whether the native kernel would take these weights in float32 ("auto" here: asking
-    # does not raise; the real choice below does, for a backend that cannot run)
-    native_linear = (config.linear_backend in ("auto", "native")
-                     and _linear_backend("auto", has_block_quant, device,
-                                         torch.float32) == "native")
-    dtype = resolve_dtype(config.dtype, device, native_linear)
+    dtype = resolve_dtype(config.dtype, device)
     num_threads = 0
     if device.type == "cpu":
         from loom.threads import configure_threads
@@ -150,17 +145,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, native_linear: bool = False) -> torch.dtype:
-    """auto: bfloat16 on CUDA. On a CPU with native bf16 instructions, float32 when the native
-    kernel takes the model's weights (native_linear): at a few rows its int8 path reads a
-    quarter of bf16's bytes (2.4x bf16's decode step at one sequence on an AVX-512 EPYC), and
-    its fp32 path keeps float32's quality where bf16 would not (`_bf16_above_rows`); else
-    bfloat16. float32 on other CPUs."""
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA, float32 on a CPU. Native bf16 instructions (avx512_bf16, AMX)
+    halve a bfloat16 model's weights and speed its prefill, but against float32 it left the
+    top-1 prediction at more positions than issue 50's bound allows (top-1 agreement >=
+    99%), on the bundled model as a Hugging Face folder and on every family's tiny model,
+    and decoded no faster there (BENCHMARKS.md, "Quality: settings against float32").
+    `--dtype bfloat16` still asks for it."""
     if name != "auto":
         return DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16
-    return torch.bfloat16 if host.has_native_bf16() and not native_linear else torch.float32
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def _bf16_above_rows(config: ModelConfig, native_with_casts: bool) -> int | None:
