@@ -19,6 +19,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from safetensors.torch import load_file
 
+from loom.model.batch_invariant import INT8_EVERY_ROW
 from loom.model.gguf_file import read_gguf
 from loom.model.kernels import block_quant_linear_ops
 from loom.model.moe import (
@@ -357,6 +358,10 @@ def test_experts_that_do_not_fit_the_kernel_run_on_torch() -> None:
     assert not MoeBlock(Routing(4, 2, True), router, dense, block_quant_ops=ops).native
     quantized = random_experts(KIND_SETS["Q8_0"], 4, 64, 32, seed=11)
     assert not MoeBlock(Routing(4, 2, True), router, quantized, block_quant_ops=None).native
+    # --batch-invariant's bounds refuse them: the torch loop's matmuls take what the batch routes
+    with pytest.raises(ValueError, match="batch_invariant needs every mixture-of-experts"):
+        MoeBlock(Routing(4, 2, True), router, dense, block_quant_ops=ops,
+                 int8_max_rows=INT8_EVERY_ROW)
 
 
 def test_three_d_tensors_convert_as_each_expert_would() -> None:

@@ -46,6 +46,7 @@ from loom.model.arch_hf import arch_from_hf_config
 from loom.model.decoder import DecoderModel
 from loom.model.gguf_file import GGUFTensor
 from loom.model.kernels import block_quant_linear_ops
+from loom.model.linear import INT8_MAX_ROWS
 from loom.model.loader import load_model
 from loom.model.model_files import read_arch
 from loom.model.moe import ExpertBlocks, Routing, moe_from_hf
@@ -244,6 +245,33 @@ def test_the_engine_runs_a_q8_0_mixture_on_the_moe_kernel(mixtures):
     sure = decided(logprobs, 0.05)
     assert sure.sum() >= 8
     assert logprobs.argmax(-1)[sure].tolist() == torch.tensor(generated)[sure].tolist()
+
+
+@needs_kernel
+@pytest.mark.integration
+def test_batch_invariant_mixture_decodes_alone_as_together(mixtures):
+    """--batch-invariant on a Q8_0 mixture with a shared expert: 6 prompts' greedy tokens and
+    logprobs, bit for bit, decoded one a call and all together among 18 others (prefill steps
+    of hundreds of tokens and decode steps of 24 rows, the shared expert's: more rows than
+    the default int8 bounds); one layer's experts give each token the same bits alone as
+    among 160, which the default bounds send to the fp32 path, to round apart."""
+    llm = LLM(model=str(mixtures["qwen2_moe"].q8), batch_invariant=True,
+              kv_cache_memory="16MiB", max_model_len=256, max_num_seqs=24)
+    prompts = [prompt(mixtures["qwen2_moe"].model, 16 + i, seed=40 + i) for i in range(24)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    def decoded(outs: list) -> list[tuple[list[int], list[float]]]:
+        return [(list(o.outputs[0].token_ids), [e.logprob for e in o.outputs[0].logprobs])
+                for o in outs]
+
+    alone = decoded([llm.generate([ids], params)[0] for ids in prompts[:6]])
+    assert decoded(llm.generate(prompts, params)[:6]) == alone
+    moe = llm.engine.runner.model.layers[0].moe
+    assert moe.native
+    x = torch.randn(160, 128, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(moe(x), torch.cat([moe(row) for row in x.split(1)]))
+    moe.int8_max_rows = dict(INT8_MAX_ROWS)
+    assert not torch.equal(moe(x), torch.cat([moe(row) for row in x.split(1)]))
 
 
 @pytest.mark.integration

@@ -124,8 +124,7 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
     # the casts in and out of bf16 are fused_ops' too
     bf16_above_rows = _bf16_above_rows(config, linear == "native" and fused is not None)
     if config.batch_invariant:
-        batch_invariant.check_supported(linear, native_decode,
-                                        any(map(arch.has_experts, range(arch.num_layers))))
+        batch_invariant.check_supported(linear, native_decode)
         bf16_above_rows = None
     return Backends(
         device=device, dtype=dtype, kv_dtype=kv_dtype, num_threads=num_threads,

@@ -13,16 +13,22 @@ draw near the boundary between two tokens, then turns. Under the mode:
   request's blocks up to its own position, the same sum as a decode step's: chunk boundaries
   (where the shared token budget cuts a prompt) change no number;
 - no bf16 copies of the weights, no bf16 attention of long chunks;
+- mixture-of-experts layers (model/moe.py) take the native MoE kernel's int8 path for every
+  expert, however many of the step's tokens chose it, each token's router logits come from a
+  call of its own, and the kernel sums a token's experts in expert order: a token's output is
+  that of the token alone;
 - sampling needs nothing more: a seeded request draws from its own generator, one number a
   step (model/sampler.py); the add + RMSNorm and SiLU kernels work row by row.
 
 What it refuses rather than half-pins: weights the native kernel does not take (oneDNN's and
-MKL's GEMMs block by the row count), attention off the native kernel (the torch path's SDPA
-and gather differ), and mixture-of-experts layers (an expert's rows are the batch's tokens
-routed to it).
+MKL's GEMMs block by the row count), experts off the native MoE kernel (the torch loop's
+matmuls take the tokens the batch routes to each expert), and attention off the native kernel
+(the torch path's SDPA and gather differ).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 # Rows up to which the native kernel takes the int8 path, per code width, under the mode:
 # every call (the kernel reads it as a row bound; no batch comes near it).
@@ -32,7 +38,7 @@ INT8_EVERY_ROW = {4: 1 << 30, 8: 1 << 30}
 PER_TOKEN_EVERY_CHUNK = 1 << 62
 
 
-def check_supported(linear: str, native_decode: bool, has_experts: bool) -> None:
+def check_supported(linear: str, native_decode: bool) -> None:
     """Raise ValueError, naming what is missing, where the mode cannot pin every source."""
     if linear != "native":
         raise ValueError("batch_invariant needs the native matmul on every projection (a "
@@ -43,6 +49,17 @@ def check_supported(linear: str, native_decode: bool, has_experts: bool) -> None
         raise ValueError("batch_invariant needs the native paged attention kernel "
                          "(attention_backend auto or native, block_size 16, head_dim 64 or "
                          "128, float32)")
-    if has_experts:
-        raise ValueError("batch_invariant does not cover mixture-of-experts layers yet: an "
-                         "expert's matmul takes the tokens the whole batch routes to it")
+
+
+def pinned(int8_max_rows: Mapping[int, int]) -> bool:
+    """Whether a layer's int8 row bounds are the mode's (what the MoE layers check, to take
+    their router per token too and to refuse experts off the native kernel)."""
+    return dict(int8_max_rows) == INT8_EVERY_ROW
+
+
+def check_experts_native(native: bool) -> None:
+    """Raise ValueError where a mixture-of-experts layer under the mode is off the native kernel."""
+    if not native:
+        raise ValueError("batch_invariant needs every mixture-of-experts layer on the native "
+                         "MoE kernel (block-quantized experts, whole 32-channel blocks, AVX2): "
+                         "the torch loop's matmuls take the tokens the batch routes to each expert")

@@ -62,7 +62,8 @@ class DecoderLayer:
         self.down: Linear | None = None
         if experts:
             self.moe = moe_from_hf(w, prefix, Routing.from_arch(arch), block_quant,
-                                   block_quant_linear_ops() if block_quant else None)
+                                   block_quant_linear_ops() if block_quant else None,
+                                   matmul.int8_max)
         else:
             gate_bias, up_bias = w.get(mlp + "gate_proj.bias"), w.get(mlp + "up_proj.bias")
             self.gate_up = linear(_gate_up_names(w, prefix), torch.cat([gate_bias, up_bias])

@@ -41,6 +41,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from loom.model import batch_invariant
 from loom.model.arch import ModelArch, ModelLoadError
 from loom.model.gguf_file import GGUFTensor
 from loom.model.linear import INT8_MAX_ROWS, PANEL_CHANNELS, to_panels
@@ -219,7 +220,9 @@ class MoeBlock:
         """router: [E, H] (float32 for the native path). block_quant_ops: the compiled
         block-quantized matmul; with it, block-quantized experts run on its MoE kernel, and
         their blocks are not kept beyond the kernel's panels. int8_max_rows: an expert of at
-        most this many rows (by code width) takes the kernel's int8 path."""
+        most this many rows (by code width) takes the kernel's int8 path; --batch-invariant's
+        bounds (every call) also take each token's router logits by a call of its own and
+        refuse experts off the kernel (model/batch_invariant.py)."""
         if router.shape != (routing.num_experts, experts.hidden_size):
             raise ModelLoadError(f"the router must be [{routing.num_experts}, "
                                  f"{experts.hidden_size}], got {list(router.shape)}")
@@ -232,6 +235,9 @@ class MoeBlock:
         self.int8_max_rows = dict(int8_max_rows)
         native = (block_quant_ops is not None and block_quant_ops.supported()
                   and _native_fits(experts) and (shared is None or _native_fits(shared.mlp)))
+        self._per_token_router = batch_invariant.pinned(int8_max_rows)
+        if self._per_token_router:
+            batch_invariant.check_experts_native(native)
         self._ops = block_quant_ops if native else None
         self._panels = _panels(experts, block_quant_ops) if native else None
         self._shared_panels = (_panels(shared.mlp, block_quant_ops)
@@ -247,7 +253,9 @@ class MoeBlock:
         return self._ops is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.router)
+        # a matmul's reduction order may follow its row count: pinned, one row a call
+        logits = (torch.cat([F.linear(row, self.router) for row in x.split(1)])
+                  if self._per_token_router and len(x) > 1 else F.linear(x, self.router))
         if self._ops is None:
             return reference(x, logits, self.routing, self.experts, self.shared)
         shared = self._shared_panels
@@ -265,7 +273,8 @@ _GGUF_NAMES = {hf: gguf for gguf, hf in GGUF_STACKED_EXPERTS.items()}  # for the
 
 def moe_from_hf(weights: Mapping[str, torch.Tensor], prefix: str, routing: Routing,
                 block_quant: Mapping[str, BlockQuantWeight] | None = None,
-                block_quant_ops: ModuleType | None = None) -> MoeBlock:
+                block_quant_ops: ModuleType | None = None,
+                int8_max_rows: Mapping[int, int] = INT8_MAX_ROWS) -> MoeBlock:
     """The MoE block of the decoder layer whose names start with `prefix` ("model.layers.3."),
     by transformers' names: Mixtral's `block_sparse_moe.gate` and `.experts.{e}.w1/w3/w2`
     (gate, up, down), the others' `mlp.gate` and `mlp.experts.{e}.gate_proj/up_proj/down_proj`
@@ -275,7 +284,7 @@ def moe_from_hf(weights: Mapping[str, torch.Tensor], prefix: str, routing: Routi
     `up_proj` where the file stores them apart); Qwen2-MoE's `mlp.shared_expert.*_proj` and
     `mlp.shared_expert_gate` [1, H]. A stacked or shared matrix found in `block_quant` (a
     GGUF's blocks, E * N rows) is taken as its blocks, which with block_quant_ops run on the
-    native kernel; fp32 weights run on the torch path."""
+    native kernel; fp32 weights run on the torch path. int8_max_rows: MoeBlock's."""
     mixtral = prefix + "block_sparse_moe.gate.weight" in weights
     base = prefix + ("block_sparse_moe." if mixtral else "mlp.")
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
@@ -312,7 +321,7 @@ def moe_from_hf(weights: Mapping[str, torch.Tensor], prefix: str, routing: Routi
         gate_weight = weights.get(base + "shared_expert_gate.weight")
         shared = SharedExpert(mlp, None if gate_weight is None else gate_weight.reshape(-1))
     return MoeBlock(routing, get(base + "gate.weight"), Experts(gate, up, down), shared,
-                    block_quant_ops)
+                    block_quant_ops, int8_max_rows)
 
 
 def _halves(both: Matrices) -> tuple[Matrices, Matrices]:

@@ -730,6 +730,14 @@ constexpr float kExpLimit = 87.0f;
 
 static inline float silu(float g) { return g < -kExpLimit ? 0.0f : g / (1.0f + std::exp(-g)); }
 
+// a[c] = SiLU(g[c]) * g[8 + c] for one pair's 8 channels. Not inlined, so that every row
+// runs this one body: inlined into a tile's loop over rows, GCC vectorized expf (libmvec)
+// for some row counts and called it a lane at a time for others, which round apart, and a
+// token's output then depended on how many others chose its expert.
+__attribute__((noinline)) static void silu_times_up(const float* g, float* a) {
+  for (int c = 0; c < 8; ++c) a[c] = silu(g[c]) * g[8 + c];
+}
+
 // The top k of E logits, highest first, ties to the lower id; their softmax weights.
 static void route(const float* logits, int64_t E, int64_t k, bool normalize, int64_t* ids,
                   float* weights) {
@@ -900,11 +908,8 @@ static void run(const float* xp, int64_t T, int64_t H, const float* logits, int6
                 : nullptr;
         pair_rows_of(job.gu_bits, gu_pair(unit, i), nbH, H, job.rows, job.gu_int8, job.x,
                      job.qx, w, ahead, [&](int64_t r, int64_t rows, const float* tile) {
-                       for (int64_t j = 0; j < rows; ++j) {
-                         float* a = job.act + (r + j) * I + channel;
-                         const float* g = tile + 16 * j;
-                         for (int c = 0; c < 8; ++c) a[c] = silu(g[c]) * g[8 + c];
-                       }
+                       for (int64_t j = 0; j < rows; ++j)
+                         silu_times_up(tile + 16 * j, job.act + (r + j) * I + channel);
                      });
       }
       if (job.down_int8) {
