@@ -4,22 +4,22 @@ its own queue, and `loom simulate` applies it to the simulated server's front do
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from loom.config import flag_help
+from loom.config import option
 
 
 @dataclass(frozen=True)
 class AdmissionConfig:
     # the group named on each field: a class built on this one (ServerConfig) files them
     # under Admission in --help too
-    max_num_queued_reqs: int | None = field(default=None, metadata=flag_help(
+    max_num_queued_reqs: int | None = option(None,
         "answer 503 (with Retry-After) to a request that would make more than this many "
         "engine requests (prompts x n) wait for a sequence slot; none = no limit",
-        "Admission"))
-    queue_timeout_s: float | None = field(default=None, metadata=flag_help(
+        "Admission")
+    queue_timeout_s: float | None = option(None,
         "answer 503 for a request not scheduled within this many seconds; none = wait",
-        "Admission", flag="--queue-timeout"))
+        "Admission", flag="--queue-timeout")
 
     def __post_init__(self) -> None:
         """Below these ranges every request would be refused, and a run would look like a
