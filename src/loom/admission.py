@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loom.config import option
+from loom.config import option, require_at_least
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,6 @@ class AdmissionConfig:
     def __post_init__(self) -> None:
         """Below these ranges every request would be refused, and a run would look like a
         server that fails them all."""
-        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 1:
-            raise ValueError(f"max_num_queued_reqs must be >= 1, got {self.max_num_queued_reqs}")
+        require_at_least(1, {"max_num_queued_reqs": self.max_num_queued_reqs})
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
             raise ValueError(f"queue_timeout must be > 0, got {self.queue_timeout_s}")

@@ -51,6 +51,15 @@ def flag_help(text: str, group: str | None = None, flag: str | None = None,
     return meta
 
 
+def require_at_least(minimum: int, values: dict[str, int | None]) -> None:
+    """ValueError naming the first of `values` (each by its field's name, or the flag that sets
+    it) below `minimum`; None is a value not given. The range check every config's
+    __post_init__ makes, spelled once."""
+    for name, value in values.items():
+        if value is not None and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
 def option(default: Any, text: str, group: str | None = None, flag: str | None = None,
            parse: Callable[[str], Any] | None = None) -> Any:
     """A field that is a flag: its `default` (`list`: a fresh empty list each time, as
@@ -117,10 +126,8 @@ class ModelConfig:
             raise ValueError("batch_invariant runs every matmul on the native kernel's per-row "
                              "path; batched_matmul 'bfloat16' would send wide calls to bf16 "
                              "copies: use 'auto' or 'native'")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        require_at_least(2, {"max_model_len": self.max_model_len})
+        require_at_least(1, {"num_threads": self.num_threads})
         if self.generation_config not in ("auto", "none") and \
                 not Path(self.generation_config).exists():
             raise ValueError("generation_config must be auto, none or an existing folder or "
@@ -162,10 +169,7 @@ class CacheConfig:
         "float32), else the model's dtype")
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        require_at_least(1, {"block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks})
         if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
 
@@ -242,11 +246,8 @@ class SchedulerConfig:
                 raise ValueError("speculative_config needs the plain step loop: drafts are "
                                  "looked up from the tokens the previous step sampled; "
                                  "drop async_scheduling")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        require_at_least(1, {"max_num_batched_tokens": self.max_num_batched_tokens,
+                             "max_num_seqs": self.max_num_seqs})
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError("max_num_seqs cannot exceed max_num_batched_tokens "
                              f"({self.max_num_seqs} > {self.max_num_batched_tokens})")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from loom.cluster.routing import DEFAULT_IMBALANCE_THRESHOLD, ROUTERS
-from loom.config import option
+from loom.config import option, require_at_least
 
 RouterName = Literal["prefix", "pow2", "round-robin"]
 assert ROUTERS == RouterName.__args__  # one list of routers
@@ -32,10 +32,7 @@ class ClusterConfig:
         "before its cached prefix is given up for the shorter queue")
 
     def __post_init__(self) -> None:
-        if self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        require_at_least(1, {"data_parallel_size": self.data_parallel_size})
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
-        if self.router_imbalance_threshold < 0:
-            raise ValueError("router_imbalance_threshold must be >= 0, got "
-                             f"{self.router_imbalance_threshold}")
+        require_at_least(0, {"router_imbalance_threshold": self.router_imbalance_threshold})

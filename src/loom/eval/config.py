@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loom.config import option
+from loom.config import option, require_at_least
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,6 @@ class ScoringConfig:
         "with --base-url: the server's logprobs per token (OpenAI's legacy `logprobs`)")
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.max_chunks is not None and self.max_chunks < 1:
-            raise ValueError(f"--max-chunks must be >= 1, got {self.max_chunks}")
+        require_at_least(1, {"--batch-size": self.batch_size, "--max-chunks": self.max_chunks})
         if not 1 <= self.top_n <= 20:
             raise ValueError(f"--top-n must be in [1, 20], got {self.top_n}")

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from loom.config import option
+from loom.config import option, require_at_least
 from loom.workload.arrivals import TRACE_RATE, Burst, RampUp
 from loom.workload.trace import Trace
 
@@ -80,16 +80,13 @@ class Load:
     def __post_init__(self) -> None:
         """Refuse a load that would send nothing or divide by zero, naming the flag, before
         any connection is opened."""
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        require_at_least(1, {"--max-concurrency": self.max_concurrency, "-n": self.num_requests})
         if not 0 < self.burstiness < math.inf:
             raise ValueError(f"--burstiness must be > 0, got {self.burstiness:g}")
         for flag, value in (("--duration", self.duration_s),
                             ("--over-saturation-stop", self.over_saturation_s)):
             if value is not None and not 0 < value < math.inf:
                 raise ValueError(f"{flag} must be > 0, got {value:g} s")
-        if self.num_requests is not None and self.num_requests < 1:
-            raise ValueError(f"-n must be >= 1, got {self.num_requests}")
 
     def check_runnable(self, trace: Trace) -> None:
         """Refuse what only the schedule would find, mid-run: a burst or ramp-up without a

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 from loom.admission import AdmissionConfig
-from loom.config import option
+from loom.config import option, require_at_least
 from loom.entrypoints.openai.reasoning import ReasoningParserName
 from loom.entrypoints.openai.tool_parsers import ToolParserName
 
@@ -90,17 +90,11 @@ class ServerConfig(AdmissionConfig):
         super().__post_init__()
         if not 0 <= self.port <= 65535:  # else bind() raises OverflowError, not an OSError
             raise ValueError(f"port must be in 0-65535, got {self.port}")
-        positive = {"stream_interval": self.stream_interval,
-                    "max_request_body_bytes": self.max_request_body_bytes,
-                    "max_connections": self.max_connections}
-        for name, value in positive.items():
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.max_concurrent_per_client is not None and self.max_concurrent_per_client < 1:
-            raise ValueError(f"max_concurrent_per_client must be >= 1, got "
-                             f"{self.max_concurrent_per_client}")
-        if self.max_tokens_default < 0:
-            raise ValueError(f"max_tokens_default must be >= 0, got {self.max_tokens_default}")
+        require_at_least(1, {"stream_interval": self.stream_interval,
+                             "max_request_body_bytes": self.max_request_body_bytes,
+                             "max_connections": self.max_connections,
+                             "max_concurrent_per_client": self.max_concurrent_per_client})
+        require_at_least(0, {"max_tokens_default": self.max_tokens_default})
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile are given together (or neither)")
         for name in ("ssl_keyfile", "ssl_certfile"):
