@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "avx2_reduce.h"
@@ -469,20 +470,18 @@ static inline void block_scores(const C* const (&kb)[NB], int64_t dim_stride,
     for (int j = 0; j < N; ++j) L::store(scores + r * row + L::kWidth * j, s[r][j]);
 }
 
-// One q.K step: the scores of blocks b .. b + NB - 1, the K blocks Plan::kAhead past them
-// prefetched, and their V blocks asked into L2 for the p.V pass.
-template <typename Plan, int NB, typename T, typename C, int R, int D>
-static inline void score_step(const DecodeArgs<T, C>& a, const TileContext& c, int64_t b,
-                              int64_t kh, const float (&qf)[R][D], float* scores) {
-  for (int64_t ahead = b + NB; ahead < std::min(b + NB + Plan::kAhead, c.num_blocks); ++ahead)
-    prefetch_k<D>(a, c.table[ahead], kh);
-  const C* kb[NB];
-  for (int j = 0; j < NB; ++j) {
-    prefetch_v<D, _MM_HINT_T1>(a, c.table[b + j], kh);
-    kb[j] = a.k_block(c.table[b + j], kh);
-  }
-  block_scores<typename Plan::L, C, R, D, NB>(kb, a.ks[3], qf, scores + b * kBlockSize,
-                                              c.padded_len);
+// One q.K step: the scores of blocks b .. b + NB - 1 (J: 0 .. NB - 1), the K blocks
+// Plan::kAhead past them prefetched, and their V blocks asked into L2 for the p.V pass.
+template <typename Plan, int NB, typename T, typename C, int R, int D, size_t... J>
+static inline void score_step(const DecodeArgs<T, C>& a, const int64_t* table,
+                              int64_t num_blocks, int64_t b, int64_t kh,
+                              const float (&qf)[R][D], float* scores, int64_t row,
+                              std::index_sequence<J...>) {
+  for (int64_t ahead = b + NB; ahead < std::min(b + NB + Plan::kAhead, num_blocks); ++ahead)
+    prefetch_k<D>(a, table[ahead], kh);
+  (prefetch_v<D, _MM_HINT_T1>(a, table[b + J], kh), ...);
+  const C* const kb[NB] = {a.k_block(table[b + J], kh)...};
+  block_scores<typename Plan::L, C, R, D, NB>(kb, a.ks[3], qf, scores + b * kBlockSize, row);
 }
 
 // Either SIMD width (SimdPlan): q.K in steps of kScoreBlocks blocks, the softmax, then p.V
@@ -495,18 +494,23 @@ static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
   constexpr int DC = Plan::template value_dims<R, D>();
   static_assert(kBlockSize % Plan::L::kWidth == 0 && D % DC == 0, "blocks of whole vectors");
   const TileContext c = tile_context(a, t);
+  const int64_t num_blocks = c.num_blocks, Lp = c.padded_len;
+  const int64_t* table = c.table;
   float qf[R][D];
   load_query<G>(a, t, kh, qf);
-  scores.resize(R * c.padded_len);
+  scores.resize(R * Lp);
+  float* s = scores.data();
   int64_t b = 0;
-  for (; b + NB <= c.num_blocks; b += NB) score_step<Plan, NB>(a, c, b, kh, qf, scores.data());
-  for (; b < c.num_blocks; ++b) score_step<Plan, 1>(a, c, b, kh, qf, scores.data());
-  for (int64_t ahead = 0; ahead < std::min(Plan::kAhead, c.num_blocks); ++ahead)
-    prefetch_v<D>(a, c.table[ahead], kh);
-  normalize_rows<G, R>(a, t, kh, scores.data(), c.padded_len, c);
+  for (; b + NB <= num_blocks; b += NB)
+    score_step<Plan, NB>(a, table, num_blocks, b, kh, qf, s, Lp, std::make_index_sequence<NB>());
+  for (; b < num_blocks; ++b)
+    score_step<Plan, 1>(a, table, num_blocks, b, kh, qf, s, Lp, std::make_index_sequence<1>());
+  for (int64_t ahead = 0; ahead < std::min(Plan::kAhead, num_blocks); ++ahead)
+    prefetch_v<D>(a, table[ahead], kh);
+  normalize_rows<G, R>(a, t, kh, s, Lp, c);
   float acc[R][D] = {};
-  weighted_values<typename Plan::L, DC, Plan::kAhead>(a, c.table, c.num_blocks, c.len, kh,
-                                                      scores.data(), c.padded_len, acc);
+  weighted_values<typename Plan::L, DC, Plan::kAhead>(a, table, num_blocks, c.len, kh, s, Lp,
+                                                      acc);
   store_output<G>(acc, a, t, kh);
 }
 #else
