@@ -207,3 +207,55 @@ def test_bench_and_workload_load_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.split() == ["False"]
+
+
+ARCHITECTURE = SRC.parent.parent / "docs" / "architecture.md"
+
+
+def module_map() -> list[str]:
+    """The lines of docs/architecture.md's module map (the code block after its heading)."""
+    text = ARCHITECTURE.read_text().split("## Module map", 1)[1]
+    return text.split("```", 2)[1].splitlines()
+
+
+def entry_block(lines: list[str], name: str) -> list[str] | None:
+    """The lines of the map's entry for `name` ("core/"): its own and those indented under it;
+    None if no entry of `lines` starts with it."""
+    for i, line in enumerate(lines):
+        indent = len(line) - len(line.lstrip())
+        if line.lstrip().startswith(name):
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip()
+                        and len(lines[j]) - len(lines[j].lstrip()) <= indent), len(lines))
+            return lines[i:end]
+    return None
+
+
+def unmapped_files(lines: list[str]) -> list[str]:
+    """The files under src/loom (but packages' __init__.py) the map does not name within the
+    entry of their folder (or, for a folder without an entry of its own, its parent's)."""
+    missing = []
+    for path in sorted(p for p in SRC.rglob("*") if p.is_file()):
+        relative = path.relative_to(SRC)
+        if "__pycache__" in relative.parts or relative.name == "__init__.py":
+            continue
+        block = lines
+        for folder in relative.parts[:-1]:
+            block = entry_block(block, f"{folder}/") or block
+        if not any(relative.name in line for line in block):
+            missing.append(str(relative))
+    return missing
+
+
+def test_the_module_map_names_every_file() -> None:
+    """docs/architecture.md is the map a newcomer reads: a file it leaves out is one nobody
+    finds, and a file added without a line there fails here."""
+    assert unmapped_files(module_map()) == []
+
+
+def test_the_module_map_check_finds_a_file_named_only_in_another_folder() -> None:
+    lines = ["src/loom/", "  core/            the brain", "    scheduler.py   batches",
+             "  sim/             a clock", "    engine.py      steps"]
+    assert entry_block(lines, "core/") == lines[1:3]
+    assert "core/scheduler.py" not in unmapped_files(lines)
+    assert "sim/replay.py" in unmapped_files(lines)
+    assert "core/block_pool.py" in unmapped_files(lines + ["    block_pool.py  (under sim/)"])

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from loom.entrypoints.openai.protocol_answers import CompletionChoice, CompletionChunk
+from loom.entrypoints.openai.protocol_answers import CompletionChoice, CompletionResponse
 from loom.entrypoints.openai.sse import sse
 
 pytestmark = pytest.mark.unit
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 
 def test_sse_event_is_one_line_whatever_the_text() -> None:
     text = "a\u2028b\u2029c\x85d\ne\rf"
-    event = sse(CompletionChunk(
+    event = sse(CompletionResponse(
         id="x", created=0, model="m",
         choices=[CompletionChoice(index=0, text=text)]))
     assert event.endswith("\n\n")

@@ -4,27 +4,26 @@ its own queue, and `loom simulate` applies it to the simulated server's front do
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from loom.config import flag_help
+from loom.config import option, require_at_least
 
 
 @dataclass(frozen=True)
 class AdmissionConfig:
     # the group named on each field: a class built on this one (ServerConfig) files them
     # under Admission in --help too
-    max_num_queued_reqs: int | None = field(default=None, metadata=flag_help(
+    max_num_queued_reqs: int | None = option(None,
         "answer 503 (with Retry-After) to a request that would make more than this many "
         "engine requests (prompts x n) wait for a sequence slot; none = no limit",
-        "Admission"))
-    queue_timeout_s: float | None = field(default=None, metadata=flag_help(
+        "Admission")
+    queue_timeout_s: float | None = option(None,
         "answer 503 for a request not scheduled within this many seconds; none = wait",
-        "Admission", flag="--queue-timeout"))
+        "Admission", flag="--queue-timeout")
 
     def __post_init__(self) -> None:
         """Below these ranges every request would be refused, and a run would look like a
         server that fails them all."""
-        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 1:
-            raise ValueError(f"max_num_queued_reqs must be >= 1, got {self.max_num_queued_reqs}")
+        require_at_least(1, {"max_num_queued_reqs": self.max_num_queued_reqs})
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
             raise ValueError(f"queue_timeout must be > 0, got {self.queue_timeout_s}")

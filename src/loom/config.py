@@ -51,65 +51,82 @@ def flag_help(text: str, group: str | None = None, flag: str | None = None,
     return meta
 
 
+def require_at_least(minimum: int, values: dict[str, int | None]) -> None:
+    """ValueError naming the first of `values` (each by its field's name, or the flag that sets
+    it) below `minimum`; None is a value not given. The range check every config's
+    __post_init__ makes, spelled once."""
+    for name, value in values.items():
+        if value is not None and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def option(default: Any, text: str, group: str | None = None, flag: str | None = None,
+           parse: Callable[[str], Any] | None = None) -> Any:
+    """A field that is a flag: its `default` (`list`: a fresh empty list each time, as
+    default_factory gives it) and `flag_help(text, group, flag, parse)`."""
+    return flag_field(default, flag_help(text, group, flag, parse))
+
+
+def flag_field(default: Any, metadata: dict[str, Any]) -> Any:
+    """The dataclass field of `option` (and of the command line's own options, whose
+    metadata says more): `default` as `option` reads it."""
+    if default is list:
+        return field(default_factory=list, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     CLI_GROUP = "Model"
 
-    model: str | None = field(default=None, metadata=flag_help(
-        "GGUF file or Hugging Face folder; default: the bundled SmolLM2-135M-Instruct"))
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
-        default="auto",
-        metadata=flag_help("weight and activation dtype (the KV cache's: --kv-cache-dtype); "
-                           "auto = bfloat16 on CUDA, float32 on CPUs (bfloat16 "
-                           "costs accuracy: README, --dtype)"))
-    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=flag_help(
-        "auto = cuda when available, else cpu"))
-    max_model_len: int | None = field(default=None, metadata=flag_help(
-        "longest prompt + output in tokens; default: the model's context length"))
-    generation_config: str = field(default="auto", metadata=flag_help(
+    model: str | None = option(None,
+        "GGUF file or Hugging Face folder; default: the bundled SmolLM2-135M-Instruct")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option("auto",
+        "weight and activation dtype (the KV cache's: --kv-cache-dtype); auto = bfloat16 on "
+        "CUDA, float32 on CPUs (bfloat16 costs accuracy: README, --dtype)")
+    device: Literal["auto", "cpu", "cuda"] = option("auto",
+        "auto = cuda when available, else cpu")
+    max_model_len: int | None = option(None,
+        "longest prompt + output in tokens; default: the model's context length")
+    generation_config: str = option("auto",
         "sampling defaults of requests that set none of temperature, top_p, top_k, "
         "repetition_penalty: auto = the model's (generation_config.json, a GGUF's "
         "general.sampling.* keys; the bundled model's card: temperature 0.2, top_p 0.9), "
         "loom's (1.0, 1.0, off, 1.0) for what it does not set; none = loom's only; or a "
-        "folder or generation_config.json to read them from"))
-    num_threads: int | None = field(default=None, metadata=flag_help(
-        "CPU threads for torch; default: the cores this process may use"))
-    attention_backend: Literal["auto", "native", "torch"] = field(
-        default="auto", metadata=flag_help(
+        "folder or generation_config.json to read them from")
+    num_threads: int | None = option(None,
+        "CPU threads for torch; default: the cores this process may use")
+    attention_backend: Literal["auto", "native", "torch"] = option("auto",
         "decode attention: native = loom's C++ paged kernel (CPU; compiled on first use; "
         "block_size 16, head_dim 64/128/256), torch = gather + SDPA; auto = native where it "
-        "builds and fits, else torch"))
-    linear_backend: Literal["auto", "native", "onednn", "torch"] = field(
-        default="auto", metadata=flag_help(
+        "builds and fits, else torch")
+    linear_backend: Literal["auto", "native", "onednn", "torch"] = option("auto",
         "projection matmuls: native = loom's C++ kernel on a GGUF's own Q4_0/Q4_1/Q8_0 "
         "weights (CPU float32, AVX2); onednn = "
         "weights prepacked once for oneDNN (CPU float32); torch = F.linear on plain "
-        "weights; auto = the first of these that applies"))
-    batched_matmul: Literal["auto", "native", "bfloat16"] = field(
-        default="auto", metadata=flag_help(
+        "weights; auto = the first of these that applies")
+    batched_matmul: Literal["auto", "native", "bfloat16"] = option("auto",
         "matmuls of more than 1 row, 3 on CPUs with AMX (prefill chunks, batched decode) "
         "when the native kernel runs: native = the kernel itself; bfloat16 = bf16 copies "
         "of the weights (loom's AMX kernel where the CPU has AMX, else oneDNN; 2 bytes a "
         "weight more memory; fast only with native bf16; on CPUs with AMX the attention "
         "of long prefill chunks then runs in bf16 too; faster, but on an AVX-512 EPYC "
         "its top-1 prediction left float32's more often than 1 in 100 at 32 sequences: "
-        "BENCHMARKS.md); auto = native"))
-    batch_invariant: bool = field(default=False, metadata=flag_help(
+        "BENCHMARKS.md); auto = native")
+    batch_invariant: bool = option(False,
         "the same prompt with the same seed gives the same tokens whatever else shares the "
         "batch: every matmul on the native kernel's per-row int8 path, every prompt token's "
         "attention a query of its own in the paged kernel, so neither the batch's rows nor "
         "prefill chunk boundaries change a request's numerics (loom.model.batch_invariant); "
-        "needs a GGUF the native kernel takes, on CPU"))
+        "needs a GGUF the native kernel takes, on CPU")
 
     def __post_init__(self) -> None:
         if self.batch_invariant and self.batched_matmul == "bfloat16":
             raise ValueError("batch_invariant runs every matmul on the native kernel's per-row "
                              "path; batched_matmul 'bfloat16' would send wide calls to bf16 "
                              "copies: use 'auto' or 'native'")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        require_at_least(2, {"max_model_len": self.max_model_len})
+        require_at_least(1, {"num_threads": self.num_threads})
         if self.generation_config not in ("auto", "none") and \
                 not Path(self.generation_config).exists():
             raise ValueError("generation_config must be auto, none or an existing folder or "
@@ -137,25 +154,21 @@ def check_device(device: str) -> None:
 class CacheConfig:
     CLI_GROUP = "KV cache"
 
-    block_size: int = field(default=16, metadata=flag_help("tokens per KV cache block"))
-    num_kv_blocks: int | None = field(default=None, metadata=flag_help(
-        "number of KV blocks; overrides --kv-cache-memory; default: sized from it"))
-    kv_cache_memory: str | None = field(default=None, metadata=flag_help(
+    block_size: int = option(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = option(None,
+        "number of KV blocks; overrides --kv-cache-memory; default: sized from it")
+    kv_cache_memory: str | None = option(None,
         "KV cache size, e.g. 2GiB; default: 25%% of available RAM (at most 4 GiB) on CPU, "
-        "85%% of free GPU memory"))
-    enable_prefix_caching: bool = field(default=True, metadata=flag_help(
-        "reuse KV blocks of shared prompt prefixes"))
-    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "float32"] = field(
-        default="auto", metadata=flag_help(
+        "85%% of free GPU memory")
+    enable_prefix_caching: bool = option(True,
+        "reuse KV blocks of shared prompt prefixes")
+    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "float32"] = option("auto",
         "KV cache element type; auto = float16 where the model runs in float32 on CPU with the "
         "native decode kernel (half the bytes a token, as llama.cpp stores it; scores stay "
-        "float32), else the model's dtype"))
+        "float32), else the model's dtype")
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        require_at_least(1, {"block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks})
         if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
 
@@ -208,21 +221,21 @@ class SpeculativeConfig:
 class SchedulerConfig:
     CLI_GROUP = "Scheduling"
 
-    max_num_batched_tokens: int = field(default=2048, metadata=flag_help(
-        "token budget of one scheduler step (decodes + prefill chunks)"))
-    max_num_seqs: int = field(default=128, metadata=flag_help("sequences in one step at most"))
-    enable_chunked_prefill: bool = field(default=True, metadata=flag_help(
-        "split prompts longer than the remaining budget across steps"))
-    scheduler: Literal["continuous", "static"] = field(default="continuous", metadata=flag_help(
-        "continuous batching, or the fixed-batch baseline"))
-    scheduling_policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=flag_help(
-        "admission order: arrival, or per-request priority (lower first)"))
-    async_scheduling: bool = field(default=False, metadata=flag_help(
-        "schedule step N+1 and stream step N-1's tokens while step N runs on the model"))
-    speculative_config: str | None = field(default=None, metadata=flag_help(
+    max_num_batched_tokens: int = option(2048,
+        "token budget of one scheduler step (decodes + prefill chunks)")
+    max_num_seqs: int = option(128, "sequences in one step at most")
+    enable_chunked_prefill: bool = option(True,
+        "split prompts longer than the remaining budget across steps")
+    scheduler: Literal["continuous", "static"] = option("continuous",
+        "continuous batching, or the fixed-batch baseline")
+    scheduling_policy: Literal["fcfs", "priority"] = option("fcfs",
+        "admission order: arrival, or per-request priority (lower first)")
+    async_scheduling: bool = option(False,
+        "schedule step N+1 and stream step N-1's tokens while step N runs on the model")
+    speculative_config: str | None = option(None,
         "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "
-        "\"prompt_lookup_min\": 2}'; default: off"))
+        "\"prompt_lookup_min\": 2}'; default: off")
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
@@ -232,11 +245,8 @@ class SchedulerConfig:
                 raise ValueError("speculative_config needs the plain step loop: drafts are "
                                  "looked up from the tokens the previous step sampled; "
                                  "drop async_scheduling")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        require_at_least(1, {"max_num_batched_tokens": self.max_num_batched_tokens,
+                             "max_num_seqs": self.max_num_seqs})
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError("max_num_seqs cannot exceed max_num_batched_tokens "
                              f"({self.max_num_seqs} > {self.max_num_batched_tokens})")

@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from loom.bench.client import ENDPOINTS, send
 from loom.bench.scrape import Snapshot, parse_metrics, server_figures
 from loom.bench.sysinfo import hardware, process_memory
-from loom.config import flag_help
+from loom.config import flag_help, option
 from loom.workload.arrivals import schedule
 from loom.workload.load import Load
 from loom.workload.monitoring import Sample, ServerMemory, client_figures
@@ -42,21 +42,21 @@ class Target:
 
     base_url: str = field(metadata=flag_help(
         "server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)"))
-    model: str | None = field(default=None, metadata=flag_help(
-        "model name to request; default: the first of the server's /v1/models"))
-    server_pid: int | None = field(default=None, metadata=flag_help(
+    model: str | None = option(None,
+        "model name to request; default: the first of the server's /v1/models")
+    server_pid: int | None = option(None,
         "pid of a local server, to record its peak memory and command line; default: none "
-        "recorded"))
-    scrape_interval_s: float = field(default=1.0, metadata=flag_help(
-        "seconds between /metrics samples for the timeline", flag="--scrape-interval"))
-    request_timeout_s: float = field(default=600.0, metadata=flag_help(
-        "seconds before a request counts as failed", flag="--request-timeout"))
-    endpoint: Endpoint = field(default="completions", metadata=flag_help(
+        "recorded")
+    scrape_interval_s: float = option(1.0,
+        "seconds between /metrics samples for the timeline", flag="--scrape-interval")
+    request_timeout_s: float = option(600.0,
+        "seconds before a request counts as failed", flag="--request-timeout")
+    endpoint: Endpoint = option("completions",
         "the API to replay on: completions (/v1/completions), chat (/v1/chat/completions, for "
         "servers that offer only chat: each prompt is one user message, so the server's chat "
         "template adds its tokens to every prompt) or responses (/v1/responses, OpenAI's "
         "Responses API that agent frameworks call: each prompt is the input, through the chat "
-        "template as well)"))
+        "template as well)")
 
     def __post_init__(self) -> None:
         """Refuse timeouts that could never be met."""

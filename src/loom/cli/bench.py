@@ -34,6 +34,7 @@ from loom.cli.flags import (
 from loom.cli.flags import concurrencies as concurrency_list
 from loom.cli.flags import rates as rate_list
 from loom.cli.main import help_of
+from loom.config import require_at_least
 from loom.workload.load import Load
 from loom.workload.results import Limits, Result, RunResult, load_result, run_label, save_json
 from loom.workload.slo import Slo
@@ -66,8 +67,7 @@ class Replay:
         "write the result (run or sweep) JSON here; default: only print the scorecard")
 
     def __post_init__(self) -> None:
-        if self.repeats < 1:
-            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+        require_at_least(1, {"--repeats": self.repeats})
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.cli.dataclass_flags import add_cli_args
-from loom.config import flag_help
+from loom.config import flag_field, flag_help
 from loom.workload.load import parse_rate
 from loom.workload.slo import Slo
 
@@ -36,11 +36,9 @@ def cli_flag(text: str, *, short: str | None = None, positional: bool = False,
 
 
 def opt(default: Any, text: str, **meta: Any) -> Any:
-    """A command line's own option: a field with `default` and `cli_flag(text, **meta)`
-    (a default of `list` is a fresh empty list, as default_factory gives it)."""
-    if default is list:
-        return field(default_factory=list, metadata=cli_flag(text, **meta))
-    return field(default=default, metadata=cli_flag(text, **meta))
+    """A command line's own option: `loom.config.option` with `cli_flag(text, **meta)`'s
+    metadata."""
+    return flag_field(default, cli_flag(text, **meta))
 
 
 def required(text: str, **meta: Any) -> Any:

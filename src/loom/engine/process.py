@@ -32,21 +32,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from loom.engine import process_main as pipe
 from loom.engine.async_engine import EngineDeadError, EngineRequest, OutputStream
 from loom.engine.client import EngineFacts
 from loom.engine.output_delta import DeltaDecoder, OutputDelta
-from loom.engine.process_main import (
-    ABORT,
-    DRAIN,
-    METRICS,
-    OUTPUTS,
-    READY,
-    RESET_PREFIX_CACHE,
-    STOP,
-    SUBMIT,
-    EngineProcessConfig,
-    run_engine_process,
-)
+from loom.engine.process_main import EngineProcessConfig, run_engine_process
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +121,7 @@ class EngineProcess:
             raise EngineStartError(
                 f"the engine process exited (code {self._process.exitcode}) before its model "
                 "was loaded; the log above says why") from None
-        if message[0] == READY:
+        if message[0] == pipe.READY:
             return message[1]
         self._process.join()
         _, user_error, why = message
@@ -153,13 +143,13 @@ class EngineProcess:
         self._reader.start()
 
     def drain(self) -> None:
-        self._send((DRAIN,))
+        self._send((pipe.DRAIN,))
 
     def stop(self, reason: str = "the engine was shut down") -> None:
         """Have the engine fail every request still running with `reason`, then exit."""
         if self._stop_reason is None:
             self._stop_reason = reason
-        self._send((STOP, reason))
+        self._send((pipe.STOP, reason))
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine process and wait for it (up to `timeout`, then kill it; at once
@@ -188,20 +178,20 @@ class EngineProcess:
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
             self._submissions[sid] = _Submission(stream, {r.request_id for r in requests})
-        if not self._send((SUBMIT, sid, requests)):
+        if not self._send((pipe.SUBMIT, sid, requests)):
             with self._lock:
                 self._submissions.pop(sid, None)
             raise EngineDeadError(self._dead or "the engine process is gone")
         return stream
 
     def abort(self, request_id: str) -> None:
-        self._send((ABORT, request_id))
+        self._send((pipe.ABORT, request_id))
 
     async def metrics_text(self) -> bytes:
-        return await self._ask(METRICS)
+        return await self._ask(pipe.METRICS)
 
     async def reset_prefix_cache(self) -> None:
-        await self._ask(RESET_PREFIX_CACHE)
+        await self._ask(pipe.RESET_PREFIX_CACHE)
 
     async def _ask(self, kind: str) -> object:
         """Send `kind` with a token; the child's reply carries the token back."""
@@ -231,7 +221,7 @@ class EngineProcess:
         try:
             while True:
                 message = self._conn.recv()
-                if message[0] == OUTPUTS:
+                if message[0] == pipe.OUTPUTS:
                     self._deliver(message[1], message[2])
                 else:
                     self._reply_arrived(message[1], message[2])

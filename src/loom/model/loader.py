@@ -134,7 +134,7 @@ def _load_gguf(path: Path) -> LoadedModel:
     tokenizer = tokenizer_from_gguf(meta)
     # The file name, not general.name ("Smollm2 135M 8k ..."): it is what users pass and see.
     return LoadedModel(arch, weights.weights, tokenizer, path.stem, weights.block_quant,
-                       weights.block_quant_shapes, weights.conversions)
+                       weights.conversions)
 
 
 @dataclass(frozen=True)
@@ -144,9 +144,6 @@ class GGUFWeights:
 
     weights: LazyWeights[torch.Tensor]
     block_quant: LazyWeights[BlockQuantWeight]
-    # (out, in) of the 2-D block-quantized ones, known before any is made (the matmuls' weights:
-    # stacked experts run on the MoE kernel, which makes no bf16 copies)
-    block_quant_shapes: dict[str, tuple[int, int]]
     conversions: dict[str, int]  # how many tensors each conversion makes (requant.conversion)
 
 
@@ -154,7 +151,7 @@ def gguf_weights(tensors: Iterable[GGUFTensor], arch: ModelArch | None = None) -
     """The tensors renamed, and what llama.cpp's converter did to them undone for the model's
     `arch` (its family's names, permuted Q/K rows, Gemma's 1 + w norms); arch None: the
     renaming alone, for a layer's tensors without their model (moe.moe_from_gguf)."""
-    makers, quant_makers, quant_shapes = {}, {}, {}
+    makers, quant_makers = {}, {}
     conversions: Counter[str] = Counter()
     family = _GGUF_FAMILY_NAMES.get(arch.architecture, {}) if arch is not None else {}
     names = {**_GGUF_NAMES, **family}
@@ -170,8 +167,6 @@ def gguf_weights(tensors: Iterable[GGUFTensor], arch: ModelArch | None = None) -
         if not _has_block_quant(tensor):
             continue
         quant_makers[name] = lambda t=tensor, heads=heads: _block_quant(t, heads)
-        if len(tensor.shape) == 2:
-            quant_shapes[name] = tuple(tensor.shape)
         if tensor.kind in CONVERTED_KINDS:
             conversions[conversion(tensor.kind)] += 1
         # fp32 weights are the file's values: a converted type's blocks round some of them
@@ -179,7 +174,7 @@ def gguf_weights(tensors: Iterable[GGUFTensor], arch: ModelArch | None = None) -
             makers[name] = lambda name=name, shape=tensor.shape: (
                 block_quant[name].dequantize().view(shape))
     block_quant = LazyWeights(quant_makers)
-    return GGUFWeights(LazyWeights(makers), block_quant, quant_shapes, dict(conversions))
+    return GGUFWeights(LazyWeights(makers), block_quant, dict(conversions))
 
 
 def _dequantized(tensor: GGUFTensor, heads: int | None, shift: float = 0.0,

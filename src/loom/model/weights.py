@@ -161,8 +161,5 @@ class LoadedModel:
     # `weights`. Made on first use: a backend other than the native one never pays for the
     # conversion.
     block_quant: Mapping[str, BlockQuantWeight] = field(default_factory=dict)
-    # (out, in) of each 2-D one (a mixture's stacked experts get no bf16 copies), known
-    # before any is made
-    block_quant_shapes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     # how many of them each conversion makes (requant.conversion: "Q6_K quantized again ...")
     conversions: Mapping[str, int] = field(default_factory=dict)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from loom.config import flag_help
+from loom.config import option, require_at_least
 from loom.workload.arrivals import TRACE_RATE, Burst, RampUp
 from loom.workload.trace import Trace
 
@@ -50,46 +50,43 @@ class Load:
 
     CLI_GROUP = "Load"
 
-    rate: float | str = field(default=math.inf, metadata=flag_help(
+    rate: float | str = option(math.inf,
         "offered req/s, 'inf' (all at once) or 'trace' (arrival_s as recorded); give it, "
-        "--max-concurrency, or both", parse=parse_rate))
-    burstiness: float = field(default=1.0, metadata=flag_help(
-        "gamma shape of inter-arrival gaps: 1 = Poisson, < 1 burstier"))
-    max_concurrency: int | None = field(default=None, metadata=flag_help(
+        "--max-concurrency, or both", parse=parse_rate)
+    burstiness: float = option(1.0,
+        "gamma shape of inter-arrival gaps: 1 = Poisson, < 1 burstier")
+    max_concurrency: int | None = option(None,
         "requests in flight at most; alone (rate inf): closed loop of N users; default: no "
-        "cap"))
-    duration_s: float | None = field(default=None, metadata=flag_help(
+        "cap")
+    duration_s: float | None = option(None,
         "seconds to keep sending (cycling the trace); in-flight ones finish; default: send "
-        "the trace (or -n requests) once", flag="--duration"))
-    burst: Burst | None = field(default=None, metadata=flag_help(
+        "the trace (or -n requests) once", flag="--duration")
+    burst: Burst | None = option(None,
         "a burst phase: FACTOR times the rate for SECONDS, from START (default 10 s), e.g. "
-        "5x:30s or 5x:30s@20s; default: none", parse=Burst.parse))
-    ramp_up: RampUp | None = field(default=None, metadata=flag_help(
+        "5x:30s or 5x:30s@20s; default: none", parse=Burst.parse)
+    ramp_up: RampUp | None = option(None,
         "grow the rate from 0 over the first seconds, e.g. linear:60s; default: full rate "
-        "from the start", parse=RampUp.parse))
-    over_saturation_s: float | None = field(default=None, metadata=flag_help(
+        "from the start", parse=RampUp.parse)
+    over_saturation_s: float | None = option(None,
         "stop sending at a load once the requests in flight have kept growing for this many "
         "seconds (choose it above a request's E2E); the sweep stops there; default: never",
-        flag="--over-saturation-stop"))
-    num_requests: int | None = field(default=None, metadata=flag_help(
+        flag="--over-saturation-stop")
+    num_requests: int | None = option(None,
         "requests to send, cycling the trace if needed; default: the whole trace once (or, "
-        "with --duration, as many as fit)", parse=parse_count))
-    seed: int = field(default=0, metadata=flag_help(
-        "seed of everything random: lengths, arrivals, synthetic prompts"))
+        "with --duration, as many as fit)", parse=parse_count)
+    seed: int = option(0,
+        "seed of everything random: lengths, arrivals, synthetic prompts")
 
     def __post_init__(self) -> None:
         """Refuse a load that would send nothing or divide by zero, naming the flag, before
         any connection is opened."""
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        require_at_least(1, {"--max-concurrency": self.max_concurrency, "-n": self.num_requests})
         if not 0 < self.burstiness < math.inf:
             raise ValueError(f"--burstiness must be > 0, got {self.burstiness:g}")
         for flag, value in (("--duration", self.duration_s),
                             ("--over-saturation-stop", self.over_saturation_s)):
             if value is not None and not 0 < value < math.inf:
                 raise ValueError(f"{flag} must be > 0, got {value:g} s")
-        if self.num_requests is not None and self.num_requests < 1:
-            raise ValueError(f"-n must be >= 1, got {self.num_requests}")
 
     def check_runnable(self, trace: Trace) -> None:
         """Refuse what only the schedule would find, mid-run: a burst or ramp-up without a

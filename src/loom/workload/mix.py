@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from loom.config import flag_help
+from loom.config import option
 from loom.workload.tokens import PromptSynth
 from loom.workload.trace import Trace, TraceRequest, header
 
@@ -75,14 +75,14 @@ class ArrivalSpec:
 
     CLI_GROUP = "Arrivals (recorded in the trace)"
 
-    rate: float = field(default=2.0, metadata=flag_help(
-        "recorded arrivals: mean requests/s, bursts included", flag="--arrival-rate"))
-    burst_prob: float = field(default=0.1, metadata=flag_help(
-        "chance that an arrival is a burst"))
-    burst_size: tuple[int, int] = field(default=(4, 12), metadata=flag_help(
-        "requests in a burst, LOW-HIGH", parse=lambda text: _range(text, int)))
-    burst_window_s: float = field(default=0.5, metadata=flag_help(
-        "seconds a burst is spread over", flag="--burst-window"))
+    rate: float = option(2.0,
+        "recorded arrivals: mean requests/s, bursts included", flag="--arrival-rate")
+    burst_prob: float = option(0.1,
+        "chance that an arrival is a burst")
+    burst_size: tuple[int, int] = option((4, 12),
+        "requests in a burst, LOW-HIGH", parse=lambda text: _range(text, int))
+    burst_window_s: float = option(0.5,
+        "seconds a burst is spread over", flag="--burst-window")
 
     def __post_init__(self) -> None:
         """Refuse what would divide by zero, loop for ever or write negative times."""
@@ -116,11 +116,11 @@ class CancelSpec:
 
     CLI_GROUP = "Cancellations (recorded in the trace)"
 
-    fraction: float = field(default=0.05, metadata=flag_help(
-        "share of requests the client walks away from", flag="--cancel-fraction"))
-    after_s: tuple[float, float] = field(default=(0.5, 5.0), metadata=flag_help(
+    fraction: float = option(0.05,
+        "share of requests the client walks away from", flag="--cancel-fraction")
+    after_s: tuple[float, float] = option((0.5, 5.0),
         "seconds before walking away, LOW-HIGH", flag="--cancel-after",
-        parse=lambda text: _range(text, float)))
+        parse=lambda text: _range(text, float))
 
     def __post_init__(self) -> None:
         if not 0 <= self.fraction <= 1:

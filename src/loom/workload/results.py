@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from loom.config import flag_help
+from loom.config import option
 from loom.workload.figures import CLASS_KEYS, Figures, offered_rate, per_class, request_figures
 from loom.workload.jsonview import JsonView, plain
 from loom.workload.load import Load
@@ -171,9 +171,9 @@ class Limits(JsonView):
 
     CLI_GROUP = "Sweep limits"
 
-    max_p95_queue_s: float = field(default=2.0, metadata=flag_help(
-        "p95 queue time in seconds (server metric; else p95 TTFT)", flag="--max-p95-queue"))
-    max_error_rate: float = field(default=0.05, metadata=flag_help("failed / sent"))
+    max_p95_queue_s: float = option(2.0,
+        "p95 queue time in seconds (server metric; else p95 TTFT)", flag="--max-p95-queue")
+    max_error_rate: float = option(0.05, "failed / sent")
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_p95_queue_s < math.inf:

@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from loom.config import flag_help
+from loom.config import option
 from loom.workload.load import Load
 from loom.workload.results import Limits
 from loom.workload.slo import Slo
@@ -19,10 +19,10 @@ from loom.workload.slo import Slo
 class AutoSearch:
     CLI_GROUP = "Knee search (--auto)"
 
-    start_rate: float = field(default=0.5, metadata=flag_help("first rate"))
-    max_rate: float = field(default=64.0, metadata=flag_help("highest rate to try"))
-    bisect_steps: int = field(default=2, metadata=flag_help(
-        "bisections after a limit is crossed"))
+    start_rate: float = option(0.5, "first rate")
+    max_rate: float = option(64.0, "highest rate to try")
+    bisect_steps: int = option(2,
+        "bisections after a limit is crossed")
 
     def __post_init__(self) -> None:
         """A search that would run nothing (or never end) is refused before it starts."""

@@ -5,7 +5,7 @@ are protocol.py's)."""
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import Field, model_serializer
 
@@ -23,6 +23,40 @@ class UsageInfo(OpenAIModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+LogprobsT = TypeVar("LogprobsT")
+ChoiceT = TypeVar("ChoiceT")
+
+
+class AnswerChoice(OpenAIModel, Generic[LogprobsT]):
+    """What every choice carries besides its text, message or delta (which a subclass adds)."""
+
+    index: int
+    logprobs: LogprobsT | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Answer(OpenAIModel, Generic[ChoiceT]):
+    """The envelope of every completion and chat answer, whole or a stream's chunk (a
+    subclass names its `object`; a stream's chunks all carry the first one's `created`)."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChoiceT]
+    usage: UsageInfo | None = None
+
+
+class OnlySet(OpenAIModel):
+    """A stream delta's part: it carries only what changed, as OpenAI sends it (the fields
+    that are None are left out)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class CompletionLogprobs(OpenAIModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -30,21 +64,14 @@ class CompletionLogprobs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(OpenAIModel):
-    index: int
+class CompletionChoice(AnswerChoice[CompletionLogprobs]):
     text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class CompletionResponse(OpenAIModel):
-    id: str
+class CompletionResponse(Answer[CompletionChoice]):
+    """/v1/completions' answer, and each chunk of its stream (OpenAI's are the same object)."""
+
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class TopLogprob(OpenAIModel):
@@ -79,33 +106,21 @@ class AssistantMessage(OpenAIModel):
     tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
-class ChatChoice(OpenAIModel):
-    index: int
+class ChatChoice(AnswerChoice[ChatLogprobs]):
     message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(OpenAIModel):
-    id: str
+class ChatCompletionResponse(Answer[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
     usage: UsageInfo
 
 
-class DeltaFunctionCall(OpenAIModel):
+class DeltaFunctionCall(OnlySet):
     name: str | None = None
     arguments: str | None = None
 
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
-
-class DeltaToolCall(OpenAIModel):
+class DeltaToolCall(OnlySet):
     """A piece of a streamed tool call: the first carries id, type and name, the rest
     pieces of the arguments; `index` says which call they belong to."""
 
@@ -114,44 +129,17 @@ class DeltaToolCall(OpenAIModel):
     type: Literal["function"] | None = None
     function: DeltaFunctionCall
 
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
-
-class DeltaMessage(OpenAIModel):
+class DeltaMessage(OnlySet):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler: Any) -> dict[str, Any]:
-        """A delta carries only what changed, as OpenAI sends it."""
-        return {k: v for k, v in handler(self).items() if v is not None}
 
-
-class ChatStreamChoice(OpenAIModel):
-    index: int
+class ChatStreamChoice(AnswerChoice[ChatLogprobs]):
     delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(OpenAIModel):
-    id: str
+class ChatCompletionChunk(Answer[ChatStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionChunk(OpenAIModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None

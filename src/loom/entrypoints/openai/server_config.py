@@ -5,10 +5,10 @@ for them."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from loom.admission import AdmissionConfig
-from loom.config import flag_help
+from loom.config import option, require_at_least
 from loom.entrypoints.openai.reasoning import ReasoningParserName
 from loom.entrypoints.openai.tool_parsers import ToolParserName
 
@@ -19,90 +19,82 @@ API_KEY_ENV = "LOOM_API_KEY"
 class ServerConfig(AdmissionConfig):
     CLI_GROUP = "Server"
 
-    host: str = field(default="127.0.0.1", metadata=flag_help(
+    host: str = option("127.0.0.1",
         "address to listen on; 0.0.0.0 serves every network the machine is on (set "
-        "--api-key then)"))
-    port: int = field(default=8000, metadata=flag_help(
-        "TCP port to listen on, 0-65535 (0: any free one, which the log names)"))
-    served_model_name: str | None = field(default=None, metadata=flag_help(
-        "model name in /v1/models and responses; none = the model's own name"))
-    stream_interval: int = field(default=1, metadata=flag_help(
-        "tokens gathered per streamed chunk (fewer, larger chunks under load)"))
-    tool_call_parser: ToolParserName | None = field(
-        default=None, metadata=flag_help(
-            "how tool calls are read from a chat answer with tool_choice auto; none = picked "
-            "from the model's chat template"))
-    reasoning_parser: ReasoningParserName = field(
-        default="none", metadata=flag_help(
-            "split a thinking model's <think> part out of chat answers into reasoning_content "
-            "(deepseek_r1: the answer starts inside it, as R1's template opens it; qwen3: "
-            "where the answer or the prompt opens it)"))
-    api_key: str | None = field(default=None, metadata=flag_help(
+        "--api-key then)")
+    port: int = option(8000,
+        "TCP port to listen on, 0-65535 (0: any free one, which the log names)")
+    served_model_name: str | None = option(None,
+        "model name in /v1/models and responses; none = the model's own name")
+    stream_interval: int = option(1,
+        "tokens gathered per streamed chunk (fewer, larger chunks under load)")
+    tool_call_parser: ToolParserName | None = option(None,
+        "how tool calls are read from a chat answer with tool_choice auto; none = picked "
+        "from the model's chat template")
+    reasoning_parser: ReasoningParserName = option("none",
+        "split a thinking model's <think> part out of chat answers into reasoning_content "
+        "(deepseek_r1: the answer starts inside it, as R1's template opens it; qwen3: "
+        "where the answer or the prompt opens it)")
+    api_key: str | None = option(None,
         f"require 'Authorization: Bearer KEY' on every route but /health (401 otherwise); "
         "several keys, comma-separated, tell clients apart for --max-concurrent-per-client; "
-        f"default: ${API_KEY_ENV} if set, else no key"))
-    metrics_api_key: str | None = field(default=None, metadata=flag_help(
+        f"default: ${API_KEY_ENV} if set, else no key")
+    metrics_api_key: str | None = option(None,
         "a key /metrics takes besides the API keys (for a scraper that should not be able to "
-        "run the model); none = only the API keys"))
-    public_metrics: bool = field(default=False, metadata=flag_help(
-        "serve /metrics without any key, even with --api-key"))
-    enable_admin_routes: bool = field(default=False, metadata=flag_help(
+        "run the model); none = only the API keys")
+    public_metrics: bool = option(False,
+        "serve /metrics without any key, even with --api-key")
+    enable_admin_routes: bool = option(False,
         "serve POST /reset_prefix_cache (vLLM's; `loom bench run --reset-prefix-cache` "
-        "uses it), which changes the server's state for every client"))
-    ssl_keyfile: str | None = field(default=None, metadata=flag_help(
-        "serve HTTPS with this private key (PEM), given with --ssl-certfile; none = HTTP"))
-    ssl_certfile: str | None = field(default=None, metadata=flag_help(
-        "the certificate (chain, PEM) for --ssl-keyfile; none = HTTP"))
-    special_tokens_in_content: bool = field(default=False, metadata=flag_help(
+        "uses it), which changes the server's state for every client")
+    ssl_keyfile: str | None = option(None,
+        "serve HTTPS with this private key (PEM), given with --ssl-certfile; none = HTTP")
+    ssl_certfile: str | None = option(None,
+        "the certificate (chain, PEM) for --ssl-keyfile; none = HTTP")
+    special_tokens_in_content: bool = option(False,
         "read special-token text in chat messages (e.g. '<|im_start|>') as the control "
         "tokens themselves, as the template's own are; by default it is plain text, so user "
-        "text cannot open a forged turn"))
-    allowed_origins: str | None = field(default=None, metadata=flag_help(
+        "text cannot open a forged turn")
+    allowed_origins: str | None = option(None,
         "comma-separated origins whose web pages may call the API (CORS), or '*'; "
-        "none = no cross-origin access"))
-    max_concurrent_per_client: int | None = field(default=None, metadata=flag_help(
+        "none = no cross-origin access")
+    max_concurrent_per_client: int | None = option(None,
         "answer 429 (with Retry-After) to a request that would give one client (its API key "
         "among several, else its address) more than this many engine requests (prompts x n) "
-        "running or queued; none = no limit", "Admission"))
-    max_tokens_default: int = field(default=2048, metadata=flag_help(
+        "running or queued; none = no limit", "Admission")
+    max_tokens_default: int = option(2048,
         "the answer's budget for chat and /v1/responses requests that give none (max_tokens, "
         "max_completion_tokens, max_output_tokens), at most what the context has left; "
-        "0 = whatever the context has left (vLLM's)", "Admission"))
-    grammar_compile_timeout: float = field(default=10.0, metadata=flag_help(
+        "0 = whatever the context has left (vLLM's)", "Admission")
+    grammar_compile_timeout: float = option(10.0,
         "seconds a structured-output constraint (schema, regex, grammar, tools) may take to "
-        "compile before it is refused with a 400", "Admission"))
-    max_request_body_bytes: int = field(default=4 * 2**20, metadata=flag_help(
-        "largest request body accepted (413 beyond)", "Admission"))
-    read_timeout: float = field(default=10.0, metadata=flag_help(
+        "compile before it is refused with a 400", "Admission")
+    max_request_body_bytes: int = option(4 * 2**20,
+        "largest request body accepted (413 beyond)", "Admission")
+    read_timeout: float = option(10.0,
         "seconds a client has to send its request (head and body; 408 after the head), and "
-        "that an idle connection stays open"))
-    max_connections: int = field(default=512, metadata=flag_help(
+        "that an idle connection stays open")
+    max_connections: int = option(512,
         "open connections at most (one more is answered 503 and closed); lowered to fit the "
-        "file-descriptor limit", "Admission"))
-    max_stored_responses: int = field(default=1024, metadata=flag_help(
+        "file-descriptor limit", "Admission")
+    max_stored_responses: int = option(1024,
         "finished /v1/responses answers kept in memory for a later previous_response_id and "
-        "GET /v1/responses/{id}, oldest dropped first; 0 = keep none"))
-    shutdown_timeout: float = field(default=30.0, metadata=flag_help(
-        "on SIGTERM, seconds requests in flight may run on before they are aborted"))
-    engine_in_process: bool = field(default=False, metadata=flag_help(
+        "GET /v1/responses/{id}, oldest dropped first; 0 = keep none")
+    shutdown_timeout: float = option(30.0,
+        "on SIGTERM, seconds requests in flight may run on before they are aborted")
+    engine_in_process: bool = option(False,
         "run the engine loop on a thread of the server's process, not in a process of its "
-        "own (slower to start and to serve; one process to debug)"))
+        "own (slower to start and to serve; one process to debug)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0 <= self.port <= 65535:  # else bind() raises OverflowError, not an OSError
             raise ValueError(f"port must be in 0-65535, got {self.port}")
-        positive = {"stream_interval": self.stream_interval,
-                    "max_request_body_bytes": self.max_request_body_bytes,
-                    "max_connections": self.max_connections}
-        for name, value in positive.items():
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.max_concurrent_per_client is not None and self.max_concurrent_per_client < 1:
-            raise ValueError(f"max_concurrent_per_client must be >= 1, got "
-                             f"{self.max_concurrent_per_client}")
-        if self.max_tokens_default < 0:
-            raise ValueError(f"max_tokens_default must be >= 0, got {self.max_tokens_default}")
+        require_at_least(1, {"stream_interval": self.stream_interval,
+                             "max_request_body_bytes": self.max_request_body_bytes,
+                             "max_connections": self.max_connections,
+                             "max_concurrent_per_client": self.max_concurrent_per_client})
+        require_at_least(0, {"max_tokens_default": self.max_tokens_default})
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile are given together (or neither)")
         for name in ("ssl_keyfile", "ssl_certfile"):

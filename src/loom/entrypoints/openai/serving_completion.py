@@ -22,7 +22,6 @@ from loom.entrypoints.openai.errors import APIError
 from loom.entrypoints.openai.protocol import CompletionRequest
 from loom.entrypoints.openai.protocol_answers import (
     CompletionChoice,
-    CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
     UsageInfo,
@@ -96,12 +95,12 @@ class CompletionServing(OpenAIServing):
                     return None  # tokens that are no text yet (half a UTF-8 char, a stop prefix)
                 so_far = (usage([] if score_only else [output], choice.prompt_tokens,
                                 output.num_cached_tokens) if request.continuous_usage else None)
-                return sse(CompletionChunk(id=completion_id, created=created,
-                                           model=self.model_name, choices=[delta],
-                                           usage=so_far))
+                return sse(CompletionResponse(id=completion_id, created=created,
+                                              model=self.model_name, choices=[delta],
+                                              usage=so_far))
 
             def usage_chunk(finals: list[RequestOutput]) -> str:
-                return sse(CompletionChunk(
+                return sse(CompletionResponse(
                     id=completion_id, created=created, model=self.model_name, choices=[],
                     usage=total_usage(finals)))
 

@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "avx2_reduce.h"
@@ -424,103 +425,94 @@ struct Lanes16 {
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
 };
 
-// q.K for NB blocks at once (a block's 16 positions are one vector): each broadcast of a
-// query value serves NB blocks, and NB * G independent sums cover the FMA latency.
-template <typename C, int G, int D, int NB>
-static inline void block_scores(const C* const (&kb)[NB], int64_t dim_stride,
-                                const float (&qf)[G][D], float* scores, int64_t row) {
-  __m512 s[G][NB];
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NB; ++j) s[g][j] = _mm512_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    __m512 k[NB];
-    for (int j = 0; j < NB; ++j) k[j] = load16(kb[j] + d * dim_stride);
-    for (int g = 0; g < G; ++g) {
-      const __m512 qd = _mm512_set1_ps(qf[g][d]);
-      for (int j = 0; j < NB; ++j) s[g][j] = _mm512_fmadd_ps(qd, k[j], s[g][j]);
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(scores + g * row + 16 * j, s[g][j]);
-}
-
-// AVX-512: the AVX2 kernel's plan (below) with 16-wide vectors; q.K takes two blocks at a
-// time, and p.V holds the R rows' accumulators for 64 dims (32 past 4 rows) in registers.
-template <typename T, typename C, int G, int D, int QT>
-static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
-                        std::vector<float>& scores) {
-  constexpr int64_t BS = kBlockSize;
-  constexpr int R = G * QT;
-  constexpr int DC = std::min(D, R <= 4 ? 64 : 32);
-  static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 1 vector");
-  const TileContext c = tile_context(a, t);
-  const int64_t L = c.len, num_blocks = c.num_blocks, Lp = c.padded_len;
-  const int64_t* table = c.table;
-  float qf[R][D];
-  load_query<G>(a, t, kh, qf);
-  scores.resize(R * Lp);
-  int64_t b = 0;
-  for (; b + 2 <= num_blocks; b += 2) {
-    for (int64_t ahead = b + 2; ahead < std::min(b + 2 + kPrefetchBlocks, num_blocks); ++ahead)
-      prefetch_k<D>(a, table[ahead], kh);
-    for (int64_t j = b; j < b + 2; ++j) prefetch_v<D, _MM_HINT_T1>(a, table[j], kh);
-    const C* const kb[2] = {a.k_block(table[b], kh), a.k_block(table[b + 1], kh)};
-    block_scores<C, R, D, 2>(kb, a.ks[3], qf, &scores[b * BS], Lp);
-  }
-  if (b < num_blocks) {
-    prefetch_v<D, _MM_HINT_T1>(a, table[b], kh);
-    const C* const kb[1] = {a.k_block(table[b], kh)};
-    block_scores<C, R, D, 1>(kb, a.ks[3], qf, &scores[b * BS], Lp);
-  }
-  for (int64_t ahead = 0; ahead < std::min(kPrefetchBlocks, num_blocks); ++ahead)
-    prefetch_v<D>(a, table[ahead], kh);
-  normalize_rows<G, R>(a, t, kh, scores.data(), Lp, c);
-  float acc[R][D] = {};
-  weighted_values<Lanes16, DC, kPrefetchBlocks>(a, table, num_blocks, L, kh, scores.data(), Lp,
-                                                acc);
-  store_output<G>(acc, a, t, kh);
-}
+// AVX-512: q.K takes two blocks a step (a block's 16 positions are one vector), and p.V holds
+// the R rows' accumulators for 64 dims (32 past 4 rows) in registers.
+struct SimdPlan {
+  using L = Lanes16;
+  static constexpr int kScoreBlocks = 2;
+  static constexpr int64_t kAhead = kPrefetchBlocks;
+  template <int R, int D>
+  static constexpr int value_dims() { return std::min(D, R <= 4 ? 64 : 32); }
+};
 #else
 // AVX2: each K block is read once for all R rows (scores of 16 positions x R rows in
-// registers), and p.V is weighted_values over 8-wide vectors.
+// registers, two vectors a row), and p.V takes 16 dims a pass (2 * R accumulators; 8 past 6
+// rows).
+struct SimdPlan {
+  using L = Lanes8;
+  static constexpr int kScoreBlocks = 1;
+  static constexpr int64_t kAhead = 1;
+  template <int R, int D>
+  static constexpr int value_dims() { return R <= 6 ? 16 : 8; }
+};
+#endif  // __AVX512F__
+
+// q.K for NB blocks at once (a block's 16 positions are 16 / L::kWidth vectors): each
+// broadcast of a query value serves NB blocks, and R * N independent sums cover the FMA
+// latency.
+template <typename L, typename C, int R, int D, int NB>
+static inline void block_scores(const C* const (&kb)[NB], int64_t dim_stride,
+                                const float (&qf)[R][D], float* scores, int64_t row) {
+  constexpr int PerBlock = kBlockSize / L::kWidth, N = NB * PerBlock;
+  typename L::V s[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < N; ++j) s[r][j] = L::set1(0.f);
+  for (int d = 0; d < D; ++d) {
+    typename L::V k[N];
+    for (int j = 0; j < N; ++j)
+      k[j] = L::load(kb[j / PerBlock] + d * dim_stride + L::kWidth * (j % PerBlock));
+    for (int r = 0; r < R; ++r) {
+      const typename L::V qd = L::set1(qf[r][d]);
+      for (int j = 0; j < N; ++j) s[r][j] = L::fmadd(qd, k[j], s[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < N; ++j) L::store(scores + r * row + L::kWidth * j, s[r][j]);
+}
+
+// One q.K step: the scores of blocks b .. b + NB - 1 (J: 0 .. NB - 1), the K blocks
+// Plan::kAhead past them prefetched, and their V blocks asked into L2 for the p.V pass.
+template <typename Plan, int NB, typename T, typename C, int R, int D, size_t... J>
+static inline void score_step(const DecodeArgs<T, C>& a, const int64_t* table,
+                              int64_t num_blocks, int64_t b, int64_t kh,
+                              const float (&qf)[R][D], float* scores, int64_t row,
+                              std::index_sequence<J...>) {
+  for (int64_t ahead = b + NB; ahead < std::min(b + NB + Plan::kAhead, num_blocks); ++ahead)
+    prefetch_k<D>(a, table[ahead], kh);
+  (prefetch_v<D, _MM_HINT_T1>(a, table[b + J], kh), ...);
+  const C* const kb[NB] = {a.k_block(table[b + J], kh)...};
+  block_scores<typename Plan::L, C, R, D, NB>(kb, a.ks[3], qf, scores + b * kBlockSize, row);
+}
+
+// Either SIMD width (SimdPlan): q.K in steps of kScoreBlocks blocks, the softmax, then p.V
+// (weighted_values) with its first kAhead V blocks prefetched.
 template <typename T, typename C, int G, int D, int QT>
 static void attend_tile(const DecodeArgs<T, C>& a, const Tile& t, int64_t kh,
                         std::vector<float>& scores) {
-  constexpr int64_t BS = kBlockSize;
-  constexpr int R = G * QT;
-  constexpr int DC = R <= 6 ? 16 : 8;  // dims per p.V pass: 2 * R (or R) accumulators
-  static_assert(BS == 16 && D % DC == 0, "block of 16 positions = 2 vectors");
+  using Plan = SimdPlan;
+  constexpr int R = G * QT, NB = Plan::kScoreBlocks;
+  constexpr int DC = Plan::template value_dims<R, D>();
+  static_assert(kBlockSize % Plan::L::kWidth == 0 && D % DC == 0, "blocks of whole vectors");
   const TileContext c = tile_context(a, t);
-  const int64_t L = c.len, num_blocks = c.num_blocks, Lp = c.padded_len;
+  const int64_t num_blocks = c.num_blocks, Lp = c.padded_len;
   const int64_t* table = c.table;
   float qf[R][D];
   load_query<G>(a, t, kh, qf);
   scores.resize(R * Lp);
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const C* kb = a.k_block(table[b], kh);
-    if (b + 1 < num_blocks) prefetch_k<D>(a, table[b + 1], kh);
-    prefetch_v<D, _MM_HINT_T1>(a, table[b], kh);
-    __m256 s[R][2];
-    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
-    for (int d = 0; d < D; ++d) {
-      const __m256 k0 = load8(kb + d * a.ks[3]), k1 = load8(kb + d * a.ks[3] + 8);
-      for (int r = 0; r < R; ++r) {
-        const __m256 qd = _mm256_set1_ps(qf[r][d]);
-        s[r][0] = _mm256_fmadd_ps(qd, k0, s[r][0]);
-        s[r][1] = _mm256_fmadd_ps(qd, k1, s[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(&scores[r * Lp + b * BS], s[r][0]);
-      _mm256_storeu_ps(&scores[r * Lp + b * BS + 8], s[r][1]);
-    }
-  }
-  normalize_rows<G, R>(a, t, kh, scores.data(), Lp, c);
+  float* s = scores.data();
+  int64_t b = 0;
+  for (; b + NB <= num_blocks; b += NB)
+    score_step<Plan, NB>(a, table, num_blocks, b, kh, qf, s, Lp, std::make_index_sequence<NB>());
+  for (; b < num_blocks; ++b)
+    score_step<Plan, 1>(a, table, num_blocks, b, kh, qf, s, Lp, std::make_index_sequence<1>());
+  for (int64_t ahead = 0; ahead < std::min(Plan::kAhead, num_blocks); ++ahead)
+    prefetch_v<D>(a, table[ahead], kh);
+  normalize_rows<G, R>(a, t, kh, s, Lp, c);
   float acc[R][D] = {};
-  weighted_values<Lanes8, DC, 1>(a, table, num_blocks, L, kh, scores.data(), Lp, acc);
+  weighted_values<typename Plan::L, DC, Plan::kAhead>(a, table, num_blocks, c.len, kh, s, Lp,
+                                                      acc);
   store_output<G>(acc, a, t, kh);
 }
-#endif  // __AVX512F__
 #else
 // Scores of L positions -> probabilities, in place; returns the scores' log-sum-exp. sink (if
 // set): a logit that joins the denominator only.

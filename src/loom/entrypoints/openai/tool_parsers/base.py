@@ -50,6 +50,27 @@ class ToolParser:
         return cut
 
 
+class MarkedToolParser(ToolParser):
+    """A format whose calls follow the first of its markers, with only content before it:
+    a subclass reads the calls, this finds where they start and what stays content."""
+
+    def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
+        found = [(at, marker) for marker in self.markers if (at := text.find(marker)) != -1]
+        if not found:
+            return ExtractedToolCalls(text, [])
+        start, marker = min(found)
+        calls = self.calls(text[start:], marker, tools)
+        if not calls:  # not calls after all: the whole answer is content
+            return ExtractedToolCalls(text, [])
+        return ExtractedToolCalls(content_or_none(text[:start]), calls)
+
+    def calls(self, tail: str, marker: str, tools: Sequence[dict[str, Any]]
+              ) -> list[ParsedToolCall] | None:
+        """The calls `tail` (the answer from `marker` on) writes; None (or none) if it is
+        anything else."""
+        raise NotImplementedError
+
+
 def _finite(number: str) -> float:
     value = float(number)
     if not math.isfinite(value):
@@ -96,6 +117,15 @@ def call_from_json(obj: Any, arguments_keys: tuple[str, ...] = ("arguments", "pa
         except ValueError:
             return None
     return ParsedToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def calls_from_json_items(items: Any) -> list[ParsedToolCall] | None:
+    """A JSON list of calls (or one call) as `call_from_json` reads each; None if any item
+    is not a call, or there are none."""
+    calls = [call_from_json(item) for item in (items if isinstance(items, list) else [items])]
+    if not calls or any(c is None for c in calls):
+        return None
+    return [c for c in calls if c is not None]
 
 
 def content_or_none(text: str) -> str | None:

@@ -8,30 +8,27 @@ from collections.abc import Sequence
 from typing import Any
 
 from loom.entrypoints.openai.tool_parsers.base import (
-    ExtractedToolCalls,
-    ToolParser,
+    MarkedToolParser,
+    ParsedToolCall,
     call_from_json,
-    content_or_none,
     strict_json,
 )
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
-class HermesToolParser(ToolParser):
+class HermesToolParser(MarkedToolParser):
     markers = ("<tool_call>",)
 
-    def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
-        start = text.find("<tool_call>")
-        if start == -1:
-            return ExtractedToolCalls(text, [])
+    def calls(self, tail: str, marker: str, tools: Sequence[dict[str, Any]]
+              ) -> list[ParsedToolCall] | None:
         calls = []
-        for block in _BLOCK.findall(text, start):
+        for block in _BLOCK.findall(tail):
             try:
                 call = call_from_json(strict_json(block))
             except ValueError:
                 call = None
-            if call is None:  # not a call after all: the whole answer is content
-                return ExtractedToolCalls(text, [])
+            if call is None:
+                return None
             calls.append(call)
-        return ExtractedToolCalls(content_or_none(text[:start]), calls)
+        return calls

@@ -18,11 +18,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from loom.entrypoints.openai.tool_parsers.base import (
-    ExtractedToolCalls,
+    MarkedToolParser,
     ParsedToolCall,
-    ToolParser,
-    call_from_json,
-    content_or_none,
+    calls_from_json_items,
     strict_json_prefix,
 )
 
@@ -36,26 +34,22 @@ def mistral_tool_call_id() -> str:
     return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(MarkedToolParser):
     markers = (_MARKER,)
 
-    def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
-        start = text.find(_MARKER)
-        if start == -1:
-            return ExtractedToolCalls(text, [])
+    def calls(self, tail: str, marker: str, tools: Sequence[dict[str, Any]]
+              ) -> list[ParsedToolCall] | None:
         calls: list[ParsedToolCall] = []
-        for block in text[start + len(_MARKER):].split(_MARKER):
+        for block in tail[len(marker):].split(marker):
             found = _json_list(block) if block.lstrip().startswith(("[", "{")) \
                 else _named_call(block)
-            if found is None:  # not calls after all: the whole answer is content
-                return ExtractedToolCalls(text, [])
+            if found is None:
+                return None
             calls += found
-        if not calls:
-            return ExtractedToolCalls(text, [])
         for call in calls:
             if not (len(call.id) == 9 and call.id.isalnum()):
                 call.id = mistral_tool_call_id()
-        return ExtractedToolCalls(content_or_none(text[:start]), calls)
+        return calls
 
 
 def _json_list(block: str) -> list[ParsedToolCall] | None:
@@ -63,10 +57,7 @@ def _json_list(block: str) -> list[ParsedToolCall] | None:
         items, _ = strict_json_prefix(block.strip())
     except ValueError:
         return None
-    calls = [call_from_json(item) for item in (items if isinstance(items, list) else [items])]
-    if not calls or any(c is None for c in calls):
-        return None
-    return [c for c in calls if c is not None]
+    return calls_from_json_items(items)
 
 
 def _named_call(block: str) -> list[ParsedToolCall] | None:

@@ -8,10 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from loom.entrypoints.openai.tool_parsers.base import (
-    ExtractedToolCalls,
-    ToolParser,
-    call_from_json,
-    content_or_none,
+    MarkedToolParser,
+    ParsedToolCall,
+    calls_from_json_items,
     strict_json_prefix,
 )
 
@@ -19,23 +18,16 @@ _MARKERS = ("functools", "<|tool_call|>")
 _END = "<|/tool_call|>"
 
 
-class Phi4MiniToolParser(ToolParser):
+class Phi4MiniToolParser(MarkedToolParser):
     markers = _MARKERS
 
-    def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
-        found = [(at, marker) for marker in _MARKERS if (at := text.find(marker)) != -1]
-        if not found:
-            return ExtractedToolCalls(text, [])
-        start, marker = min(found)
-        body = text[start + len(marker):].strip()
+    def calls(self, tail: str, marker: str, tools: Sequence[dict[str, Any]]
+              ) -> list[ParsedToolCall] | None:
+        body = tail[len(marker):].strip()
         try:
             items, end = strict_json_prefix(body)
         except ValueError:
-            return ExtractedToolCalls(text, [])
+            return None
         if body[end:].strip() not in ("", _END):
-            return ExtractedToolCalls(text, [])
-        calls = [call_from_json(item) for item in (items if isinstance(items, list) else [items])]
-        if not calls or any(c is None for c in calls):
-            return ExtractedToolCalls(text, [])
-        return ExtractedToolCalls(content_or_none(text[:start]),
-                                  [c for c in calls if c is not None])
+            return None
+        return calls_from_json_items(items)

@@ -21,10 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from loom.entrypoints.openai.tool_parsers.base import (
-    ExtractedToolCalls,
+    MarkedToolParser,
     ParsedToolCall,
-    ToolParser,
-    content_or_none,
     strict_json,
 )
 
@@ -34,17 +32,14 @@ _BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*(?:</
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
 
-class Qwen3CoderToolParser(ToolParser):
+class Qwen3CoderToolParser(MarkedToolParser):
     markers = (_MARKER,)
 
-    def extract(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> ExtractedToolCalls:
-        start = text.find(_MARKER)
-        if start == -1:
-            return ExtractedToolCalls(text, [])
-        blocks = list(_BLOCK.finditer(text, start))
-        rest = _BLOCK.sub("", text[start:]).strip()
-        if not blocks or rest:  # a marker that opens no call, or text between calls
-            return ExtractedToolCalls(text, [])
+    def calls(self, tail: str, marker: str, tools: Sequence[dict[str, Any]]
+              ) -> list[ParsedToolCall] | None:
+        blocks = list(_BLOCK.finditer(tail))
+        if _BLOCK.sub("", tail).strip():  # text between calls, or a marker that opens none
+            return None
         calls = []
         for block in blocks:
             name = block[1].strip()
@@ -52,7 +47,7 @@ class Qwen3CoderToolParser(ToolParser):
             arguments = {key.strip(): _value(value, types.get(key.strip()))
                          for key, value in _PARAMETER.findall(block[2])}
             calls.append(ParsedToolCall(name, json.dumps(arguments, ensure_ascii=False)))
-        return ExtractedToolCalls(content_or_none(text[:start]), calls)
+        return calls
 
 
 def _parameter_types(tools: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
