@@ -11,7 +11,9 @@
 #                   llama.cpp's convert_hf_to_gguf.py), smollm2-135m-<TYPE> (that quantized
 #                   by llama-quantize), big-f16 (SmolLM2-1.7B's shape with random weights,
 #                   benchmarks/synthetic_gguf.py), big-<TYPE>, gemma3-4b-<TYPE> and
-#                   olmoe-<TYPE> (those models' shapes, likewise; the bundled vocabulary)
+#                   olmoe-<TYPE> (those models' shapes, likewise; the bundled vocabulary),
+#                   qwen3-8b-Q4_K_M and llama32-3b-Q4_K_M (random blocks: synthetic_gguf.py
+#                   --q4-k-m)
 #   $NGRAM          the n-gram speculative config
 # and this checkout's .venv first on PATH. Run it on a machine with nothing else running; the
 # peers need benchmarks/peers/setup_*.sh first, the GGUFs llama.cpp's llama-quantize
@@ -79,6 +81,14 @@ model() {  # NAME: a GGUF, made once; prints its path
                     --reference "$(model bundled)" --hidden 2048 --ffn 1024 --layers 16 \
                     --heads 16 --kv-heads 16 --experts 64 --experts-used 8 --expert-ffn 1024 \
                     --out "$file.part" >&2 ;;
+            qwen3-8b-Q4_K_M)  # Qwen3-8B's shape, random Q4_K_M blocks written directly
+                python "$CHECKOUT/benchmarks/synthetic_gguf.py" --arch qwen3 --q4-k-m \
+                    --reference "$(model bundled)" --hidden 4096 --ffn 12288 --layers 36 \
+                    --heads 32 --kv-heads 8 --head-dim 128 --out "$file.part" >&2 ;;
+            llama32-3b-Q4_K_M)  # Llama-3.2-3B's shape, likewise
+                python "$CHECKOUT/benchmarks/synthetic_gguf.py" --arch llama --q4-k-m \
+                    --reference "$(model bundled)" --hidden 3072 --ffn 8192 --layers 28 \
+                    --heads 24 --kv-heads 8 --out "$file.part" >&2 ;;
             smollm2-135m-*|big-*|gemma3-4b-*|olmoe-*)
                 local source
                 source=$(model "${name%-*}-f16") \

@@ -34,6 +34,16 @@ OLMoE-1B-7B's shape (64 experts, 8 a token, 1024 wide: about 7B weights, 14 GB i
         --experts 64 --experts-used 8 --expert-ffn 1024 --out olmoe-f16.gguf
     llama-quantize olmoe-f16.gguf olmoe-Q4_K_M.gguf Q4_K_M
 
+`--q4-k-m` skips the F16 file and llama-quantize (for a dense 8B shape: a 16 GB file and half an
+hour of both cores on the Zen 4): it writes random Q4_K_M blocks directly, in the types
+llama-quantize's Q4_K_M gives each tensor (`q4_k_m_type`), so both servers read the bytes and
+run the kernels a quantized model of the shape would; the weights are the blocks' random codes
+under small fixed scales, not a quantized Gaussian. Qwen3-8B's shape (4.3 GB) in 23 s on the Zen 4:
+
+    python benchmarks/synthetic_gguf.py --arch qwen3 --reference $REF --q4-k-m \\
+        --hidden 4096 --ffn 12288 --layers 36 --heads 32 --kv-heads 8 --head-dim 128 \\
+        --out qwen3-8b-Q4_K_M.gguf
+
 llama.cpp loads both: llama-quantize as above, then `llama-perplexity -m X-Q4_K_M.gguf -f
 text.txt -c 128 --chunks 2 -nr` (`-nr`: llama.cpp's repacking for AMX crashed at start-up on the
 AMX Xeon, for a dense file too) ran on a small shape of each; loom reads their expert
@@ -60,6 +70,8 @@ HEAD_NORMED = ("qwen3", "gemma3", "qwen3moe")  # RMSNorm over each head's q and 
 # reference's own shape and family (a Gemma 4 vocabulary's experts, per-layer head counts)
 CARRIED_KEYS = ("context_length", "rope.freq_base", "attention.layer_norm_rms_epsilon")
 GGUF_FILE_TYPE_F16 = 1  # general.file_type: mostly F16
+GGUF_FILE_TYPE_Q4_K_M = 15  # general.file_type: llama-quantize's Q4_K_M
+Q4_K, Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
 
 
 @dataclass(frozen=True)
@@ -151,6 +163,42 @@ def tensor_specs(shape: Shape, vocab: int) -> list[TensorSpec]:
     return specs
 
 
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama-quantize's pick of the layers whose attn_v and ffn_down Q4_K_M gives Q6_K: the
+    first and last eighth, and every third layer between."""
+    return (layer < layers // 8 or layer >= 7 * layers // 8
+            or (layer - layers // 8) % 3 == 2)
+
+
+def q4_k_m_type(name: str, layers: int) -> gguf.GGMLQuantizationType:
+    """The type llama-quantize's Q4_K_M gives a dense file's matrix (llama_tensor_get_type):
+    Q6_K for the output layer (the token embeddings, where tied: this writer's dense files
+    are) and for attn_v and ffn_down in the layers use_more_bits picks, Q4_K elsewhere."""
+    if name in ("output.weight", "token_embd.weight"):
+        return Q6_K
+    parts = name.split(".")
+    if parts[2] in ("attn_v", "ffn_down") and use_more_bits(int(parts[1]), layers):
+        return Q6_K
+    return Q4_K
+
+
+def random_blocks(rng: np.random.Generator, rows: int, cols: int,
+                  qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """`rows` x `cols` weights as random `qtype` blocks (uint8, a row of blocks a row): random
+    codes, fixed fp16 scales small enough that the weights are about N(0, 0.02)'s size and
+    centred (Q4_K: d * sc * q - dmin * m with q in 0..15, sc and m in 0..63; Q6_K: d * sc *
+    (q - 32) with int8 sub-block scales drawn from -16..16)."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // block, nbytes), dtype=np.uint8)
+    if qtype == Q4_K:  # d, dmin, 12 bytes of 6-bit scales and mins, 128 of codes
+        blocks[:, :4] = np.array([7.5e-5, 5.5e-4], np.float16).view(np.uint8)
+    else:  # Q6_K: 128 bytes of low bits, 64 of high bits, 16 int8 scales, d
+        blocks[:, 192:208] = rng.integers(-16, 17, (len(blocks), 16), dtype=np.int8).view(
+            np.uint8)
+        blocks[:, 208:] = np.array([1.1e-4], np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def copy_settings(reference: Mapping[str, Any], writer: gguf.GGUFWriter, arch: str,
                   sizes: dict[str, int], chat_template: str | None = None) -> None:
     """Every key-value of `reference` (a header's metadata) but its architecture, which `arch`
@@ -184,20 +232,40 @@ def copy_settings(reference: Mapping[str, Any], writer: gguf.GGUFWriter, arch: s
         writer.add_chat_template(chat_template)
 
 
+def add_tensor_info(writer: gguf.GGUFWriter, spec: TensorSpec, layers: int,
+                    q4_k_m: bool) -> None:
+    """`spec`'s entry in the header: F16 (a random matrix), F32, or its Q4_K_M block type."""
+    if q4_k_m and spec.kind == "matrix":
+        qtype = q4_k_m_type(spec.name, layers)
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        rows, cols = spec.shape
+        byte_shape = (rows, cols // block * nbytes)
+        writer.add_tensor_info(spec.name, byte_shape, np.dtype(np.uint8), rows * byte_shape[1],
+                               raw_dtype=qtype)
+        return
+    dtype = np.dtype(np.float16 if spec.kind == "matrix" else np.float32)
+    writer.add_tensor_info(spec.name, spec.shape, dtype, int(np.prod(spec.shape)) * dtype.itemsize)
+
+
 def write(shape: Shape, reference: str | Mapping[str, Any], out: str, seed: int = 0,
-          chat_template: str | None = None) -> None:
-    """`reference`: a GGUF's path, or its header's metadata (a vocabulary amended first)."""
+          chat_template: str | None = None, q4_k_m: bool = False) -> None:
+    """`reference`: a GGUF's path, or its header's metadata (a vocabulary amended first).
+    `q4_k_m`: random Q4_K_M blocks (dense architectures, every width a multiple of 256)
+    instead of F16 weights."""
+    if q4_k_m and (shape.arch in MIXTURES or shape.hidden % 256 or shape.ffn % 256
+                   or shape.heads * shape.head_dim % 256):
+        raise ValueError("--q4-k-m writes dense architectures whose widths are multiples of "
+                         f"256, not {shape}")
     if isinstance(reference, str):
         reference = read_gguf(Path(reference)).metadata
     vocab = len(reference["tokenizer.ggml.tokens"])
     writer = gguf.GGUFWriter(out, shape.arch)
+    file_type = GGUF_FILE_TYPE_Q4_K_M if q4_k_m else GGUF_FILE_TYPE_F16
     copy_settings(reference, writer, shape.arch,
-                  {**metadata(shape), "general.file_type": GGUF_FILE_TYPE_F16}, chat_template)
+                  {**metadata(shape), "general.file_type": file_type}, chat_template)
     specs = tensor_specs(shape, vocab)
     for spec in specs:
-        dtype = np.float16 if spec.kind == "matrix" else np.float32
-        writer.add_tensor_info(spec.name, spec.shape, np.dtype(dtype),
-                               int(np.prod(spec.shape)) * np.dtype(dtype).itemsize)
+        add_tensor_info(writer, spec, shape.layers, q4_k_m)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -205,6 +273,10 @@ def write(shape: Shape, reference: str | Mapping[str, Any], out: str, seed: int 
     for spec in specs:
         if spec.kind == "norm":
             writer.write_tensor_data(np.ones(spec.shape, np.float32))
+            continue
+        if q4_k_m and spec.kind == "matrix":
+            writer.write_tensor_data(random_blocks(rng, *spec.shape,
+                                                   q4_k_m_type(spec.name, shape.layers)))
             continue
         weights = rng.standard_normal(spec.shape, dtype=np.float32) * 0.02
         writer.write_tensor_data(weights.astype(np.float16) if spec.kind == "matrix"
@@ -230,6 +302,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=0,
                         help="gemma3: the sliding layers' window")
     parser.add_argument("--chat-template", help="a Jinja file replacing the reference's template")
+    parser.add_argument("--q4-k-m", action="store_true",
+                        help="random Q4_K_M blocks instead of F16 weights (dense archs)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     try:
@@ -239,7 +313,10 @@ def main() -> None:
     except ValueError as e:
         parser.error(str(e))
     template = None if args.chat_template is None else Path(args.chat_template).read_text()
-    write(shape, args.reference, args.out, chat_template=template)
+    try:
+        write(shape, args.reference, args.out, chat_template=template, q4_k_m=args.q4_k_m)
+    except ValueError as e:
+        parser.error(str(e))
     print(f"wrote {args.out}")
 
 

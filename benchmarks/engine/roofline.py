@@ -152,7 +152,9 @@ def model_figures(model: DecoderModel, kv_dtype: torch.dtype) -> dict[str, Any]:
     arch = model.arch
     linears = [lin for layer in model.layers for lin in (
         layer.qkv, layer.o, layer.gate_up, layer.down)]
-    norms = [w for layer in model.layers for w in (layer.input_norm, layer.post_attn_norm)]
+    norms = [w for layer in model.layers for w in (
+        layer.input_norm, layer.post_attn_norm, layer.pre_mlp_norm, layer.post_mlp_norm)
+        if w is not None]  # the post-norms are Gemma's only
     norms.append(model.final_norm)
     linears.append(model.lm_head)
     matmul_params = sum(lin.num_params for lin in linears)
