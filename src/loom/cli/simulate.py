@@ -151,7 +151,8 @@ class CalibrateFlags:
     repeats: int = opt(3, "timed steps per grid point")
     served: str | None = opt(None,
         "offline PROFILE: add what `loom serve` costs on top of it, measured against a real "
-        "server on loopback (closed loops of 1 and 16 users), and write --output")
+        "server on loopback (closed loops of 1 and 16 users), and write --output (default: "
+        "none, time the offline engine)")
 
 
 def _setup_flags(p: argparse.ArgumentParser) -> None:
