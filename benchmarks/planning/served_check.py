@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks.planning.sim_accuracy import measured, simulated_knee
+from benchmarks.planning.sim_accuracy import simulated_knee
 from loom import host
-from loom.cli.simulate_served import calibration_trace
+from loom.cli.simulate_served import calibration_trace, serve_and_replay
 from loom.sim.profile import Profile
 from loom.sim.result import simulate_run
 from loom.sim.served import sim_config
@@ -46,7 +46,8 @@ def main() -> None:
     print("|---|---|--:|--:|--:|--:|")
     for label, rate in (("low", 0.25 * knee), ("knee", knee)):
         load = Load(rate=rate, max_concurrency=USERS, seed=args.seed)
-        real = measured(configs["served"].flags(), trace, load, work / f"server-{label}.log")
+        real = serve_and_replay(configs["served"].flags(), trace, load,
+                                work / f"server-{label}.log")
         sims = {k: simulate_run(c, trace, ids, load) for k, c in configs.items()}
         for key, name, tol in CHECKS:
             a = real.get(key)

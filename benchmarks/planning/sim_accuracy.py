@@ -20,25 +20,19 @@ default is 60 requests per run):
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import math
-import shlex
 from pathlib import Path
 from typing import Any
 
 from loom import host
-from loom.bench.replay import Target, replay
-from loom.bench.server import LOOM_SERVE, LocalServer
+from loom.cli.simulate_served import calibration_trace, serve_and_replay
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.sim.profile import Profile
-from loom.sim.replay import prompt_token_ids
 from loom.sim.result import SimConfig, simulate_run
 from loom.workload.load import Load
-from loom.workload.mix import ArrivalSpec, CancelSpec, generate_mix, parse_mix
 from loom.workload.results import Limits, RunResult
-from loom.workload.tokens import PromptSynth, load_tokenizer, tokenizer_path
 
 # (result key, label, allowed relative error)
 TARGETS = [("request_throughput", "completed req/s", 0.10),
@@ -63,12 +57,6 @@ def simulated_knee(config: SimConfig, trace: Any, ids: list[list[int]], limits: 
         mid = math.sqrt(good * bad)
         good, bad = (good, mid) if crossed(mid) else (mid, bad)
     return good
-
-
-def measured(flags: list[str], trace: Any, load: Load, log: Path) -> RunResult:
-    with LocalServer(LOOM_SERVE, shlex.join(flags), log) as server:
-        target = Target(server.url, server_pid=server.pid)
-        return asyncio.run(replay(trace, load, target, progress=False))
 
 
 def compare(name: str, real: RunResult, sim: RunResult,
@@ -127,11 +115,7 @@ def main() -> None:
         profile = calibrate(EngineConfig.from_kwargs(max_model_len=args.max_model_len),
                             "default", 3)
         profile.save(work / "profile.json")
-    path = tokenizer_path(None)
-    trace = generate_mix(parse_mix("chat=0.6,long=0.15,rag=0.25"), args.num_requests,
-                         args.seed, PromptSynth(load_tokenizer(path)), ArrivalSpec(),
-                         CancelSpec(), path.name)
-    ids = prompt_token_ids(trace, load_tokenizer(path), args.seed)
+    trace, ids = calibration_trace(args.num_requests, args.seed)
 
     def config(blocks: int, scheduler: str = "continuous") -> SimConfig:
         return SimConfig("loom", profile, SchedulerConfig(scheduler=scheduler),
@@ -151,7 +135,8 @@ def main() -> None:
     rows, results = [], []
     for i, (name, cfg, rate) in enumerate(runs):
         load = Load(rate=rate, seed=args.seed)
-        real = measured(engine_flags + cfg.flags()[2:], trace, load, work / f"server-{i}.log")
+        real = serve_and_replay(engine_flags + cfg.flags()[2:], trace, load,
+                                work / f"server-{i}.log")
         sim = simulate_run(cfg, trace, ids, load)
         rows += compare(name, real, sim, preemptions="small KV" in name)
         results.append({"name": name, "measured": real.to_json(), "simulated": sim.to_json()})
