@@ -10,10 +10,12 @@ the simulation on the offline profile and on the served one (`loom simulate cali
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from benchmarks.planning.sim_accuracy import simulated_knee
-from loom import host
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks.*
+from benchmarks.planning.sim_accuracy import simulated_knee  # noqa: E402
+from loom import host  # noqa: E402
 from loom.cli.simulate_served import calibration_trace, serve_and_replay
 from loom.sim.profile import Profile
 from loom.sim.result import simulate_run
