@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -129,3 +131,91 @@ def test_withdrawn_blocks_are_no_longer_found_but_computed_ones_stay() -> None:
     assert kv.find_cached_prefix(_request("c", list(range(13)))) == kv.get_block_table("a")[:1]
     kv.free(first)
     assert kv.pool.num_free_blocks == 8
+
+
+class _EagerPool:
+    """The pool before its free list was lazy (every id queued up front): the oracle."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_block_id: dict[int, int] = {}
+
+    def allocate(self, n: int) -> list[int]:
+        block_ids = [self.free_block_ids.popitem(last=False)[0] for _ in range(n)]
+        for block_id in block_ids:
+            self.evict(block_id)
+            self.ref_cnt[block_id] = 1
+        return block_ids
+
+    def touch(self, block_id: int) -> None:
+        if self.ref_cnt[block_id] == 0:
+            del self.free_block_ids[block_id]
+        self.ref_cnt[block_id] += 1
+
+    def free(self, block_id: int) -> None:
+        self.ref_cnt[block_id] -= 1
+        if self.ref_cnt[block_id] == 0:
+            self.free_block_ids[block_id] = None
+
+    def cache(self, block_id: int, block_hash: int) -> None:
+        if self.block_hash[block_id] is None and block_hash not in self.cached_block_id:
+            self.block_hash[block_id] = block_hash
+            self.cached_block_id[block_hash] = block_id
+
+    def evict(self, block_id: int) -> None:
+        block_hash = self.block_hash[block_id]
+        if block_hash is not None:
+            self.block_hash[block_id] = None
+            if self.cached_block_id.get(block_hash) == block_id:
+                del self.cached_block_id[block_hash]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "cache", "touch", "evict",
+                                           "reset"]), st.integers(0, 9)), max_size=80))
+def test_lazy_free_list_hands_out_what_an_eager_one_did(ops: list[tuple[str, int]]) -> None:
+    """Same blocks handed out, same eviction order, counts and cache map, step by step."""
+    pool, eager = BlockPool(10), _EagerPool(10)
+    held: list[int] = []
+    for op, arg in ops:
+        if op == "alloc" and arg <= pool.num_free_blocks:
+            ids = pool.allocate(arg)
+            assert ids == eager.allocate(arg)
+            held += ids
+        elif op == "free" and held:
+            block_id = held.pop(arg % len(held))
+            pool.free([block_id])
+            eager.free(block_id)
+        elif op == "cache" and held:
+            pool.cache(held[arg % len(held)], arg % 4)  # few hashes: first writer wins
+            eager.cache(held[arg % len(held)], arg % 4)
+        elif op == "touch" and pool.cached_block_id:
+            block_id = sorted(pool.cached_block_id.values())[arg % len(pool.cached_block_id)]
+            pool.touch([block_id])
+            eager.touch(block_id)
+            held.append(block_id)
+        elif op == "evict":
+            pool.evict(arg)
+            eager.evict(arg)
+        elif op == "reset":
+            pool.reset_prefix_cache()
+            for block_id in range(10):
+                eager.evict(block_id)
+        assert list(pool.free_block_ids) == list(eager.free_block_ids)
+        assert pool.num_free_blocks == len(eager.free_block_ids)
+        assert pool.ref_cnt == eager.ref_cnt and pool.block_hash == eager.block_hash
+        assert pool.cached_block_id == eager.cached_block_id
+
+
+def test_a_large_pool_costs_no_free_list_entries_until_blocks_are_freed() -> None:
+    pool = BlockPool(100_000)
+    assert pool.num_free_blocks == 100_000 and 99_999 in pool.free_block_ids
+    ids = pool.allocate(3)
+    assert ids == [0, 1, 2] and 0 not in pool.free_block_ids
+    assert len(pool.free_block_ids.freed) == 0
+    pool.free([ids[1]])
+    assert list(pool.free_block_ids)[-1] == 1 and len(pool.free_block_ids.freed) == 1
+    with pytest.raises(RuntimeError, match="not a freed block"):
+        pool.touch([50])  # never used, so never cached: no prefix hit can name it
