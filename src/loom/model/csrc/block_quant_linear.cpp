@@ -176,25 +176,42 @@ static LOOM_INLINE __m256 load_u8x8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Block b's scale d and offset m per channel (w = q * d + m) in fp32, from its record in
-// `panel`. Q4_K's: d * sc and -dmin * mn, d and dmin gathered from the shares of the
-// super-block's 8 records (one dword each: d low, dmin high).
+// A Q4_K super-block's d and -dmin per channel (unused by the other formats), gathered from
+// the shares of its 8 records (one dword each: d low, dmin high) at its first block, b % 8 == 0:
+// once per 8 blocks, as a gather per block cost the int8 path a third of its speed.
+struct Super {
+  __m256 d = _mm256_setzero_ps(), m = _mm256_setzero_ps();
+};
+
 template <int F>
-static LOOM_INLINE void block_scales(const uint8_t* panel, int64_t b, __m256& d, __m256& m) {
-  constexpr int64_t record = record_bytes(F);
-  const uint8_t* rec = panel + b * record;
+static LOOM_INLINE void super_scales(const uint8_t* panel, int64_t b, Super& s) {
   if constexpr (F == kQ4K) {
+    if ((b & 7) != 0) return;
+    constexpr int64_t record = record_bytes(F);
     const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                           _mm256_set1_epi32(static_cast<int>(record)));
     const __m256i share = _mm256_i32gather_epi32(
-        reinterpret_cast<const int*>(panel + (b & ~int64_t{7}) * record + kShareAt), at, 1);
-    // per 128-bit lane [d, d, d, d, dmin x 4]; the permute joins the lanes' d and dmin
+        reinterpret_cast<const int*>(panel + b * record + kShareAt), at, 1);
+    // per 128-bit lane [d x 4, dmin x 4]; the permute joins the lanes' d and dmin
     const __m256i halves = _mm256_permute4x64_epi64(
         _mm256_packus_epi32(_mm256_and_si256(share, _mm256_set1_epi32(0xFFFF)),
                             _mm256_srli_epi32(share, 16)), 0xD8);
-    const __m256 dmin = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
-    d = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), load_u8x8(rec + 128));
-    m = _mm256_mul_ps(_mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f)), load_u8x8(rec + 128 + kPanel));
+    s.d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    s.m = _mm256_xor_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)),
+                        _mm256_set1_ps(-0.0f));
+  }
+}
+
+// Block b's scale d and offset m per channel (w = q * d + m) in fp32, from its record in
+// `panel` (Q4_K's: d * sc and -dmin * mn, from its super-block's `s`).
+template <int F>
+static LOOM_INLINE void block_scales(const uint8_t* panel, int64_t b, const Super& s,
+                                     __m256& d, __m256& m) {
+  constexpr int64_t record = record_bytes(F);
+  const uint8_t* rec = panel + b * record;
+  if constexpr (F == kQ4K) {
+    d = _mm256_mul_ps(s.d, load_u8x8(rec + 128));
+    m = _mm256_mul_ps(s.m, load_u8x8(rec + 128 + kPanel));
   } else {
     d = load_half8(rec + record - kScaleBytes);
     m = load_half8(rec + record - kScaleBytes / 2);
@@ -312,6 +329,7 @@ static inline void int_tile(const uint8_t* panel, int64_t nb, const int8_t* qx,
   __m256 acc[R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  Super super;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec = panel + b * record;
     if (ahead != nullptr) {
@@ -322,7 +340,8 @@ static inline void int_tile(const uint8_t* panel, int64_t nb, const int8_t* qx,
     __m256 t[R];
     block_sums<Bits, R>(rec, qx, K, b, t);
     __m256 d, m;
-    block_scales<F>(panel, b, d, m);
+    super_scales<F>(panel, b, super);
+    block_scales<F>(panel, b, super, d, m);
     if (Bits == 8) {
       d = swap_middle_pairs(d);
       m = swap_middle_pairs(m);
@@ -415,10 +434,12 @@ template <int F>
 static void decode_panel(const uint8_t* panel, int64_t nb, int half, float* w) {
   constexpr int Bits = code_bits(F);
   constexpr int64_t record = record_bytes(F);
+  Super super;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec = panel + b * record;
     __m256 d, m;
-    block_scales<F>(panel, b, d, m);
+    super_scales<F>(panel, b, super);
+    block_scales<F>(panel, b, super, d, m);
     float* wb = w + b * kQuantBlock * 16 + 8 * half;
     for (int g = 0; g < 8; ++g) {
       const __m256i words = _mm256_loadu_si256(
@@ -471,12 +492,15 @@ static inline void decoding_tile(const uint8_t* pair, int64_t nb, float* w, cons
   __m256 a0[R], a1[R];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  Super super0, super1;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec0 = pair + b * record;
     const uint8_t* rec1 = pair + (nb + b) * record;
     __m256 d0, m0, d1, m1;
-    block_scales<F>(pair, b, d0, m0);
-    block_scales<F>(pair + nb * record, b, d1, m1);
+    super_scales<F>(pair, b, super0);
+    super_scales<F>(pair + nb * record, b, super1);
+    block_scales<F>(pair, b, super0, d0, m0);
+    block_scales<F>(pair + nb * record, b, super1, d1, m1);
 #pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {
       const int chunk = 32 * (Bits == 4 ? g / 2 : g);
