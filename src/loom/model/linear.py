@@ -8,7 +8,8 @@ batch size: `benchmarks/kernels/linear_layout.py`).
 
 When the weight came from a GGUF in a block-quantized format, every batch goes to loom's
 native kernel instead (csrc/block_quant_linear.cpp), on the file's own codes at the file's own
-size (4-bit codes two to a byte, fp16 scales), re-laid out in panels of 8 output channels; no
+size (4-bit codes two to a byte, fp16 scales; Q4_K's 6-bit scales and mins as they are),
+re-laid out in panels of 8 output channels; no
 fp32 weight is kept. Up to INT8_MAX_ROWS rows (decode steps) it quantizes the activations per
 block of 32 into two int8 parts (int16 precision; one part, as llama.cpp does, changed this
 model's greedy tokens) and streams the weight through integer dot products; above that
