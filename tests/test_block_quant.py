@@ -109,6 +109,53 @@ def test_kernel_paths_match_their_references(quant: str, rows: int, out_features
         torch.testing.assert_close(int8, exact + extra, rtol=0, atol=2e-4 * scale)
 
 
+def exactly_quantized_rows(rows: int, in_features: int, seed: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, joined): rows that the int8 path quantizes without rounding, x = (q1 + q2 / 256) *
+    2^e per block of 32 with the block's first |x| = 127 * 2^e (so dx = 2^e), q1 and q2 over
+    their whole range, -127..127, and one block of zeros; joined = 256 q1 + q2 (int64)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (rows, in_features // 32, 32)
+    q1 = torch.randint(-127, 128, shape, generator=gen)
+    q2 = torch.randint(-127, 128, shape, generator=gen)
+    q1[..., 0] = 127 * (torch.randint(0, 2, shape[:2], generator=gen) * 2 - 1)
+    q2[..., 0] = 0
+    q2 = torch.where(q1.abs() == 127, -q1.sign() * q2.abs(), q2)  # |x| <= 127 * 2^e
+    q1[0, 1], q2[0, 1] = 0, 0
+    exponent = torch.randint(-3, 4, (*shape[:2], 1), generator=gen).float()
+    joined = 256 * q1 + q2
+    x = (joined.float() / 256 * 2 ** exponent).reshape(rows, in_features)
+    return x, joined
+
+
+@pytest.mark.unit
+@needs_kernel
+@pytest.mark.parametrize("quant", ["Q4_1", "Q8_0"])
+def test_the_int8_paths_integer_sums_are_exact(quant: str) -> None:
+    """With activations it quantizes exactly, unit scales and no offsets, every fp32 step of
+    the int8 path after its integer dot products is exact but the conversion of each block's
+    sum 256 sum(q * q1) + sum(q * q2) to fp32 and the sums over blocks, in order: the output
+    is then known bit for bit, whichever instructions (AVX2 byte and int16 products, VNNI's)
+    summed the codes, and at their extremes (codes 0 or 15, -128 or 127; parts +-127) no
+    saturation can hide."""
+    low, high = CODES[quant]
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.randint(low, high, (80, 640), generator=gen, dtype=torch.int8)
+    codes[:, :64] = torch.where(torch.rand(80, 64, generator=gen) < 0.5, low, high - 1)
+    ones, zeros = torch.ones(80, 20), torch.zeros(80, 20)
+    panels = to_panels(BlockQuantWeight.from_codes(codes, ones, zeros, kind=quant), ops)
+    bias = torch.randn(80, generator=gen)
+    x, joined = exactly_quantized_rows(13, 640, seed=2)
+    dx = x.view(13, 20, 32).abs().amax(-1) / 127
+    sums = torch.einsum("rbk,nbk->rbn", joined, codes.long().view(80, 20, 32))
+    want = torch.zeros(13, 80)
+    for b in range(20):
+        want = want + sums[:, b].float() * (dx[:, b, None] / 256)
+    want = want + bias
+    for rows in (1, 2, 3, 4, 5, 13):
+        assert torch.equal(ops.block_quant_linear(x[:rows], panels, bias, INT8), want[:rows])
+
+
 @needs_kernel
 @pytest.mark.unit
 def test_calls_from_many_threads_at_once_give_each_its_own_result() -> None:

@@ -172,7 +172,7 @@ def random_experts(kinds: tuple[str, str, str], num_experts: int, hidden: int, i
                    seed: int) -> Experts:
     """gate, up [E, I, H] and down [E, H, I] of the given kinds: the native ones with random
     codes and fp16 scales (and offsets), the K-quants random valid blocks converted as at
-    load (Q4_K to Q4_1, Q6_K quantized again to Q8_0)."""
+    load (Q4_K to its own blocks, Q6_K quantized again to Q8_0)."""
     shapes = [(num_experts, inter, hidden)] * 2 + [(num_experts, hidden, inter)]
     return Experts(*(random_blocks(kind, shape, seed + i)
                      for i, (kind, shape) in enumerate(zip(kinds, shapes))))

@@ -1,8 +1,8 @@
 """GGUF types the native matmul does not read, converted at load (loom/model/requant.py),
-against gguf's own dequantize of the same bytes: Q4_K, Q5_K, Q5_0, Q5_1, IQ4_NL and IQ4_XS
-keep every code, so the only change is the fp16 rounding of a scale or offset (none where those
-are fp16 values already); the types quantized again to 8 bits move no weight by more than half
-a step."""
+against gguf's own dequantize of the same bytes: Q4_K keeps every weight; Q5_K, Q5_0, Q5_1,
+IQ4_NL and IQ4_XS keep every code, so the only change is the fp16 rounding of a scale or offset
+(none where those are fp16 values already); the types quantized again to 8 bits move no weight
+by more than half a step."""
 
 from __future__ import annotations
 
@@ -70,7 +70,16 @@ def test_codes_kept_as_they_are_give_the_files_weights_bit_for_bit(kind: str) ->
     np.testing.assert_array_equal(bq.dequantize().numpy(), exact(kind, data, 512))
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "IQ4_XS"])
+def test_q4_k_keeps_every_weight_whatever_its_scales() -> None:
+    """Q4_K's blocks of 32 keep its fp16 d and dmin and 6-bit scale and min: its weights are
+    gguf's bit for bit where d * scale is no fp16 value, too."""
+    data = random_blocks("Q4_K", 16, 512, seed=2, fp16=(1e-4, 2e-3))
+    bq = native_blocks("Q4_K", data, (16, 512))
+    assert not torch.equal(bq.scale.half().float(), bq.scale)  # products beyond fp16
+    np.testing.assert_array_equal(bq.dequantize().numpy(), exact("Q4_K", data, 512))
+
+
+@pytest.mark.parametrize("kind", ["Q5_K", "IQ4_XS"])
 def test_k_quant_scales_are_only_rounded_to_fp16(kind: str) -> None:
     """A 256-block's fp16 scale times a 6-bit one is rounded to fp16: no weight moves by more
     than that rounding (2^-11 of the scale, times the largest code, plus that of the
@@ -79,7 +88,7 @@ def test_k_quant_scales_are_only_rounded_to_fp16(kind: str) -> None:
     bq = native_blocks(kind, data, (16, 512))
     want = exact(kind, data, 512)
     got = bq.dequantize().numpy()
-    largest_code = {"Q4_K": 15, "Q5_K": 31, "IQ4_XS": 127}[kind]
+    largest_code = {"Q5_K": 31, "IQ4_XS": 127}[kind]
     bound = np.repeat(largest_code * np.abs(bq.scale.numpy()) + np.abs(bq.offset.numpy()),
                       32, axis=1) * 2.0 ** -11
     assert (np.abs(got - want) <= bound * (1 + 1e-6) + 1e-9).all()

@@ -6,15 +6,15 @@ re-pack costs about as much as the arithmetic. oneDNN can take the weight packed
 load time, as vLLM's CPU backend and inductor's freezing pass do (how much that buys at each
 batch size: `benchmarks/kernels/linear_layout.py`).
 
-When the weight came from a GGUF in a block-quantized format, every batch goes to loom's
-native kernel instead (csrc/block_quant_linear.cpp), on the file's own codes at the file's own
-size (4-bit codes two to a byte, fp16 scales), re-laid out in panels of 8 output channels; no
-fp32 weight is kept. Up to INT8_MAX_ROWS rows (decode steps) it quantizes the activations per
-block of 32 into two int8 parts (int16 precision; one part, as llama.cpp does, changed this
-model's greedy tokens) and streams the weight through integer dot products; above that
-(prefill) it decodes each panel to fp32 once and computes the fp32 product with the file's
-weights. `benchmarks/kernels/linear_layout.py --native-only` times both paths and
-`benchmarks/kernels/native_accuracy.py` measures what the int8 one costs in accuracy.
+When the weight came from a GGUF in a block-quantized format, every batch goes to loom's native
+kernel instead (csrc/block_quant_linear.cpp), on the file's own codes at the file's own size
+(4-bit codes two to a byte, fp16 scales; Q4_K's 6-bit scales and mins as they are), re-laid out
+in panels of 8 output channels; no fp32 weight is kept. Up to INT8_MAX_ROWS rows (decode steps)
+it quantizes the activations per block of 32 into two int8 parts (int16 precision; one part, as
+llama.cpp does, changed this model's greedy tokens) and streams the weight through integer dot
+products; above that (prefill) it decodes each panel to fp32 once and computes the fp32 product
+with the file's weights. `benchmarks/kernels/linear_layout.py --native-only` times both paths
+and `benchmarks/kernels/native_accuracy.py` measures what the int8 one costs in accuracy.
 
 On a CPU with native bf16 instructions (avx512_bf16, AMX) a layer can also keep a bf16 copy of
 the weight for calls of more than a few rows (BF16_ABOVE_ROWS, BF16_ABOVE_ROWS_AMX): oneDNN's

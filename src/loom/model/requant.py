@@ -11,13 +11,15 @@ Two ways, by type:
 
 - **Same codes.** Q5_0 and Q5_1 already have one fp16 scale (and offset) per 32 weights.
   Q4_K and Q5_K scale per 32 weights too, as a 6-bit scale and min times their 256-weight
-  block's fp16 ones; their product is rounded to fp16 (at most 2^-11 of it) and the codes are
-  kept as they are:
+  block's fp16 ones. Q4_K keeps its own numbers, in blocks of 32 that the native matmul's
+  Q4_K records are made from (weights.py; both products exact in fp32, so every weight is
+  the file's, at 4.625 bits a weight in the records against the file's 4.5):
 
       Q4_K block of 256: [ d, dmin (fp16) | sc_j, m_j (6 bits, j = 0..7) | 256 codes 0..15 ]
-      -> 8 Q4_1 blocks:  [ fp16(d sc_j), fp16(-dmin m_j) | codes 32j .. 32j + 31 ]
+      -> 8 Q4_K blocks:  [ d, dmin | sc_j, m_j (a byte each) | codes 32j .. 32j + 31 ]
 
-  Q5_K's 5-bit codes and Q5_1's go to I8 blocks (int8 codes with an offset), Q5_0's, counted
+  Q5_K's products are rounded to fp16 (at most 2^-11 of each). Its 5-bit codes and Q5_1's go
+  to I8 blocks (int8 codes with an offset), Q5_0's, counted
   from 16, to Q8_0 blocks. IQ4_NL and IQ4_XS hold 4-bit indices into a table of 16 int8
   levels: the levels are Q8_0 codes, with IQ4_NL's scale as it is and IQ4_XS's (d times a
   6-bit scale less 32, per 32 weights) rounded to fp16.
@@ -39,7 +41,7 @@ from loom.model.kernels import gguf_blocks_ops
 from loom.model.weights import BlockQuantWeight
 
 FILE_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the GGUF types the native matmul reads as they are
-SAME_CODES = {"Q4_K": "Q4_1", "Q5_K": "I8", "Q5_1": "I8", "Q5_0": "Q8_0", "IQ4_NL": "Q8_0",
+SAME_CODES = {"Q4_K": "Q4_K", "Q5_K": "I8", "Q5_1": "I8", "Q5_0": "Q8_0", "IQ4_NL": "Q8_0",
               "IQ4_XS": "Q8_0"}
 QUANTIZED_AGAIN = ("Q6_K", "Q3_K", "Q2_K", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS",
                    "IQ1_M", "IQ1_S", "TQ2_0", "TQ1_0")
@@ -50,6 +52,8 @@ _ROWS_PER_CHUNK = 2048  # bounds the fp32 copy a chunk of rows takes while gguf 
 
 def conversion(kind: str) -> str:
     """What loading does to a tensor of `kind` (one of CONVERTED_KINDS), in a few words."""
+    if kind == SAME_CODES.get(kind):
+        return f"{kind} in blocks of 32"
     if kind in SAME_CODES:
         return f"{kind} as {SAME_CODES[kind]}"
     return f"{kind} quantized again to Q8_0"

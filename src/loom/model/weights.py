@@ -15,8 +15,12 @@ from loom.model.tokenizer import Tokenizer
 # Bytes of one block of 32 weights: (header, codes). The header is the fp16 scale, then, for
 # the kinds with one, the fp16 offset. Q4_0, Q4_1 and Q8_0 are the GGUF's own; I8 (int8 codes
 # with an offset) holds any of them, for a projection stacked from parts of different kinds.
-BLOCK_LAYOUT = {"Q4_0": (2, 16), "Q4_1": (4, 16), "Q8_0": (2, 32), "I8": (4, 32)}
-FOUR_BIT_KINDS = ("Q4_0", "Q4_1")
+# Q4_K's blocks of 32 keep its own numbers (requant.py): the header is its super-block's fp16
+# d and dmin, then the block's 6-bit scale and min as a byte each; scale d * scale and offset
+# -dmin * min, both exact in fp32 (not fp16 values: a stack with other kinds rounds them).
+BLOCK_LAYOUT = {"Q4_0": (2, 16), "Q4_1": (4, 16), "Q8_0": (2, 32), "I8": (4, 32),
+                "Q4_K": (6, 16)}
+FOUR_BIT_KINDS = ("Q4_0", "Q4_1", "Q4_K")
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,7 @@ class BlockQuantWeight:
     (csrc/block_quant_linear.cpp) re-lays them out once and computes with the file's own
     numbers, and nothing on the way unpacks the codes (which was most of the start-up).
     4-bit codes: byte j of a block holds input j in its low nibble and input j + 16 in its
-    high one; Q4_0's count from 8."""
+    high one; Q4_0's count from 8. (Q4_K's scales and offsets are products: BLOCK_LAYOUT.)"""
 
     blocks: torch.Tensor  # uint8 [out, in // 32, header + code bytes]
     kind: str  # a key of BLOCK_LAYOUT
@@ -44,14 +48,13 @@ class BlockQuantWeight:
     @property
     def scale(self) -> torch.Tensor:
         """float32 [out, in // 32]."""
-        return _half(self.blocks, 0)[..., 0]
+        return _scale(self.blocks, self.kind)[..., 0]
 
     @property
     def offset(self) -> torch.Tensor:
         """float32 [out, in // 32] (zeros for the kinds without one)."""
-        if BLOCK_LAYOUT[self.kind][0] == 4:
-            return _half(self.blocks, 2)[..., 0]
-        return torch.zeros(self.blocks.shape[:2])
+        offset = _offset(self.blocks, self.kind)
+        return torch.zeros(self.blocks.shape[:2]) if offset is None else offset[..., 0]
 
     @staticmethod
     def from_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
@@ -61,6 +64,9 @@ class BlockQuantWeight:
         the smallest kind that holds them."""
         if not all(torch.equal(t.half().float(), t) for t in (scale, offset)):
             raise ValueError("block scales and offsets must be fp16 values")
+        if kind == "Q4_K":
+            raise ValueError("Q4_K blocks are a GGUF's own (requant.native_blocks), not made "
+                             "from codes")
         kind = kind or _smallest_kind(codes, offset)
         stored = codes + 8 if kind == "Q4_0" else codes
         rows, cols = codes.shape
@@ -73,11 +79,15 @@ class BlockQuantWeight:
 
     @staticmethod
     def cat(parts: list[BlockQuantWeight]) -> BlockQuantWeight:
-        """Stacked along the output rows, as the fused qkv and gate_up projections are."""
+        """Stacked along the output rows, as the fused qkv and gate_up projections are. Parts
+        of different kinds go to one kind that holds them all, with fp16 scales and offsets:
+        Q4_K's round to fp16 there (at most 2^-11 of each), as they did before Q4_K had blocks
+        of its own."""
         if len({p.kind for p in parts}) == 1:
             return BlockQuantWeight(torch.cat([p.blocks for p in parts]), parts[0].kind)
-        return BlockQuantWeight.from_codes(*(torch.cat([getattr(p, f) for p in parts])
-                                             for f in ("codes", "scale", "offset")))
+        codes, scale, offset = (torch.cat([getattr(p, f) for p in parts])
+                                for f in ("codes", "scale", "offset"))
+        return BlockQuantWeight.from_codes(codes, scale.half().float(), offset.half().float())
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The fp32 rows `ids` of the weight, as dequantize() has them: an embedding lookup
@@ -103,10 +113,26 @@ def _dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """[rows, in // 32, block bytes] -> fp32 [rows, in]: codes * scale (+ offset), in gguf's
     order of operations."""
     rows, num_blocks, _ = blocks.shape
-    w = _codes(blocks, kind).float().mul_(_half(blocks, 0))
-    if BLOCK_LAYOUT[kind][0] == 4:
-        w.add_(_half(blocks, 2))
+    w = _codes(blocks, kind).float().mul_(_scale(blocks, kind))
+    offset = _offset(blocks, kind)
+    if offset is not None:
+        w.add_(offset)
     return w.view(rows, num_blocks * 32)
+
+
+def _scale(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """float32 [..., 1]: each block's scale (Q4_K's d * scale, exact in fp32)."""
+    if kind == "Q4_K":
+        return _half(blocks, 0) * blocks[..., 4:5].float()
+    return _half(blocks, 0)
+
+
+def _offset(blocks: torch.Tensor, kind: str) -> torch.Tensor | None:
+    """float32 [..., 1]: each block's offset (Q4_K's -dmin * min), None for the kinds
+    without one."""
+    if kind == "Q4_K":
+        return -(_half(blocks, 2) * blocks[..., 5:6].float())
+    return _half(blocks, 2) if BLOCK_LAYOUT[kind][0] == 4 else None
 
 
 def _codes(blocks: torch.Tensor, kind: str) -> torch.Tensor:

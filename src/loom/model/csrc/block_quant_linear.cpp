@@ -9,8 +9,15 @@
 //   32 codes of inputs 32b + 4g .. 32b + 4g + 3, channel-major: byte 4c + j = channel c,
 //   input 32b + 4g + j. 0 <= q <= 15 (Q4_0's signed codes come shifted by 8, m = -8d).
 // - 8-bit: the 8 code groups as signed bytes (256 bytes), then d[8] and m[8].
+// - Q4_K's own: the 4-bit record's 128 bytes of codes, then per channel the block's 6-bit
+//   scale sc[8] and min mn[8] as bytes, then a share of the super-block's fp16 d and dmin: the
+//   record of block b holds channel b % 8's (4 bytes; a super-block is 8 blocks, so its 8
+//   records hold all 8 channels'). w = q * (d sc) - dmin mn, both products exact in fp32, so
+//   the weights are the file's to the bit at 148 bytes a record (4.625 bits a weight; Q4_K's
+//   4.5, Q4_1's 5). K a multiple of 256.
 // A code group is one AVX2 register: 8 channels x 4 inputs, which is what _mm256_maddubs_epi16
-// + _mm256_madd_epi16 sum into 8 int32 lanes, one per channel.
+// + _mm256_madd_epi16 sum into 8 int32 lanes, one per channel (AVX512-VNNI's
+// _mm256_dpbusd_epi32 in one instruction, where the build has it).
 //
 // Two ways to compute, chosen by the row count:
 // - up to `int8_rows` rows (decode steps): x is quantized once per call, per block of 32, into
@@ -44,6 +51,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define LOOM_HAVE_AVX2 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define LOOM_HAVE_VNNI 1
+#endif
 #endif
 
 constexpr int64_t kQuantBlock = 32;
@@ -51,6 +61,20 @@ constexpr int64_t kPanel = 8;                      // output channels per packed
 constexpr int64_t kScaleBytes = 2 * kPanel * 2;    // d[8] and m[8], fp16
 constexpr int64_t kRecord4 = 128 + kScaleBytes;    // one 4-bit block of a panel
 constexpr int64_t kRecord8 = 256 + kScaleBytes;    // one 8-bit block of a panel
+constexpr int64_t kRecordK4 = 128 + 2 * kPanel + 4;  // one Q4_K block of a panel
+constexpr int64_t kShareAt = 128 + 2 * kPanel;       // where a Q4_K record's d, dmin share is
+// Record formats, named by the code width they compute with but Q4_K's own.
+enum Format : int { kQ4 = 4, kQ8 = 8, kQ4K = 44 };
+constexpr int code_bits(int F) { return F == kQ8 ? 8 : 4; }
+constexpr int64_t record_bytes(int F) {
+  return F == kQ4 ? kRecord4 : F == kQ8 ? kRecord8 : kRecordK4;
+}
+static int format_of(int64_t record) {
+  return record == kRecord4 ? kQ4 : record == kRecord8 ? kQ8 : kQ4K;
+}
+static bool is_record(int64_t size) {
+  return size == kRecord4 || size == kRecord8 || size == kRecordK4;
+}
 constexpr int kTileRows = 6;                       // rows per fp32 register tile
 constexpr int kIntTileRows = 4;                    // rows per integer register tile
 constexpr int64_t kUnitWeights = 262144;           // at most, per work unit of the int8 path
@@ -58,6 +82,16 @@ constexpr int64_t kUnitsPerThread = 4;             // at least, where the layer 
 
 bool supported() {
 #ifdef LOOM_HAVE_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Whether the int8 path's dot products were built with AVX512-VNNI (block_sums): it then
+// crosses over to the fp32 path at more rows (loom.model.linear picks the row limits by it).
+bool vnni() {
+#ifdef LOOM_HAVE_VNNI
   return true;
 #else
   return false;
@@ -138,6 +172,52 @@ static LOOM_INLINE __m256 load_half8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+static LOOM_INLINE __m256 load_u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// A Q4_K super-block's d and -dmin per channel (unused by the other formats), gathered from
+// the shares of its 8 records (one dword each: d low, dmin high) at its first block, b % 8 == 0:
+// once per 8 blocks, as a gather per block cost the int8 path a third of its speed.
+struct Super {
+  __m256 d = _mm256_setzero_ps(), m = _mm256_setzero_ps();
+};
+
+template <int F>
+static LOOM_INLINE void super_scales(const uint8_t* panel, int64_t b, Super& s) {
+  if constexpr (F == kQ4K) {
+    if ((b & 7) != 0) return;
+    constexpr int64_t record = record_bytes(F);
+    const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                          _mm256_set1_epi32(static_cast<int>(record)));
+    const __m256i share = _mm256_i32gather_epi32(
+        reinterpret_cast<const int*>(panel + b * record + kShareAt), at, 1);
+    // per 128-bit lane [d x 4, dmin x 4]; the permute joins the lanes' d and dmin
+    const __m256i halves = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(share, _mm256_set1_epi32(0xFFFF)),
+                            _mm256_srli_epi32(share, 16)), 0xD8);
+    s.d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    s.m = _mm256_xor_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)),
+                        _mm256_set1_ps(-0.0f));
+  }
+}
+
+// Block b's scale d and offset m per channel (w = q * d + m) in fp32, from its record in
+// `panel` (Q4_K's: d * sc and -dmin * mn, from its super-block's `s`).
+template <int F>
+static LOOM_INLINE void block_scales(const uint8_t* panel, int64_t b, const Super& s,
+                                     __m256& d, __m256& m) {
+  constexpr int64_t record = record_bytes(F);
+  const uint8_t* rec = panel + b * record;
+  if constexpr (F == kQ4K) {
+    d = _mm256_mul_ps(s.d, load_u8x8(rec + 128));
+    m = _mm256_mul_ps(s.m, load_u8x8(rec + 128 + kPanel));
+  } else {
+    d = load_half8(rec + record - kScaleBytes);
+    m = load_half8(rec + record - kScaleBytes / 2);
+  }
+}
+
 // The 4-bit code group g of a block record: 32 codes, byte 4c + j = channel c, input 4g + j.
 static LOOM_INLINE __m256i nibble_group(const uint8_t* rec, int g) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * (g / 2)));
@@ -162,13 +242,18 @@ static LOOM_INLINE __m256 swap_middle_pairs(__m256 v) {
 // 4-bit codes two byte products per code group (_mm256_maddubs_epi16, unsigned codes, pair
 // sums of at most 2 * 15 * 127, so eight groups' worth fit in int16), for 8-bit codes one
 // int16 product per half group with x's joined form 256 q1 + q2 (_mm256_madd_epi16: pairs of
-// at most 127 * 32767, int32 sums), in swap_middle_pairs' lane order.
+// at most 127 * 32767, int32 sums), in swap_middle_pairs' lane order. With AVX512-VNNI each
+// product and its sum into the int32 accumulators is one instruction (_mm256_dpbusd_epi32 for
+// 4-bit codes, _mm256_dpwssd_epi32 for 8-bit ones; neither saturates): the same integers, so
+// the same output bit for bit, in a third of the instructions for 4-bit codes.
 template <int Bits, int R>
 static LOOM_INLINE void block_sums(const uint8_t* rec, const int8_t* qx, int64_t K, int64_t b,
                                    __m256* t) {
   if constexpr (Bits == 4) {
+#ifndef LOOM_HAVE_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i s1[R], s2[R];
+#endif
+    __m256i s1[R], s2[R];  // int32 per channel with VNNI, int16 pair sums without
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm256_setzero_si256();
     // two code groups (one 32-byte load) per iteration, not unrolled further: fully
@@ -179,17 +264,28 @@ static LOOM_INLINE void block_sums(const uint8_t* rec, const int8_t* qx, int64_t
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int8_t* q = qx + r * 2 * K + 2 * b * kQuantBlock + 4 * g;
+#ifdef LOOM_HAVE_VNNI
+        s1[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s1[r], c0, broadcast4(q)), c1,
+                                    broadcast4(q + 4));
+        s2[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s2[r], c0, broadcast4(q + kQuantBlock)),
+                                    c1, broadcast4(q + kQuantBlock + 4));
+#else
         s1[r] = _mm256_add_epi16(s1[r], _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(q)),
                                                          _mm256_maddubs_epi16(c1, broadcast4(q + 4))));
         s2[r] = _mm256_add_epi16(
             s2[r], _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(q + kQuantBlock)),
                                     _mm256_maddubs_epi16(c1, broadcast4(q + kQuantBlock + 4))));
+#endif
       }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
+#ifdef LOOM_HAVE_VNNI
+      t[r] = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(s1[r], 8), s2[r]));
+#else
       t[r] = _mm256_cvtepi32_ps(_mm256_add_epi32(
           _mm256_slli_epi32(_mm256_madd_epi16(s1[r], ones), 8), _mm256_madd_epi16(s2[r], ones)));
+#endif
   } else {
     __m256i low[R], high[R];  // channels 0-3 and 4-7, two pair sums each
 #pragma GCC unroll 4
@@ -202,8 +298,13 @@ static LOOM_INLINE void block_sums(const uint8_t* rec, const int8_t* qx, int64_t
         int64_t four;  // x's joined values for inputs 4g .. 4g + 3
         std::memcpy(&four, qx + r * 2 * K + 2 * b * kQuantBlock + 8 * g, 8);
         const __m256i xv = _mm256_set1_epi64x(four);
+#ifdef LOOM_HAVE_VNNI
+        low[r] = _mm256_dpwssd_epi32(low[r], c0, xv);
+        high[r] = _mm256_dpwssd_epi32(high[r], c1, xv);
+#else
         low[r] = _mm256_add_epi32(low[r], _mm256_madd_epi16(c0, xv));
         high[r] = _mm256_add_epi32(high[r], _mm256_madd_epi16(c1, xv));
+#endif
       }
     }
 #pragma GCC unroll 4
@@ -218,15 +319,17 @@ static LOOM_INLINE void block_sums(const uint8_t* rec, const int8_t* qx, int64_t
 // are signed already and take no centring.
 // `ahead`, where not null, is a panel of the work unit this thread takes next: each block's
 // record there is prefetched as the same block is computed here.
-template <int Bits, int R>
+template <int F, int R>
 static inline void int_tile(const uint8_t* panel, int64_t nb, const int8_t* qx,
                             const float* scale, const float* sum, const float* centre,
                             int64_t K, float* y, int64_t N, const float* bias,
                             const uint8_t* ahead) {
-  constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
+  constexpr int Bits = code_bits(F);
+  constexpr int64_t record = record_bytes(F);
   __m256 acc[R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  Super super;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec = panel + b * record;
     if (ahead != nullptr) {
@@ -236,8 +339,9 @@ static inline void int_tile(const uint8_t* panel, int64_t nb, const int8_t* qx,
     }
     __m256 t[R];
     block_sums<Bits, R>(rec, qx, K, b, t);
-    __m256 d = load_half8(rec + record - kScaleBytes);
-    __m256 m = load_half8(rec + record - kScaleBytes / 2);
+    __m256 d, m;
+    super_scales<F>(panel, b, super);
+    block_scales<F>(panel, b, super, d, m);
     if (Bits == 8) {
       d = swap_middle_pairs(d);
       m = swap_middle_pairs(m);
@@ -259,10 +363,11 @@ static inline void int_tile(const uint8_t* panel, int64_t nb, const int8_t* qx,
   }
 }
 
-template <int Bits>
+template <int F>
 static void int8_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P,
                       const float* bp, float* yp) {
-  constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
+  constexpr int Bits = code_bits(F);
+  constexpr int64_t record = record_bytes(F);
   const int64_t nb = K / kQuantBlock, N = P * kPanel;
   std::vector<int8_t> qx(M * 2 * K);
   std::vector<float> scale(M * nb), sum(M * nb), centre(M * nb);
@@ -296,7 +401,7 @@ static void int8_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
           float* y = yp + r * N + p * kPanel;
           const uint8_t* prefetch = r == 0 ? ahead : nullptr;  // once per unit, not per tile
 #define LOOM_TILE(R)                                                                          \
-  int_tile<Bits, R>(panel, nb, q, scale.data() + i, sum.data() + i, centre.data() + i, K, y, N, \
+  int_tile<F, R>(panel, nb, q, scale.data() + i, sum.data() + i, centre.data() + i, K, y, N, \
                     pb, prefetch)
           switch (std::min<int64_t>(kIntTileRows, M - r)) {
             case 4: LOOM_TILE(4); break;
@@ -325,13 +430,16 @@ static LOOM_INLINE __m256 decoded_input(__m256i words, int g, int j, __m256 d, _
 }
 
 // One 8-channel panel to fp32, into columns half * 8 .. half * 8 + 7 of w [K, 16].
-template <int Bits>
+template <int F>
 static void decode_panel(const uint8_t* panel, int64_t nb, int half, float* w) {
-  constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
+  constexpr int Bits = code_bits(F);
+  constexpr int64_t record = record_bytes(F);
+  Super super;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec = panel + b * record;
-    const __m256 d = load_half8(rec + record - kScaleBytes);
-    const __m256 m = load_half8(rec + record - kScaleBytes / 2);
+    __m256 d, m;
+    super_scales<F>(panel, b, super);
+    block_scales<F>(panel, b, super, d, m);
     float* wb = w + b * kQuantBlock * 16 + 8 * half;
     for (int g = 0; g < 8; ++g) {
       const __m256i words = _mm256_loadu_si256(
@@ -376,20 +484,23 @@ static LOOM_INLINE void store_tile(__m256 (&a0)[R], __m256 (&a1)[R], float* y, i
 // the latency of its FMA chains, one per accumulator), and the decode fills them; decoded in a
 // pass of its own (decode_panel), the pair costs about one more row tile. At kTileRows rows
 // this tile measured slower than that pass and a plain tile.
-template <int Bits, int R>
+template <int F, int R>
 static inline void decoding_tile(const uint8_t* pair, int64_t nb, float* w, const float* x,
                                  int64_t K, float* y, int64_t N, const float* bias) {
-  constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
+  constexpr int Bits = code_bits(F);
+  constexpr int64_t record = record_bytes(F);
   __m256 a0[R], a1[R];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  Super super0, super1;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec0 = pair + b * record;
     const uint8_t* rec1 = pair + (nb + b) * record;
-    const __m256 d0 = load_half8(rec0 + record - kScaleBytes);
-    const __m256 m0 = load_half8(rec0 + record - kScaleBytes / 2);
-    const __m256 d1 = load_half8(rec1 + record - kScaleBytes);
-    const __m256 m1 = load_half8(rec1 + record - kScaleBytes / 2);
+    __m256 d0, m0, d1, m1;
+    super_scales<F>(pair, b, super0);
+    super_scales<F>(pair + nb * record, b, super1);
+    block_scales<F>(pair, b, super0, d0, m0);
+    block_scales<F>(pair + nb * record, b, super1, d1, m1);
 #pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {
       const int chunk = 32 * (Bits == 4 ? g / 2 : g);
@@ -423,15 +534,15 @@ static inline void panel_tile(const float* x, int64_t K, const float* w, float* 
 }
 
 // The first R rows of a panel pair, decoding it (decoding_tile), R < kTileRows.
-template <int Bits>
+template <int F>
 static void decoding_rows(int64_t R, const uint8_t* pair, int64_t nb, float* w, const float* x,
                           int64_t K, float* y, int64_t N, const float* bias) {
   switch (R) {
-    case 5: return decoding_tile<Bits, 5>(pair, nb, w, x, K, y, N, bias);
-    case 4: return decoding_tile<Bits, 4>(pair, nb, w, x, K, y, N, bias);
-    case 3: return decoding_tile<Bits, 3>(pair, nb, w, x, K, y, N, bias);
-    case 2: return decoding_tile<Bits, 2>(pair, nb, w, x, K, y, N, bias);
-    default: return decoding_tile<Bits, 1>(pair, nb, w, x, K, y, N, bias);
+    case 5: return decoding_tile<F, 5>(pair, nb, w, x, K, y, N, bias);
+    case 4: return decoding_tile<F, 4>(pair, nb, w, x, K, y, N, bias);
+    case 3: return decoding_tile<F, 3>(pair, nb, w, x, K, y, N, bias);
+    case 2: return decoding_tile<F, 2>(pair, nb, w, x, K, y, N, bias);
+    default: return decoding_tile<F, 1>(pair, nb, w, x, K, y, N, bias);
   }
 }
 
@@ -444,10 +555,10 @@ static void decoding_rows(int64_t R, const uint8_t* pair, int64_t nb, float* w, 
 // over kTileRows (1-5 rows) and decodes the pair as it goes (decoding_tile):
 // 32 = 2 + 6 + 6 + 6 + 6 + 6. Where M is a multiple of kTileRows the pair is decoded by a pass
 // of its own (decode_panel) before the tiles.
-template <int Bits>
+template <int F>
 static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P,
                       const float* bp, float* yp) {
-  constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
+  constexpr int64_t record = record_bytes(F);
   const int64_t nb = K / kQuantBlock, N = P * kPanel, pairs = P / 2;
   const int64_t pair_bytes = 2 * nb * record, pair_lines = (pair_bytes + 63) / 64;
   const int64_t first = M % kTileRows;  // the decoding tile's rows; none: decode_panel
@@ -462,8 +573,8 @@ static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
           following < pairs ? reinterpret_cast<const char*>(wp + following * pair_bytes) : nullptr;
       const float* pb = bp == nullptr ? nullptr : bp + p * 16;
       if (!decoding) {
-        decode_panel<Bits>(wp + p * pair_bytes, nb, 0, w);
-        decode_panel<Bits>(wp + p * pair_bytes + nb * record, nb, 1, w);
+        decode_panel<F>(wp + p * pair_bytes, nb, 0, w);
+        decode_panel<F>(wp + p * pair_bytes + nb * record, nb, 1, w);
       }
       for (int64_t r = 0, t = 0; t < tiles; ++t) {
         if (ahead != nullptr)
@@ -471,7 +582,7 @@ static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
                ++l)
             _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
         if (decoding && t == 0) {
-          decoding_rows<Bits>(first, wp + p * pair_bytes, nb, w, xp, K, yp + p * 16, N, pb);
+          decoding_rows<F>(first, wp + p * pair_bytes, nb, w, xp, K, yp + p * 16, N, pb);
           r = first;
           continue;
         }
@@ -486,18 +597,23 @@ static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
 
 // The records above, straight from a GGUF's blocks (uint8 [N, K / 32, header + codes]: fp16 d,
 // then fp16 m if header is 4, then 16 bytes of 4-bit codes, byte j = input j low nibble and
-// input j + 16 high, or 32 signed bytes). q4_0: the 4-bit codes count from 8, so m = -8d. One
-// pass over the bytes at load time; numpy's byte shuffles made this most of the start-up.
+// input j + 16 high, or 32 signed bytes). q4_0: the 4-bit codes count from 8, so m = -8d.
+// header 6: Q4_K's blocks of 32 (weights.py: fp16 d, dmin, then the block's 6-bit scale and
+// min as bytes, then 4-bit codes) -> Q4_K records. One pass over the bytes at load time;
+// numpy's byte shuffles made this most of the start-up.
 torch::Tensor panels_from_blocks(torch::Tensor blocks, int64_t header, bool q4_0) {
   TORCH_CHECK(supported(), "panels_from_blocks needs a CPU with AVX2, FMA and F16C");
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-                  blocks.size(0) % kPanel == 0 && (header == 2 || header == 4),
+                  blocks.size(0) % kPanel == 0 && (header == 2 || header == 4 || header == 6),
               "blocks must be contiguous uint8 [N, K / 32, block bytes], N a multiple of 8");
   const int64_t code_bytes = blocks.size(2) - header;
-  TORCH_CHECK(code_bytes == 16 || code_bytes == 32, "a block holds 16 or 32 bytes of codes");
-  const bool four = code_bytes == 16;
+  TORCH_CHECK(code_bytes == 16 || (code_bytes == 32 && header != 6),
+              "a block holds 16 or 32 bytes of codes (Q4_K's 16)");
+  const bool four = code_bytes == 16, k4 = header == 6;
   const int64_t P = blocks.size(0) / kPanel, nb = blocks.size(1), bytes = blocks.size(2);
-  const int64_t record = four ? kRecord4 : kRecord8, codes_end = record - kScaleBytes;
+  TORCH_CHECK(!k4 || nb % kPanel == 0, "Q4_K rows hold whole blocks of 256");
+  const int64_t record = k4 ? kRecordK4 : four ? kRecord4 : kRecord8;
+  const int64_t codes_end = record - kScaleBytes;
   auto out = torch::empty({P, nb, record}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -520,6 +636,12 @@ torch::Tensor panels_from_blocks(torch::Tensor blocks, int64_t header, bool q4_0
           }
           for (int64_t g = 0; g < code_bytes / 4; ++g)
             std::memcpy(rec + g * 4 * kPanel + 4 * c, &w[g], 4);
+          if (k4) {
+            rec[128 + c] = blk[4];
+            rec[128 + kPanel + c] = blk[5];
+            if (b % kPanel == c) std::memcpy(rec + kShareAt, blk, 4);  // its d and dmin
+            continue;
+          }
           uint16_t d, m = 0;
           std::memcpy(&d, blk, 2);
           if (header == 4) std::memcpy(&m, blk + 2, 2);
@@ -535,15 +657,15 @@ torch::Tensor panels_from_blocks(torch::Tensor blocks, int64_t header, bool q4_0
   return out;
 }
 
-// x [M, K] float32; panels uint8 [N / 8, K / 32, record] (4-bit or 8-bit records, told apart by
-// their size); up to int8_rows rows take the int8 path, more the fp32 one.
+// x [M, K] float32; panels uint8 [N / 8, K / 32, record] (4-bit, 8-bit or Q4_K records, told
+// apart by their size); up to int8_rows rows take the int8 path, more the fp32 one.
 torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor panels,
                                  c10::optional<torch::Tensor> bias, int64_t int8_rows) {
   TORCH_CHECK(supported(), "block_quant_linear needs a CPU with AVX2, FMA and F16C");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
-                  (panels.size(2) == kRecord4 || panels.size(2) == kRecord8) &&
-                  panels.size(0) % 2 == 0,
+                  is_record(panels.size(2)) && panels.size(0) % 2 == 0 &&
+                  (panels.size(2) != kRecordK4 || panels.size(1) % kPanel == 0),
               "panels must be contiguous uint8 [N / 8, K / 32, record], N a multiple of 16");
   const int64_t M = x.size(0), P = panels.size(0), K = panels.size(1) * kQuantBlock;
   const int64_t N = P * kPanel;
@@ -559,11 +681,14 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor panels,
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = panels.data_ptr<uint8_t>();
   float* yp = out.data_ptr<float>();
-  const bool four = panels.size(2) == kRecord4;
-  if (M <= int8_rows)
-    (four ? int8_path<4> : int8_path<8>)(xp, M, K, wp, P, bp, yp);
+  const int format = format_of(panels.size(2));
+  const bool int8 = M <= int8_rows;
+  if (format == kQ4)
+    (int8 ? int8_path<kQ4> : fp32_path<kQ4>)(xp, M, K, wp, P, bp, yp);
+  else if (format == kQ8)
+    (int8 ? int8_path<kQ8> : fp32_path<kQ8>)(xp, M, K, wp, P, bp, yp);
   else
-    (four ? fp32_path<4> : fp32_path<8>)(xp, M, K, wp, P, bp, yp);
+    (int8 ? int8_path<kQ4K> : fp32_path<kQ4K>)(xp, M, K, wp, P, bp, yp);
 #endif
   return out;
 }
@@ -594,8 +719,6 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor panels,
 #ifdef LOOM_HAVE_AVX2
 namespace moe {
 
-constexpr int64_t record_bytes(int bits) { return bits == 4 ? kRecord4 : kRecord8; }
-
 // Rows of activations as quantize_row leaves them, for int_tile.
 struct QuantRows {
   int8_t* q = nullptr;  // [rows, 2K]
@@ -608,7 +731,7 @@ struct QuantRows {
 struct Job {
   const uint8_t* gate_up;  // its interleaved pairs: I / 8 of them, K = H
   const uint8_t* down;     // its H / 16 pairs, K = I
-  int gu_bits, down_bits;
+  int gu_format, down_format;
   int64_t inter, rows;
   const int64_t* token;  // [rows]: each row's token
   const float* weight;   // [rows]: each row's weight in its token's sum
@@ -664,11 +787,11 @@ static void copy_quant_row(const QuantRows& from, int64_t i, const QuantRows& to
 // and handed to emit(first row, rows, tile): int8 tiles from q, or fp32 ones from x, which
 // decode the pair into w [K, 16] as fp32_path does. `ahead`: the pair a thread computes
 // next, prefetched by the first int8 tile (as int8_path does).
-template <int Bits, typename Emit>
+template <int F, typename Emit>
 static void pair_rows(const uint8_t* pair, int64_t nb, int64_t K, int64_t n, bool int8,
                       const float* x, const QuantRows& q, float* w, const uint8_t* ahead,
                       const Emit& emit) {
-  constexpr int64_t record = Bits == 4 ? kRecord4 : kRecord8;
+  constexpr int64_t record = record_bytes(F);
   alignas(32) float tile[kTileRows * 16];
   if (int8) {
     for (int64_t r = 0; r < n; r += kIntTileRows) {
@@ -678,7 +801,7 @@ static void pair_rows(const uint8_t* pair, int64_t nb, int64_t K, int64_t n, boo
         const uint8_t* prefetch =
             r == 0 && ahead != nullptr ? ahead + half * nb * record : nullptr;
 #define LOOM_TILE(R)                                                                    \
-  int_tile<Bits, R>(pair + half * nb * record, nb, qx, q.scale + i, q.sum + i, q.centre + i, \
+  int_tile<F, R>(pair + half * nb * record, nb, qx, q.scale + i, q.sum + i, q.centre + i, \
                     K, tile + 8 * half, 16, nullptr, prefetch)
         switch (rows) {
           case 4: LOOM_TILE(4); break;
@@ -694,11 +817,11 @@ static void pair_rows(const uint8_t* pair, int64_t nb, int64_t K, int64_t n, boo
   }
   int64_t r = n % kTileRows;
   if (r > 0) {
-    decoding_rows<Bits>(r, pair, nb, w, x, K, tile, 16, nullptr);
+    decoding_rows<F>(r, pair, nb, w, x, K, tile, 16, nullptr);
     emit(0, r, tile);
   } else {
-    decode_panel<Bits>(pair, nb, 0, w);
-    decode_panel<Bits>(pair + nb * record, nb, 1, w);
+    decode_panel<F>(pair, nb, 0, w);
+    decode_panel<F>(pair + nb * record, nb, 1, w);
   }
   for (; r < n; r += kTileRows) {
     panel_tile<kTileRows>(x + r * K, K, w, tile, 16, nullptr);
@@ -707,13 +830,15 @@ static void pair_rows(const uint8_t* pair, int64_t nb, int64_t K, int64_t n, boo
 }
 
 template <typename Emit>
-static void pair_rows_of(int bits, const uint8_t* pair, int64_t nb, int64_t K, int64_t n,
+static void pair_rows_of(int format, const uint8_t* pair, int64_t nb, int64_t K, int64_t n,
                          bool int8, const float* x, const QuantRows& q, float* w,
                          const uint8_t* ahead, const Emit& emit) {
-  if (bits == 4)
-    pair_rows<4>(pair, nb, K, n, int8, x, q, w, ahead, emit);
+  if (format == kQ4)
+    pair_rows<kQ4>(pair, nb, K, n, int8, x, q, w, ahead, emit);
+  else if (format == kQ8)
+    pair_rows<kQ8>(pair, nb, K, n, int8, x, q, w, ahead, emit);
   else
-    pair_rows<8>(pair, nb, K, n, int8, x, q, w, ahead, emit);
+    pair_rows<kQ4K>(pair, nb, K, n, int8, x, q, w, ahead, emit);
 }
 
 static void quantize_rows_of(int bits, const float* x, int64_t rows, int64_t K,
@@ -761,26 +886,28 @@ static void route(const float* logits, int64_t E, int64_t k, bool normalize, int
 struct Matrices {  // one expert's panels, or E experts' stacked
   const uint8_t* gate_up;
   const uint8_t* down;
-  int gu_bits, down_bits;
+  int gu_format, down_format;
   int64_t inter;
   int64_t gu_stride, down_stride;  // bytes from one expert to the next
 };
 
 static Matrices matrices(const torch::Tensor& gate_up, const torch::Tensor& down) {
   const int64_t d = gate_up.dim();
-  const int gu_bits = gate_up.size(d - 1) == kRecord4 ? 4 : 8;
-  const int down_bits = down.size(d - 1) == kRecord4 ? 4 : 8;
+  const int gu_format = format_of(gate_up.size(d - 1));
+  const int down_format = format_of(down.size(d - 1));
   const int64_t inter = gate_up.size(d - 3) * kPanel / 2;
-  return {gate_up.data_ptr<uint8_t>(), down.data_ptr<uint8_t>(), gu_bits, down_bits, inter,
-          inter / kPanel * 2 * gate_up.size(d - 2) * record_bytes(gu_bits),
-          down.size(d - 3) * down.size(d - 2) * record_bytes(down_bits)};
+  return {gate_up.data_ptr<uint8_t>(), down.data_ptr<uint8_t>(), gu_format, down_format, inter,
+          inter / kPanel * 2 * gate_up.size(d - 2) * record_bytes(gu_format),
+          down.size(d - 3) * down.size(d - 2) * record_bytes(down_format)};
 }
 
 static void run(const float* xp, int64_t T, int64_t H, const float* logits, int64_t E,
                 int64_t k, bool normalize, const Matrices& routed, const Matrices* shared,
                 const float* shared_gate, int64_t int8_rows_4bit, int64_t int8_rows_8bit,
                 float* out) {
-  const auto int8_rows = [&](int bits) { return bits == 4 ? int8_rows_4bit : int8_rows_8bit; };
+  const auto int8_rows = [&](int format) {
+    return code_bits(format) == 4 ? int8_rows_4bit : int8_rows_8bit;
+  };
   const int64_t nbH = H / kQuantBlock;
   // 1. routing
   std::vector<int64_t> ids(T * k);
@@ -804,23 +931,23 @@ static void run(const float* xp, int64_t T, int64_t H, const float* logits, int6
     if (count[e] == 0) continue;
     job_of[e] = static_cast<int64_t>(jobs.size());
     jobs.push_back({routed.gate_up + e * routed.gu_stride, routed.down + e * routed.down_stride,
-                    routed.gu_bits, routed.down_bits, routed.inter, count[e],
+                    routed.gu_format, routed.down_format, routed.inter, count[e],
                     token.data() + first[e], weight.data() + first[e],
-                    count[e] <= int8_rows(routed.gu_bits),
-                    count[e] <= int8_rows(routed.down_bits)});
+                    count[e] <= int8_rows(routed.gu_format),
+                    count[e] <= int8_rows(routed.down_format)});
   }
   if (shared) {
     for (int64_t t = 0; t < T; ++t) token[T * k + t] = t;
-    jobs.push_back({shared->gate_up, shared->down, shared->gu_bits, shared->down_bits,
+    jobs.push_back({shared->gate_up, shared->down, shared->gu_format, shared->down_format,
                     shared->inter, T, token.data() + T * k, weight.data() + T * k,
-                    T <= int8_rows(shared->gu_bits), T <= int8_rows(shared->down_bits)});
+                    T <= int8_rows(shared->gu_format), T <= int8_rows(shared->down_format)});
   }
   // Buffers: each token's quantized x per code width the int8 gate_up tiles need, the
   // routed experts' rows of x (fp32 or quantized), every expert's SiLU * up (and its
   // quantized rows for int8 down tiles).
   bool quantized_tokens[2] = {false, false};  // 4-bit, 8-bit layouts
   for (const Job& job : jobs)
-    if (job.gu_int8) quantized_tokens[job.gu_bits == 8] = true;
+    if (job.gu_int8) quantized_tokens[code_bits(job.gu_format) == 8] = true;
   Arena<int8_t> bytes;
   Arena<float> floats;
   QuantRows tokens_q[2];
@@ -832,7 +959,7 @@ static void run(const float* xp, int64_t T, int64_t H, const float* logits, int6
       Job& job = jobs[j];
       const bool is_shared = shared && j + 1 == jobs.size();
       if (job.gu_int8)
-        job.qx = is_shared ? tokens_q[job.gu_bits == 8]
+        job.qx = is_shared ? tokens_q[code_bits(job.gu_format) == 8]
                            : take_quant_rows(bytes, floats, job.rows, H);
       else if (is_shared)
         job.x = xp;
@@ -861,7 +988,7 @@ static void run(const float* xp, int64_t T, int64_t H, const float* logits, int6
         const int64_t i = t * k + j;
         const Job& job = jobs[job_of[ids[i]]];
         if (job.gu_int8)
-          copy_quant_row(tokens_q[job.gu_bits == 8], t, job.qx, local[i], H);
+          copy_quant_row(tokens_q[code_bits(job.gu_format) == 8], t, job.qx, local[i], H);
         else
           std::memcpy(job.x_rows + local[i] * H, xt, H * 4);
       }
@@ -891,7 +1018,7 @@ static void run(const float* xp, int64_t T, int64_t H, const float* logits, int6
   const int64_t num_units = static_cast<int64_t>(units.size());
   const auto gu_pair = [&](const Unit& unit, int64_t i) {  // pair i of the unit
     const Job& job = jobs[unit.job];
-    return job.gate_up + (4 * unit.begin + i) * 2 * nbH * record_bytes(job.gu_bits);
+    return job.gate_up + (4 * unit.begin + i) * 2 * nbH * record_bytes(job.gu_format);
   };
   parallel_dynamic(num_units, [&](std::atomic<int64_t>& next) {
     float* w = static_cast<float*>(std::aligned_alloc(64, H * 16 * 4));
@@ -906,7 +1033,7 @@ static void run(const float* xp, int64_t T, int64_t H, const float* logits, int6
             following < num_units && i < 4 * (units[following].end - units[following].begin)
                 ? gu_pair(units[following], i)
                 : nullptr;
-        pair_rows_of(job.gu_bits, gu_pair(unit, i), nbH, H, job.rows, job.gu_int8, job.x,
+        pair_rows_of(job.gu_format, gu_pair(unit, i), nbH, H, job.rows, job.gu_int8, job.x,
                      job.qx, w, ahead, [&](int64_t r, int64_t rows, const float* tile) {
                        for (int64_t j = 0; j < rows; ++j)
                          silu_times_up(tile + 16 * j, job.act + (r + j) * I + channel);
@@ -916,7 +1043,7 @@ static void run(const float* xp, int64_t T, int64_t H, const float* logits, int6
         const int64_t nbI = I / kQuantBlock, b = unit.begin;
         const QuantRows& q = job.qa;
         for (int64_t r = 0; r < job.rows; ++r)
-          quantize_rows_of(job.down_bits, job.act + r * I + b * kQuantBlock, 1,
+          quantize_rows_of(code_bits(job.down_format), job.act + r * I + b * kQuantBlock, 1,
                            (unit.end - b) * kQuantBlock,
                            {q.q + r * 2 * I + 2 * b * kQuantBlock, q.scale + r * nbI + b,
                             q.sum + r * nbI + b, q.centre + r * nbI + b});
@@ -932,7 +1059,7 @@ static void run(const float* xp, int64_t T, int64_t H, const float* logits, int6
                            pairs / (kUnitsPerThread * at::get_num_threads())));
   const int64_t down_units = (pairs + per_unit - 1) / per_unit;
   const auto down_pair = [&](const Job& job, int64_t p) {
-    return job.down + p * 2 * (job.inter / kQuantBlock) * record_bytes(job.down_bits);
+    return job.down + p * 2 * (job.inter / kQuantBlock) * record_bytes(job.down_format);
   };
   parallel_dynamic(down_units, [&](std::atomic<int64_t>& next) {
     float* w = static_cast<float*>(std::aligned_alloc(64, inter_max * 16 * 4));
@@ -949,7 +1076,7 @@ static void run(const float* xp, int64_t T, int64_t H, const float* logits, int6
               next_job ? down_pair(*next_job, ahead_pair)
               : following < down_units && ahead_pair < pairs ? down_pair(jobs[0], ahead_pair)
                                                              : nullptr;
-          pair_rows_of(job.down_bits, down_pair(job, p), job.inter / kQuantBlock, job.inter,
+          pair_rows_of(job.down_format, down_pair(job, p), job.inter / kQuantBlock, job.inter,
                        job.rows, job.down_int8, job.act, job.qa, w, ahead,
                        [&](int64_t r, int64_t rows, const float* tile) {
                          for (int64_t i = 0; i < rows; ++i) {
@@ -992,12 +1119,12 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor logits, int64_t top_k, 
   const auto check = [&](const torch::Tensor& gu, const torch::Tensor& dn, int64_t dims,
                          const char* what) {
     const auto record_ok = [](const torch::Tensor& t) {
-      return t.size(-1) == kRecord4 || t.size(-1) == kRecord8;
+      return is_record(t.size(-1));
     };
     TORCH_CHECK(gu.dim() == dims && dn.dim() == dims && gu.scalar_type() == at::kByte &&
                     dn.scalar_type() == at::kByte && gu.is_contiguous() && dn.is_contiguous() &&
                     record_ok(gu) && record_ok(dn),
-                what, " panels must be contiguous uint8 with 4-bit or 8-bit records");
+                what, " panels must be contiguous uint8 with 4-bit, 8-bit or Q4_K records");
     const int64_t inter = gu.size(-3) * kPanel / 2;
     TORCH_CHECK(gu.size(-3) % 8 == 0 && gu.size(-2) * kQuantBlock == H &&
                     dn.size(-3) * kPanel == H && dn.size(-2) * kQuantBlock == inter,
@@ -1037,5 +1164,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panels_from_blocks", &panels_from_blocks, py::call_guard<py::gil_scoped_release>());
   m.def("moe_experts", &moe_experts, py::call_guard<py::gil_scoped_release>());
   m.def("supported", &supported);
+  m.def("vnni", &vnni);
   LOOM_POOL_BINDINGS(m);
 }

@@ -8,6 +8,8 @@
 //   Q4_1  [ d, m (fp16) | 16 bytes: input j's code in byte j's low nibble, input j + 16's high ]
 //   Q8_0  [ d (fp16)    | 32 int8 codes ]
 //   I8    [ d, m (fp16) | 32 int8 codes ]
+//   Q4_K  [ d, dmin (fp16, the super-block's) | scale, min (6 bits, a byte each) | 16 bytes
+//           of codes as Q4_1's ]: Q4_K's own numbers, w = (d scale) q - dmin min exactly
 //
 // numpy arrays in and out, and none of torch's headers but its fp16 type: a module of its own
 // that compiles in seconds, called where requant.py already holds the file's bytes as numpy.
@@ -31,10 +33,11 @@ namespace {
 
 constexpr int kGroup = 32;
 
-enum class Native { Q4_1, Q8_0, I8 };
+enum class Native { Q4_1, Q8_0, I8, Q4_K };
 
 constexpr int64_t native_bytes(Native kind) {
-  return kind == Native::Q4_1 ? 4 + 16 : kind == Native::Q8_0 ? 2 + 32 : 4 + 32;
+  return kind == Native::Q4_1 ? 4 + 16 : kind == Native::Q8_0 ? 2 + 32
+         : kind == Native::I8 ? 4 + 32 : 6 + 16;
 }
 
 uint16_t fp16_bits(float value) { return c10::Half(value).x; }
@@ -51,6 +54,12 @@ uint16_t raw_fp16(const uint8_t* p) {
 
 float fp16_value(const uint8_t* p) { return fp16_float(raw_fp16(p)); }
 
+// 32 4-bit codes in 16 bytes: input j's in byte j's low nibble, input j + 16's in its high.
+void pack_nibbles(const int8_t* codes, uint8_t* out) {
+  for (int j = 0; j < 16; ++j)
+    out[j] = static_cast<uint8_t>((codes[j] & 0x0F) | (codes[j + 16] << 4));
+}
+
 // One output block from its 32 codes and the bits of its fp16 scale and offset.
 void write_block(uint8_t* out, Native kind, const int8_t* codes, uint16_t d, uint16_t m) {
   std::memcpy(out, &d, 2);
@@ -63,8 +72,7 @@ void write_block(uint8_t* out, Native kind, const int8_t* codes, uint16_t d, uin
     std::memcpy(out + 4, codes, kGroup);
     return;
   }
-  for (int j = 0; j < 16; ++j)
-    out[4 + j] = static_cast<uint8_t>((codes[j] & 0x0F) | (codes[j + 16] << 4));
+  pack_nibbles(codes, out + 4);
 }
 
 // Symmetric 8-bit codes for 32 weights: the scale is max |w| / 127 rounded to fp16, or the
@@ -122,16 +130,17 @@ void q5_block(const uint8_t* src, uint8_t* dst) {
               WithOffset ? raw_fp16(src + 2) : 0);
 }
 
-// Q4_K [d, dmin | 12 bytes of 6-bit scales and mins | 128 bytes of codes] -> 8 x Q4_1; Q5_K
-// the same with 32 bytes of fifth bits before the codes -> 8 x I8. Sub-block 2i's codes are
-// the low nibbles of code bytes 32i .. 32i + 31, 2i + 1's the high ones; sub-block s's fifth
-// bits are bit s of the 32 bytes. Scale d * scale_s and offset -dmin * min_s, rounded to fp16.
+// Q4_K [d, dmin | 12 bytes of 6-bit scales and mins | 128 bytes of codes] -> 8 x Q4_K's
+// blocks of 32 above; Q5_K the same with 32 bytes of fifth bits before the codes -> 8 x I8,
+// scale d * scale_s and offset -dmin * min_s rounded to fp16. Sub-block 2i's codes are the
+// low nibbles of code bytes 32i .. 32i + 31, 2i + 1's the high ones; sub-block s's fifth bits
+// are bit s of the 32 bytes.
 template <bool FiveBits>
 void k_block(const uint8_t* src, uint8_t* dst) {
   const float d = fp16_value(src), dmin = fp16_value(src + 2);
   const uint8_t* qh = src + 16;
   const uint8_t* qs = src + (FiveBits ? 48 : 16);
-  constexpr Native kind = FiveBits ? Native::I8 : Native::Q4_1;
+  constexpr Native kind = FiveBits ? Native::I8 : Native::Q4_K;
   for (int s = 0; s < 8; ++s) {
     int scale, min;
     scale_min(src + 4, s, scale, min);
@@ -140,6 +149,14 @@ void k_block(const uint8_t* src, uint8_t* dst) {
       int code = (qs[32 * (s / 2) + j] >> (4 * (s % 2))) & 0x0F;
       if (FiveBits) code |= ((qh[j] >> s) & 1) << 4;
       codes[j] = static_cast<int8_t>(code);
+    }
+    if (!FiveBits) {
+      uint8_t* out = dst + s * native_bytes(kind);
+      std::memcpy(out, src, 4);
+      out[4] = static_cast<uint8_t>(scale);
+      out[5] = static_cast<uint8_t>(min);
+      pack_nibbles(codes, out + 6);
+      continue;
     }
     write_block(dst + s * native_bytes(kind), kind, codes,
                 fp16_bits(d * static_cast<float>(scale)),
@@ -246,7 +263,7 @@ struct SourceKind {
 constexpr SourceKind kSourceKinds[] = {
     {"Q5_0", 32, 22, Native::Q8_0, q5_block<false>},
     {"Q5_1", 32, 24, Native::I8, q5_block<true>},
-    {"Q4_K", 256, 144, Native::Q4_1, k_block<false>},
+    {"Q4_K", 256, 144, Native::Q4_K, k_block<false>},
     {"Q5_K", 256, 176, Native::I8, k_block<true>},
     {"IQ4_NL", 32, 18, Native::Q8_0, iq4_nl_block},
     {"IQ4_XS", 256, 136, Native::Q8_0, iq4_xs_block},
