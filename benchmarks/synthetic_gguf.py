@@ -5,13 +5,15 @@ weights drawn from N(0, 0.02) (norms 1). Quantize it with llama.cpp's `llama-qua
 type to measure. Its text is noise. Architectures: `llama` (a dense Llama/SmolLM), `qwen3`
 (Llama with per-head q/k norms), `gemma3` (per-head q/k norms, norms after attention and MLP
 too, `--window`-wide sliding layers five in every six, as llama.cpp's graph lays them out
-where a file names no pattern), and two mixtures of experts, `qwen3moe` (Qwen3-MoE: per-head
-q/k norms, experts expert_feed_forward_length wide) and `olmoe` (OLMoE: q/k norms over the
-whole projections, experts feed_forward_length wide). Tensors are made and written one at a
-time, so memory holds one tensor, not the model. Run from the repository root; the reference
-here is the bundled model (`python -c "from loom.model.arch import default_model_path;
-print(default_model_path())"`), whose vocabulary the file takes (any GGUF with a tokenizer
-will do, a vocab-only one too; `--chat-template FILE` replaces its template).
+where a file names no pattern), and three mixtures of experts, `qwen3moe` (Qwen3-MoE:
+per-head q/k norms, experts expert_feed_forward_length wide), `olmoe` (OLMoE: q/k norms over
+the whole projections, experts feed_forward_length wide) and `mixtral` (llama.cpp's `llama`
+with experts, feed_forward_length wide). None of the three has a shared expert. Tensors are
+made and written one at a time, so memory holds one tensor, not the model. Run from the
+repository root; the reference here is the bundled model (`python -c "from loom.model.arch
+import default_model_path; print(default_model_path())"`), whose vocabulary the file takes
+(any GGUF with a tokenizer will do, a vocab-only one too; `--chat-template FILE` replaces its
+template).
 
 SmolLM2-1.7B's shape:
 
@@ -36,13 +38,21 @@ OLMoE-1B-7B's shape (64 experts, 8 a token, 1024 wide: about 7B weights, 14 GB i
 
 `--q4-k-m` skips the F16 file and llama-quantize (for a dense 8B shape: a 16 GB file and half an
 hour of both cores on the Zen 4): it writes random Q4_K_M blocks directly, in the types
-llama-quantize's Q4_K_M gives each tensor (`q4_k_m_type`), so both servers read the bytes and
-run the kernels a quantized model of the shape would; the weights are the blocks' random codes
-under small fixed scales, not a quantized Gaussian. Qwen3-8B's shape (4.3 GB) in 23 s on the Zen 4:
+llama-quantize's Q4_K_M gives each tensor (`q4_k_m_type`), stacked experts too, so both servers
+read the bytes and run the kernels a quantized model of the shape would; the weights are the
+blocks' random codes under small fixed scales, not a quantized Gaussian. Qwen3-8B's shape
+(4.3 GB) in 23 s on the Zen 4:
 
     python benchmarks/synthetic_gguf.py --arch qwen3 --reference $REF --q4-k-m \\
         --hidden 4096 --ffn 12288 --layers 36 --heads 32 --kv-heads 8 --head-dim 128 \\
         --out qwen3-8b-Q4_K_M.gguf
+
+Qwen3-30B-A3B's shape with 32 experts instead of 128 (the same 8 a token and active size;
+128 would be an 18 GB file that loom, reading Q4_K as Q4_1 and Q6_K as Q8_0, holds in ~20 GB):
+
+    python benchmarks/synthetic_gguf.py --arch qwen3moe --reference $REF --q4-k-m \\
+        --hidden 2048 --ffn 6144 --layers 48 --heads 32 --kv-heads 4 --head-dim 128 \\
+        --experts 32 --experts-used 8 --expert-ffn 768 --out qwen3moe-32e-Q4_K_M.gguf
 
 llama.cpp loads both: llama-quantize as above, then `llama-perplexity -m X-Q4_K_M.gguf -f
 text.txt -c 128 --chunks 2 -nr` (`-nr`: llama.cpp's repacking for AMX crashed at start-up on the
@@ -63,22 +73,25 @@ import numpy as np
 
 from loom.model.gguf_file import read_gguf
 
-ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen3moe", "olmoe")
-MIXTURES = ("qwen3moe", "olmoe")
+ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen3moe", "olmoe", "mixtral")
+MIXTURES = ("qwen3moe", "olmoe", "mixtral")
+FFN_WIDE_EXPERTS = ("olmoe", "mixtral")  # experts feed_forward_length wide
+GGUF_ARCHITECTURES = {"mixtral": "llama"}  # llama.cpp's name where it is not the flag's
 HEAD_NORMED = ("qwen3", "gemma3", "qwen3moe")  # RMSNorm over each head's q and k
 # The reference's architecture keys the file takes over (renamed); the others describe the
 # reference's own shape and family (a Gemma 4 vocabulary's experts, per-layer head counts)
 CARRIED_KEYS = ("context_length", "rope.freq_base", "attention.layer_norm_rms_epsilon")
 GGUF_FILE_TYPE_F16 = 1  # general.file_type: mostly F16
 GGUF_FILE_TYPE_Q4_K_M = 15  # general.file_type: llama-quantize's Q4_K_M
-Q4_K, Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+QType = gguf.GGMLQuantizationType
+Q4_K, Q5_K, Q6_K, Q8_0 = QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0
 
 
 @dataclass(frozen=True)
 class Shape:
     arch: str
     hidden: int
-    ffn: int  # the dense MLP's width (OLMoE: its experts')
+    ffn: int  # the dense MLP's width (OLMoE's and Mixtral's: their experts')
     layers: int
     heads: int
     kv_heads: int
@@ -97,9 +110,9 @@ class Shape:
                              f"{self.arch}")
         if moe and self.expert_ffn < 1:
             raise ValueError(f"--expert-ffn is needed for {self.arch}")
-        if self.arch == "olmoe" and self.expert_ffn != self.ffn:
-            raise ValueError("olmoe's experts are feed_forward_length wide: --ffn must equal "
-                             "--expert-ffn")
+        if self.arch in FFN_WIDE_EXPERTS and self.expert_ffn != self.ffn:
+            raise ValueError(f"{self.arch}'s experts are feed_forward_length wide: --ffn must "
+                             "equal --expert-ffn")
         if not moe and self.experts:
             raise ValueError(f"{self.arch} has no experts: drop --experts")
         if (self.arch == "gemma3") != (self.window > 0):
@@ -117,7 +130,12 @@ def metadata(shape: Shape) -> dict[str, int]:
                  "expert_feed_forward_length": shape.expert_ffn}
     if shape.window:
         keys["attention.sliding_window"] = shape.window
-    return {f"{shape.arch}.{key}": value for key, value in keys.items()}
+    return {f"{gguf_arch(shape.arch)}.{key}": value for key, value in keys.items()}
+
+
+def gguf_arch(arch: str) -> str:
+    """The file's general.architecture for the flag's `arch`."""
+    return GGUF_ARCHITECTURES.get(arch, arch)
 
 
 @dataclass(frozen=True)
@@ -132,7 +150,7 @@ def tensor_specs(shape: Shape, vocab: int) -> list[TensorSpec]:
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     specs = [TensorSpec("token_embd.weight", (vocab, h), "matrix"),
              TensorSpec("output_norm.weight", (h,), "norm")]
-    if shape.arch in MIXTURES:  # both have an output layer of their own
+    if shape.arch in MIXTURES:  # each has an output layer of its own
         specs.append(TensorSpec("output.weight", (vocab, h), "matrix"))
     for layer in range(shape.layers):
         block = f"blk.{layer}."
@@ -170,14 +188,26 @@ def use_more_bits(layer: int, layers: int) -> bool:
             or (layer - layers // 8) % 3 == 2)
 
 
-def q4_k_m_type(name: str, layers: int) -> gguf.GGMLQuantizationType:
-    """The type llama-quantize's Q4_K_M gives a dense file's matrix (llama_tensor_get_type):
-    Q6_K for the output layer (the token embeddings, where tied: this writer's dense files
-    are) and for attn_v and ffn_down in the layers use_more_bits picks, Q4_K elsewhere."""
-    if name in ("output.weight", "token_embd.weight"):
+def q4_k_m_type(name: str, shape: Shape) -> gguf.GGMLQuantizationType:
+    """The type llama-quantize's Q4_K_M gives a matrix of this writer's files
+    (llama_tensor_get_type_impl in llama.cpp's src/llama-quant.cpp): Q6_K for the output
+    layer, and for the token embeddings where they are tied to it (the dense architectures
+    here), else Q4_K; Q6_K for attn_v and every ffn_down (ffn_down_exps too) in the layers
+    use_more_bits picks; with exactly 8 experts (Mixtral) attn_v and attn_k Q8_0 and
+    attn_output Q5_K; Q4_K elsewhere, the experts' gate and up among them. (The router,
+    ffn_gate_inp, is never quantized: F32.)"""
+    if name == "output.weight" or (name == "token_embd.weight"
+                                   and shape.arch not in MIXTURES):
         return Q6_K
     parts = name.split(".")
-    if parts[2] in ("attn_v", "ffn_down") and use_more_bits(int(parts[1]), layers):
+    if parts[0] != "blk":
+        return Q4_K
+    kind, more_bits = parts[2], use_more_bits(int(parts[1]), shape.layers)
+    if shape.experts == 8 and kind in ("attn_v", "attn_k"):
+        return Q8_0
+    if shape.experts == 8 and kind == "attn_output":
+        return Q5_K
+    if more_bits and (kind == "attn_v" or kind.startswith("ffn_down")):
         return Q6_K
     return Q4_K
 
@@ -186,12 +216,17 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int,
                   qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     """`rows` x `cols` weights as random `qtype` blocks (uint8, a row of blocks a row): random
     codes, fixed fp16 scales small enough that the weights are about N(0, 0.02)'s size and
-    centred (Q4_K: d * sc * q - dmin * m with q in 0..15, sc and m in 0..63; Q6_K: d * sc *
-    (q - 32) with int8 sub-block scales drawn from -16..16)."""
+    centred (Q4_K and Q5_K: d * sc * q - dmin * m with q in 0..15 or 0..31, sc and m in
+    0..63; Q6_K: d * sc * (q - 32) with int8 sub-block scales drawn from -16..16; Q8_0: d * q,
+    q an int8)."""
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows * cols // block, nbytes), dtype=np.uint8)
     if qtype == Q4_K:  # d, dmin, 12 bytes of 6-bit scales and mins, 128 of codes
         blocks[:, :4] = np.array([7.5e-5, 5.5e-4], np.float16).view(np.uint8)
+    elif qtype == Q5_K:  # as Q4_K, then 32 bytes of the codes' high bits
+        blocks[:, :4] = np.array([3.75e-5, 5.5e-4], np.float16).view(np.uint8)
+    elif qtype == Q8_0:  # d, 32 int8 codes
+        blocks[:, :2] = np.array([2.7e-4], np.float16).view(np.uint8)
     else:  # Q6_K: 128 bytes of low bits, 64 of high bits, 16 int8 scales, d
         blocks[:, 192:208] = rng.integers(-16, 17, (len(blocks), 16), dtype=np.int8).view(
             np.uint8)
@@ -232,16 +267,16 @@ def copy_settings(reference: Mapping[str, Any], writer: gguf.GGUFWriter, arch: s
         writer.add_chat_template(chat_template)
 
 
-def add_tensor_info(writer: gguf.GGUFWriter, spec: TensorSpec, layers: int,
+def add_tensor_info(writer: gguf.GGUFWriter, spec: TensorSpec, shape: Shape,
                     q4_k_m: bool) -> None:
-    """`spec`'s entry in the header: F16 (a random matrix), F32, or its Q4_K_M block type."""
+    """`spec`'s entry in the header: F16 (a random matrix), F32, or its Q4_K_M block type
+    (a stacked expert tensor [E, N, K] as E * N rows of blocks)."""
     if q4_k_m and spec.kind == "matrix":
-        qtype = q4_k_m_type(spec.name, layers)
+        qtype = q4_k_m_type(spec.name, shape)
         block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-        rows, cols = spec.shape
-        byte_shape = (rows, cols // block * nbytes)
-        writer.add_tensor_info(spec.name, byte_shape, np.dtype(np.uint8), rows * byte_shape[1],
-                               raw_dtype=qtype)
+        byte_shape = (*spec.shape[:-1], spec.shape[-1] // block * nbytes)
+        writer.add_tensor_info(spec.name, byte_shape, np.dtype(np.uint8),
+                               int(np.prod(byte_shape)), raw_dtype=qtype)
         return
     dtype = np.dtype(np.float16 if spec.kind == "matrix" else np.float32)
     writer.add_tensor_info(spec.name, spec.shape, dtype, int(np.prod(spec.shape)) * dtype.itemsize)
@@ -250,22 +285,21 @@ def add_tensor_info(writer: gguf.GGUFWriter, spec: TensorSpec, layers: int,
 def write(shape: Shape, reference: str | Mapping[str, Any], out: str, seed: int = 0,
           chat_template: str | None = None, q4_k_m: bool = False) -> None:
     """`reference`: a GGUF's path, or its header's metadata (a vocabulary amended first).
-    `q4_k_m`: random Q4_K_M blocks (dense architectures, every width a multiple of 256)
+    `q4_k_m`: random Q4_K_M blocks (every width a multiple of 256, the K-quants' block)
     instead of F16 weights."""
-    if q4_k_m and (shape.arch in MIXTURES or shape.hidden % 256 or shape.ffn % 256
-                   or shape.heads * shape.head_dim % 256):
-        raise ValueError("--q4-k-m writes dense architectures whose widths are multiples of "
-                         f"256, not {shape}")
+    widths = (shape.hidden, shape.ffn, shape.heads * shape.head_dim, shape.expert_ffn)
+    if q4_k_m and any(width % 256 for width in widths):
+        raise ValueError(f"--q4-k-m writes widths that are multiples of 256, not {shape}")
     if isinstance(reference, str):
         reference = read_gguf(Path(reference)).metadata
     vocab = len(reference["tokenizer.ggml.tokens"])
-    writer = gguf.GGUFWriter(out, shape.arch)
+    writer = gguf.GGUFWriter(out, gguf_arch(shape.arch))
     file_type = GGUF_FILE_TYPE_Q4_K_M if q4_k_m else GGUF_FILE_TYPE_F16
-    copy_settings(reference, writer, shape.arch,
+    copy_settings(reference, writer, gguf_arch(shape.arch),
                   {**metadata(shape), "general.file_type": file_type}, chat_template)
     specs = tensor_specs(shape, vocab)
     for spec in specs:
-        add_tensor_info(writer, spec, shape.layers, q4_k_m)
+        add_tensor_info(writer, spec, shape, q4_k_m)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -275,8 +309,9 @@ def write(shape: Shape, reference: str | Mapping[str, Any], out: str, seed: int 
             writer.write_tensor_data(np.ones(spec.shape, np.float32))
             continue
         if q4_k_m and spec.kind == "matrix":
-            writer.write_tensor_data(random_blocks(rng, *spec.shape,
-                                                   q4_k_m_type(spec.name, shape.layers)))
+            blocks = random_blocks(rng, int(np.prod(spec.shape[:-1])), spec.shape[-1],
+                                   q4_k_m_type(spec.name, shape))
+            writer.write_tensor_data(blocks.reshape(*spec.shape[:-1], -1))
             continue
         weights = rng.standard_normal(spec.shape, dtype=np.float32) * 0.02
         writer.write_tensor_data(weights.astype(np.float16) if spec.kind == "matrix"
@@ -291,7 +326,7 @@ def main() -> None:
     parser.add_argument("--arch", default="llama", choices=ARCHITECTURES)
     parser.add_argument("--hidden", type=int, required=True)
     parser.add_argument("--ffn", type=int, required=True,
-                        help="the dense MLP's width (olmoe: its experts')")
+                        help="the dense MLP's width (olmoe, mixtral: their experts')")
     parser.add_argument("--layers", type=int, required=True)
     parser.add_argument("--heads", type=int, required=True)
     parser.add_argument("--kv-heads", type=int, required=True)
@@ -303,7 +338,7 @@ def main() -> None:
                         help="gemma3: the sliding layers' window")
     parser.add_argument("--chat-template", help="a Jinja file replacing the reference's template")
     parser.add_argument("--q4-k-m", action="store_true",
-                        help="random Q4_K_M blocks instead of F16 weights (dense archs)")
+                        help="random Q4_K_M blocks instead of F16 weights")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     try:
