@@ -171,6 +171,33 @@ def package_imports(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def argv_reads(path: Path) -> list[int]:
+    """Lines that read the process's command line: `sys.argv`, or `argv` imported from sys."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Attribute) and node.attr == "argv"
+                and isinstance(node.value, ast.Name) and node.value.id == "sys"):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "sys":
+            lines += [node.lineno for a in node.names if a.name == "argv"]
+    return lines
+
+
+def test_only_the_command_line_reads_sys_argv() -> None:
+    """What a result file records as its command is given to the library by cli/ (as
+    `command_line()`), so a library called from a script or a test records what it is told."""
+    violations = [f"{path.relative_to(SRC.parent)}:{line} reads sys.argv"
+                  for name, path in MODULES.items() if not name.startswith("loom.cli")
+                  for line in argv_reads(path)]
+    assert not violations, "\n".join(violations)
+
+
+def test_the_argv_check_finds_both_spellings(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("import sys\nfrom sys import argv\n\ndef f():\n    return sys.argv\n")
+    assert sorted(argv_reads(module)) == [2, 5]
+
+
 def test_the_rule_checker_sees_function_level_imports(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from loom.engine.core import EngineCore\n")

@@ -1,9 +1,12 @@
-"""Golden test: loom's greedy tokens for the bundled SmolLM2-135M-Instruct equal transformers'
-greedy `generate` on the same weights (transformers loads the same GGUF) and the same prompt
+"""Golden test: loom's greedy tokens for the bundled SmolLM2-135M-Instruct are transformers'
+greedy continuation on the same weights (transformers loads the same GGUF) and the same prompt
 token ids, both one request at a time and all requests in one continuous batch whose small token
-budget forces chunked prefills and decodes into the same steps. In float32 throughout, the KV
-cache included (transformers keeps its K/V in float32; loom's default fp16 cache on CPU is
-measured against an fp32 one in test_dtype.py and benchmarks/kernels/kv_dtype_accuracy.py).
+budget forces chunked prefills and decodes into the same steps. Checked in one teacher-forced
+transformers pass per answer (every token its argmax after the ones before, the answer ending
+at EOS or at max_tokens): the tokens greedy `generate` would give, in one pass instead of one
+per token. In float32 throughout, the KV cache included (transformers keeps its K/V in float32;
+loom's default fp16 cache on CPU is measured against an fp32 one in test_dtype.py and
+benchmarks/kernels/kv_dtype_accuracy.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread
 
 
 MAX_TOKENS = 24
+EOS = 2
 LONG_TEXT = (
     "Continuous batching lets an inference server add new requests to the running batch at "
     "every iteration instead of waiting for the whole batch to finish. Combined with a paged "
@@ -68,31 +72,29 @@ def prompts(llm_alone) -> dict[str, list[int]]:
     return ids
 
 
-@pytest.fixture(scope="module")
-def reference(prompts) -> dict[str, list[int]]:
-    """transformers' greedy continuation of each prompt (stops at EOS, like loom)."""
+def transformers_log_softmax(prompt: list[int], answer: list[int], name: str) -> torch.Tensor:
+    """Assert that `answer` is transformers' greedy continuation of `prompt` (each token the
+    argmax of transformers' logits after those before it; EOS, which ends the answer, only at
+    its end, or none and max_tokens long); returns the log-softmax row of each answer token."""
     model = smollm_hf_model()
-    assert model.generation_config.eos_token_id == 2
-    out = {}
+    assert model.generation_config.eos_token_id == EOS
     with torch.no_grad():
-        for name, ids in prompts.items():
-            tokens = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-                                    dtype=torch.long), max_new_tokens=MAX_TOKENS,
-                                    do_sample=False, pad_token_id=2)
-            out[name] = tokens[0, len(ids):].tolist()
-    return out
+        logits = model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1:-1]
+    assert logits.argmax(-1).tolist() == answer, name
+    assert EOS not in answer[:-1] and (answer[-1] == EOS or len(answer) == MAX_TOKENS), name
+    return logits.float().log_softmax(-1)
 
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 
 
 @pytest.mark.parametrize("name", [name for name, _ in PROMPTS])
-def test_alone_matches_transformers(llm_alone, prompts, reference, name):
+def test_alone_matches_transformers(llm_alone, prompts, name):
     [output] = llm_alone.generate(prompts[name], GREEDY)
-    assert output.outputs[0].token_ids == reference[name]
+    transformers_log_softmax(prompts[name], output.outputs[0].token_ids, name)
 
 
-def test_batch_with_chunked_prefill_matches_transformers(prompts, reference):
+def test_batch_with_chunked_prefill_matches_transformers(prompts):
     """All prompts at once through a 64-token budget: prefills are chunked and share steps with
     other requests' decodes. Greedy tokens must not depend on the company; their logprobs match
     transformers' teacher-forced log-softmax. Then the chat prompts again, which now start from
@@ -112,8 +114,16 @@ def test_batch_with_chunked_prefill_matches_transformers(prompts, reference):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=0)
     outputs = llm.generate([prompts[n] for n in names], params)
 
+    answers = {name: output.outputs[0].token_ids for name, output in zip(names, outputs)}
     for name, output in zip(names, outputs):
-        assert output.outputs[0].token_ids == reference[name], name
+        log_softmax = transformers_log_softmax(prompts[name], answers[name], name)
+        expected = log_softmax[torch.arange(len(answers[name])), torch.tensor(answers[name])]
+        got = torch.tensor([lp.logprob for lp in output.outputs[0].logprobs])
+        # 3e-3: at up to 16 rows the native matmul rounds activations to two int8 parts,
+        # and which attention kernel a chunk takes (SDPA or per-token queries, equally
+        # exact in fp32) flips some of those roundings: a chosen token's logprob moved by
+        # up to 1.0e-3 between the two, 2.4e-3 from transformers' at worst (plain-digits).
+        torch.testing.assert_close(got, expected, atol=3e-3, rtol=0, msg=name)
 
     # the batch really mixed things: chunked prompts, and steps holding decodes and prefills
     assert max(sum(n for _, n, _, _ in step) for step in steps) <= 64
@@ -128,19 +138,4 @@ def test_batch_with_chunked_prefill_matches_transformers(prompts, reference):
     again = llm.generate([prompts[n] for n in chats], GREEDY)
     for name, output in zip(chats, again):
         assert output.num_cached_tokens >= 16, name  # at least one full block reused
-        assert output.outputs[0].token_ids == reference[name], name
-
-    model = smollm_hf_model()
-    with torch.no_grad():
-        for name, output in zip(names, outputs):
-            tokens = output.outputs[0].token_ids
-            full = torch.tensor([prompts[name] + tokens])
-            logprobs = model(full).logits[0].float().log_softmax(-1)
-            rows = torch.arange(len(prompts[name]) - 1, full.shape[1] - 1)
-            expected = logprobs[rows, torch.tensor(tokens)]
-            got = torch.tensor([lp.logprob for lp in output.outputs[0].logprobs])
-            # 3e-3: at up to 16 rows the native matmul rounds activations to two int8 parts,
-            # and which attention kernel a chunk takes (SDPA or per-token queries, equally
-            # exact in fp32) flips some of those roundings: a chosen token's logprob moved by
-            # up to 1.0e-3 between the two, 2.4e-3 from transformers' at worst (plain-digits).
-            torch.testing.assert_close(got, expected, atol=3e-3, rtol=0, msg=name)
+        assert output.outputs[0].token_ids == answers[name], name

@@ -276,9 +276,9 @@ def test_a_huge_grammar_is_refused_at_once_and_holds_up_no_choice(hardened) -> N
     a 400 carrying llguidance's panic, naming structured_outputs. A slow grammar within the
     size limit compiles in a check process of its own while the choice is answered."""
     huge = "start: " + " | ".join(f'"{i:06d}abcdefgh"' for i in range(90_000))
-    slow = "start: r0\n" + "\n".join(  # 120 kB whose compile takes seconds: rules that
-        f"r{i}: " + " | ".join(f'r{j} "x"' for j in range(i + 1, min(200, i + 70)))  # each
-        + ' | "e"' for i in range(200))  # refer to the next 70
+    slow = "start: r0\n" + "\n".join(  # 75 kB whose compile takes seconds (twice: the
+        f"r{i}: " + " | ".join(f'r{j} "x"' for j in range(i + 1, min(150, i + 60)))  # check,
+        + ' | "e"' for i in range(150))  # then the engine): rules that refer to the next 60
 
     async def together() -> list[tuple[str, httpx.Response]]:
         async with httpx.AsyncClient(base_url=hardened.url, timeout=300) as http:

@@ -11,6 +11,8 @@ a second time (cached after the first run) and compared with the torch path.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -42,26 +44,51 @@ def _build(name: str, source: str, flags: list[str]) -> ModuleType:
                 extra_cflags=[*kernels._CFLAGS, *flags, "-O1"], extra_ldflags=kernels._LDFLAGS)
 
 
-@pytest.fixture(scope="module")
-def other_ops() -> ModuleType:
+def _attention_build() -> tuple[str, str, list[str]] | str:
+    """The attention kernel of the SIMD level this host does not run, or why there is none."""
     level = host.simd_level()
     if level == "avx512":
-        return _build("loom_paged_attention_avx2", "paged_attention.cpp", ["-mno-avx512f"])
+        return "loom_paged_attention_avx2", "paged_attention.cpp", ["-mno-avx512f"]
     if level == "avx2":
-        return _build("loom_paged_attention_avx512_on_avx2", "paged_attention.cpp",
-                      ["-DLOOM_AVX512_ON_AVX2", "-Wno-psabi"])
-    pytest.skip(f"no SIMD kernel to check on a {level} host but its own")
+        return ("loom_paged_attention_avx512_on_avx2", "paged_attention.cpp",
+                ["-DLOOM_AVX512_ON_AVX2", "-Wno-psabi"])
+    return f"no SIMD kernel to check on a {level} host but its own"
+
+
+def _amx_build() -> tuple[str, str, list[str]] | str:
+    """The AMX matmul on software tiles, or why it is not checked here."""
+    own = kernels.fused_ops()
+    if own is not None and own.amx_available():
+        return "this host runs the AMX kernel on its tiles (test_fused_ops.py)"
+    if host.simd_level() == "none":
+        return "the software tiles need AVX2"
+    return "loom_fused_ops_amx_on_avx2", "fused_ops.cpp", ["-DLOOM_AMX_ON_AVX2", "-Wno-psabi"]
 
 
 @pytest.fixture(scope="module")
-def amx_on_avx2() -> ModuleType:
-    own = kernels.fused_ops()
-    if own is not None and own.amx_available():
-        pytest.skip("this host runs the AMX kernel on its tiles (test_fused_ops.py)")
-    if host.simd_level() == "none":
-        pytest.skip("the software tiles need AVX2")
-    return _build("loom_fused_ops_amx_on_avx2", "fused_ops.cpp",
-                  ["-DLOOM_AMX_ON_AVX2", "-Wno-psabi"])
+def builds() -> Iterator[dict[str, Future[ModuleType] | str]]:
+    """Both builds started at once: each is one compiler process, so on a fresh checkout
+    the second runs on a core the first leaves idle instead of after it."""
+    with ThreadPoolExecutor(2) as pool:
+        yield {name: how if isinstance(how, str) else pool.submit(_build, *how)
+               for name, how in (("attention", _attention_build()), ("amx", _amx_build()))}
+
+
+def _built(builds: dict[str, Future[ModuleType] | str], name: str) -> ModuleType:
+    build = builds[name]
+    if isinstance(build, str):
+        pytest.skip(build)
+    return build.result()
+
+
+@pytest.fixture(scope="module")
+def other_ops(builds: dict[str, Future[ModuleType] | str]) -> ModuleType:
+    return _built(builds, "attention")
+
+
+@pytest.fixture(scope="module")
+def amx_on_avx2(builds: dict[str, Future[ModuleType] | str]) -> ModuleType:
+    return _built(builds, "amx")
 
 
 @pytest.mark.parametrize("dtype,cache_dtype,tolerance", DTYPES)

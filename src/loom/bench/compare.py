@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import re
 import shlex
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -92,12 +91,13 @@ class ServerMeasure:
 
 
 def compare(trace: Trace, configs: Sequence[tuple[str, Measure]], spec: SweepSpec,
-            out_dir: Path, repeats: int = 1,
-            gpu_cost_per_hour: float | None = None) -> CompareResult:
+            out_dir: Path, repeats: int = 1, gpu_cost_per_hour: float | None = None,
+            command: str | None = None) -> CompareResult:
     """Sweep every configuration `repeats` times, interleaved (A B A B: a drift of the
     machine hits both alike); what is not `repeatable` runs once. Each configuration's
     repeats are merged point by point (repeats.py). Every configuration is checked before
-    the first runs: a sweep thrown away for a later one's bad flag is minutes lost."""
+    the first runs: a sweep thrown away for a later one's bad flag is minutes lost.
+    `command`, the command line that asked for the comparison, is recorded in its files."""
     if repeats < 1:
         raise ValueError("--repeats must be >= 1")
     if len({name for name, _ in configs}) != len(configs):
@@ -115,21 +115,21 @@ def compare(trace: Trace, configs: Sequence[tuple[str, Measure]], spec: SweepSpe
             results[name].append(measure.sweep(name, trace, spec, log))
     entries, sweeps = [], []
     for name, _ in configs:
-        merged = merge_sweeps(results[name], spec.slo)
+        merged = merge_sweeps(results[name], spec.slo).with_command(command)
         save_json(merged, out_dir / f"{name}.json")
         entries.append(CompareEntry(name, f"{name}.json", merged.flags, merged.knee_rate,
                                     merged.simulated))
         sweeps.append(merged)
-    return save_compare(trace, entries, sweeps, out_dir, spec.slo, gpu_cost_per_hour)
+    return save_compare(trace, entries, sweeps, out_dir, spec.slo, gpu_cost_per_hour, command)
 
 
 def save_compare(trace: Trace, entries: list[CompareEntry], sweeps: list[SweepResult],
-                 out_dir: Path, slo: Slo | None, gpu_cost_per_hour: float | None
-                 ) -> CompareResult:
+                 out_dir: Path, slo: Slo | None, gpu_cost_per_hour: float | None,
+                 command: str | None) -> CompareResult:
     """compare.json indexing the sweeps already saved as entries' files, plus the report.
     Measured and simulated configurations (`loom simulate --gpus ...`) share this layout, so
     `loom bench scorecard DIR` and `loom diagnose DIR` read either."""
-    result = CompareResult(entries, sweeps, trace.describe(), shlex.join(sys.argv))
+    result = CompareResult(entries, sweeps, trace.describe(), command)
     save_json(result.index(), out_dir / "compare.json")
     write_report(sweeps, out_dir, slo, gpu_cost_per_hour)
     return result

@@ -28,6 +28,7 @@ from loom.cli.flags import (
     add_command,
     check_folder_writable,
     check_writable,
+    command_line,
     opt,
     required,
 )
@@ -230,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
                                                               replay.label))
     result = aggregate(repeats, shown.slo)
     if replay.out:
-        save_json(result, replay.out)
+        save_json(result.with_command(command_line()), replay.out)
     print_scorecard([result], shown.slo, shown.gpu_cost_per_hour, wide=shown.wide)
     return _status(repeats)
 
@@ -259,7 +260,7 @@ def sweep(args: argparse.Namespace) -> int:
         trace, spec.load, target, spec.limits, spec.rates, spec.concurrencies, spec.auto,
         spec.slo, replay.label)), spec.slo)
     if replay.out:
-        save_json(result, replay.out)
+        save_json(result.with_command(command_line()), replay.out)
     print_scorecard(result.runs, spec.slo, shown.gpu_cost_per_hour, wide=shown.wide)
     print(f"knee (highest offered rate within the limits): {result.knee_rate}")
     return 0
@@ -290,7 +291,7 @@ def compare(args: argparse.Namespace) -> int:
                                                 target, flags.health_timeout)))
     trace = load_trace(replay.trace, tokenizer, spec.load)
     result = compare_configs(trace, configs, spec, out_dir, replay.repeats,
-                             shown.gpu_cost_per_hour)
+                             shown.gpu_cost_per_hour, command_line())
     print_scorecard([r for s in result.sweeps for r in s.runs], spec.slo,
                     shown.gpu_cost_per_hour, wide=shown.wide,
                     groups=[(s.label, s.runs) for s in result.sweeps])

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import shlex
+import sys
 import tempfile
 import typing
 from collections.abc import Callable, Mapping
@@ -178,6 +180,12 @@ class Tokenizer:
 
 
 # -- outputs, checked before the work --------------------------------------------------------
+
+def command_line() -> str:
+    """This process's command line, which a result file records as what measured it (the
+    libraries take it as an argument: the command line is the CLI's to read)."""
+    return shlex.join(sys.argv)
+
 
 def check_writable(path: str | Path, flag: str) -> None:
     """Fail now, naming the flag, if `path` cannot be written later (a directory, a read-only

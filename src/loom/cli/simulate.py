@@ -26,6 +26,7 @@ from loom.cli.flags import (
     add_flags,
     check_folder_writable,
     check_writable,
+    command_line,
     opt,
     option,
 )
@@ -279,7 +280,7 @@ def simulate(args: argparse.Namespace) -> int:
               for c in configs]
     runs = [r for s in sweeps for r in s.runs]
     if single and flags.output:
-        save_json(runs[0], flags.output)
+        save_json(runs[0].with_command(command_line()), flags.output)
     elif not single:
         _save_dir(Path(flags.output_dir), trace, sweeps, slo)
     from loom.bench.scorecard import print_scorecard
@@ -297,9 +298,9 @@ def _save_dir(out: Path, trace: Trace, sweeps: list[SweepResult], slo: Slo | Non
     entries = []
     for sweep in sweeps:
         name = sweep.config.name if sweep.config else sweep.label
-        save_json(sweep, out / f"{name}.json")
+        save_json(sweep.with_command(command_line()), out / f"{name}.json")
         entries.append(CompareEntry(name, f"{name}.json", sweep.flags, sweep.knee_rate, True))
-    save_compare(trace, entries, sweeps, out, slo, None)
+    save_compare(trace, entries, sweeps, out, slo, None, command_line())
     print(f"simulated results, compare.json, scorecard.md and plots in {out}")
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import shlex
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -88,14 +86,18 @@ class RunResult(JsonView):
            slo: Slo | None, label: str | None, timeline: list[Sample], origin: Origin,
            **measured: Any) -> RunResult:
         """The result of sending `sent` at `load`: its figures computed here; `origin` and
-        what the caller measured besides (metrics, client, ...) given by field name."""
-        origin = replace(origin, command=shlex.join(sys.argv),
-                         tokenizer_id=trace.header.get("tokenizer"))
+        what the caller measured besides (metrics, client, ...) given by field name. The
+        command line is the CLI's to record (`with_command`)."""
+        origin = replace(origin, tokenizer_id=trace.header.get("tokenizer"))
         return cls(label, load, duration, offered_rate(sent, duration),
                    request_figures(sent, duration, slo), sent, origin, trace.describe(),
                    str(slo) if slo else None, per_class=per_class(sent, duration, slo),
                    errors=sorted({r.error for r in sent if r.error})[:20], timeline=timeline,
                    **measured)
+
+    def with_command(self, command: str | None) -> RunResult:
+        """This run as measured by `command` (the command line that asked for it)."""
+        return replace(self, origin=replace(self.origin, command=command))
 
     @property
     def request_rate(self) -> float | str:
@@ -252,6 +254,10 @@ class SweepResult(JsonView):
                    config=ConfigInfo.from_json(obj["config"]) if obj.get("config") else None,
                    simulated=bool(obj.get("simulated")), repeats=obj.get("repeats", 1),
                    knee_rates=obj.get("knee_rates", []))
+
+    def with_command(self, command: str | None) -> SweepResult:
+        """Every run of this sweep as measured by `command`."""
+        return replace(self, runs=[r.with_command(command) for r in self.runs])
 
     @property
     def flags(self) -> str:
