@@ -14,7 +14,7 @@ from loom.config import ModelConfig
 from loom.model.backends import Backends
 from loom.model.batch_invariant import INT8_EVERY_ROW, PER_TOKEN_EVERY_CHUNK
 from loom.model.kernels import block_quant_linear_ops
-from loom.model.linear import INT8_MAX_ROWS
+from loom.model.linear import INT8_MAX_ROWS, INT8_MAX_ROWS_VNNI
 
 MAX_TOKENS = 24
 OPTIONS = {"kv_cache_memory": "64MiB", "max_model_len": 1024}
@@ -96,7 +96,9 @@ def test_the_mode_pins_every_call_to_the_per_row_path() -> None:
                      bf16_above_rows=1)
     assert plain.matmul_rows.bf16_above == 1
     assert dict(plain.matmul_rows.int8_max) == INT8_MAX_ROWS
-    pinned = Backends(**{**plain.__dict__, "bf16_above_rows": None, "batch_invariant": True})
+    with_vnni = Backends(**{**plain.__dict__, "vnni": True})
+    assert dict(with_vnni.matmul_rows.int8_max) == INT8_MAX_ROWS_VNNI
+    pinned = Backends(**{**with_vnni.__dict__, "bf16_above_rows": None, "batch_invariant": True})
     assert pinned.matmul_rows.bf16_above is None
     assert pinned.matmul_rows.int8_max == INT8_EVERY_ROW
     assert min(INT8_EVERY_ROW.values()) > 1 << 20  # no step comes near it

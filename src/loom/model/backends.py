@@ -20,6 +20,8 @@ from loom.model.kernels import block_quant_linear_ops, fused_ops, paged_attentio
 from loom.model.linear import (
     BF16_ABOVE_ROWS,
     BF16_ABOVE_ROWS_AMX,
+    INT8_MAX_ROWS,
+    INT8_MAX_ROWS_VNNI,
     MatmulRows,
     amx_kernel_runs,
     onednn_prepack_supported,
@@ -55,6 +57,8 @@ class Backends:
     bf16_prefill_attention: bool = False
     # a request's numerics pinned whatever shares its steps (model/batch_invariant.py)
     batch_invariant: bool = False
+    # native: the kernel was built with AVX512-VNNI, so its int8 path takes more rows
+    vnni: bool = False
 
     @property
     def batched_bf16(self) -> bool:
@@ -75,7 +79,8 @@ class Backends:
         """The native matmul's path by a call's row count."""
         if self.batch_invariant:
             return MatmulRows(None, batch_invariant.INT8_EVERY_ROW)
-        return MatmulRows(self.bf16_above_rows)
+        return MatmulRows(self.bf16_above_rows,
+                          dict(INT8_MAX_ROWS_VNNI if self.vnni else INT8_MAX_ROWS))
 
     @property
     def prepack(self) -> bool:
@@ -85,6 +90,8 @@ class Backends:
     def describe(self) -> str:
         """The start-up log's words for these choices."""
         matmuls = {"native": "native on the GGUF's blocks"
+                             + (f", int8 (VNNI) to {INT8_MAX_ROWS_VNNI[4]} rows" if self.vnni
+                                else "")
                              + (f", bf16 above {self.bf16_above_rows} rows" if self.batched_bf16
                                 else ""),
                    "onednn": "oneDNN prepacked"}
@@ -134,7 +141,12 @@ def resolve_backends(config: ModelConfig, cache: CacheConfig, arch: ModelArch,
         # faster on AMX (torch's bf16 SDPA runs on its tiles), not on other CPUs
         bf16_prefill_attention=(bf16_above_rows is not None and dtype == torch.float32
                                 and host.has_amx()),
-        batch_invariant=config.batch_invariant)
+        batch_invariant=config.batch_invariant, vnni=linear == "native" and _kernel_has_vnni())
+
+
+def _kernel_has_vnni() -> bool:
+    ops = block_quant_linear_ops()
+    return ops is not None and ops.vnni()
 
 
 def resolve_device(name: str) -> torch.device:

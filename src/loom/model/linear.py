@@ -58,6 +58,11 @@ PANEL_CHANNELS = 8
 # the fp32 path and can round differently (--batch-invariant takes int8 for every call:
 # model/batch_invariant.py).
 INT8_MAX_ROWS = {4: 12, 8: 20}
+# With AVX512-VNNI (one vpdpbusd / vpdpwssd per code group and row, int32 sums) the int8 path
+# beat the fp32 tile at every row count timed, 1 to 512, for both code widths (the bundled
+# model's layers, benchmarks/kernels/int8_crossover.py): up to 512 rows it is the one path.
+# Its two-part activations keep fp32's answers (BENCHMARKS.md, "Quality").
+INT8_MAX_ROWS_VNNI = {4: 512, 8: 512}
 
 # Rows above which a layer with bf16 copies sends a call to them (`Linear`'s bf16_above_rows,
 # chosen by loom.model.backends): where the bf16 matmul overtook the int8 path over the chain
