@@ -69,6 +69,27 @@ def test_every_summary_row_is_on_the_page_with_its_provenance() -> None:
         assert f"benchmarks/summaries/{row.part}.csv" in page
 
 
+def table_figures(markdown: str) -> list[str]:
+    """The measured ratios (`1.94x`, `0.38x`) in the cells of a page's tables."""
+    rows = [line for line in markdown.splitlines() if line.startswith("|")]
+    return [x for row in rows for x in re.findall(r"\b\d+\.\d+x\b", row)]
+
+
+def test_every_figure_of_the_readme_speed_table_is_on_the_page() -> None:
+    """README's "How fast" quotes BENCHMARKS.md's figures: a cell the page does not hold (a
+    stale figure, or one never written down with its command) fails here."""
+    page = flat((ROOT / "BENCHMARKS.md").read_text())
+    speed = (ROOT / "README.md").read_text().split("## How fast", 1)[1].split("\n## ", 1)[0]
+    readme = table_figures(speed)
+    assert len(readme) >= 16
+    assert [x for x in readme if x not in page] == []
+
+
+def test_the_table_check_reads_only_table_cells() -> None:
+    text = "a 9.99x claim\n| 1 | **1.94x**, 0.38x |\n|--:|--:|"
+    assert table_figures(text) == ["1.94x", "0.38x"]
+
+
 def test_a_run_is_one_command_naming_scripts_that_exist() -> None:
     commands: dict[tuple[str, str], str] = {}
     for row in figures():

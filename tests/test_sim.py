@@ -371,6 +371,15 @@ def test_cli_fleet_sizes_and_routers(tmp_path, capsys):
         _cli(["simulate", "--router", "random"])
 
 
+def test_cli_overlap_is_bench_sweeps_flag(capsys):
+    """--overlap is declared once for bench and simulate: the same parse, the same refusal."""
+    args = _cli(["simulate", "--trace", "t.jsonl", "--overlap", "1,2,4"])
+    assert args.overlap == (1, 2, 4)
+    with pytest.raises(SystemExit):
+        _cli(["simulate", "--trace", "t.jsonl", "--overlap", "0"])
+    assert "argument --overlap: expected concurrencies >= 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--queue-timeout", "-1"], "queue_timeout must be > 0, got -1"),
     (["--max-num-queued-reqs", "-1"], "max_num_queued_reqs must be >= 1, got -1"),

@@ -75,6 +75,20 @@ def flag_field(default: Any, metadata: dict[str, Any]) -> Any:
     return field(default=default, metadata=metadata)
 
 
+def base_url_field(default: Any = dataclasses.MISSING, purpose: str = "") -> Any:
+    """--base-url, declared once for every command that talks to a running server (bench's
+    server under test, eval's remote scoring): `default` MISSING makes it required; `purpose`
+    says what the command does there."""
+    return field(default=default, metadata=flag_help(
+        "root of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (a trailing /v1 is "
+        "fine)" + purpose))
+
+
+def server_root(base_url: str) -> str:
+    """`base_url` without a trailing / or /v1: OpenAI clients include /v1, /metrics lacks it."""
+    return base_url.rstrip("/").removesuffix("/v1")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     CLI_GROUP = "Model"

@@ -12,7 +12,7 @@ import asyncio
 import gc
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from loom.bench.client import ENDPOINTS, send
 from loom.bench.scrape import Snapshot, parse_metrics, server_figures
 from loom.bench.sysinfo import hardware, process_memory
-from loom.config import flag_help, option
+from loom.config import base_url_field, option, server_root
 from loom.workload.arrivals import schedule
 from loom.workload.load import Load
 from loom.workload.monitoring import Sample, ServerMemory, client_figures
@@ -40,8 +40,7 @@ class Target:
 
     CLI_GROUP = "Server under test"
 
-    base_url: str = field(metadata=flag_help(
-        "server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)"))
+    base_url: str = base_url_field()
     model: str | None = option(None,
         "model name to request; default: the first of the server's /v1/models")
     server_pid: int | None = option(None,
@@ -74,8 +73,7 @@ class Target:
     @property
     def root(self) -> str:
         """The URL without a trailing /v1, which OpenAI clients include but /metrics lacks."""
-        url = self.base_url.rstrip("/")
-        return url[:-3] if url.endswith("/v1") else url
+        return server_root(self.base_url)
 
 
 async def probe_server(client: httpx.AsyncClient, target: Target) -> dict[str, Any]:

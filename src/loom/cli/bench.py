@@ -30,9 +30,9 @@ from loom.cli.flags import (
     check_writable,
     command_line,
     opt,
+    overlap,
     required,
 )
-from loom.cli.flags import concurrencies as concurrency_list
 from loom.cli.flags import rates as rate_list
 from loom.cli.main import help_of
 from loom.config import require_at_least
@@ -81,8 +81,7 @@ class Points:
         "offered req/s to try, e.g. 0.5,1,2,4,8 (stops after the first beyond the limits); "
         "default: none (this, --auto or --overlap is required)", parse=rate_list)
     auto: bool = opt(False, "find the knee: double the rate until a limit is crossed, bisect")
-    overlap: tuple[int, ...] | None = opt(None,
-        "closed loop at these concurrencies, e.g. 1,2,4,8; default: none", parse=concurrency_list)
+    overlap: tuple[int, ...] | None = overlap()
 
 
 @dataclass(frozen=True)

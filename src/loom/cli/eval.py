@@ -8,12 +8,12 @@ import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from loom.cli.dataclass_flags import add_engine_args, engine_config, from_cli_args
 from loom.cli.flags import add_command, check_writable, opt
 from loom.cli.main import help_of
-from loom.config import EngineConfig, check_device
+from loom.config import EngineConfig, base_url_field, check_device
 from loom.eval.config import ScoringConfig
 
 if TYPE_CHECKING:
@@ -31,20 +31,22 @@ class EvalOptions:
     json: bool = opt(False, "print the result as JSON")
     save_logits: str | None = opt(None,
         "write the scored distributions to this .npz (a later --reference)")
-    base_url: str | None = opt(None,
-        "score on this OpenAI-compatible server (/v1/completions with echo and logprobs) "
-        "instead of in this process; --model then names its tokenizer")
+    base_url: str | None = base_url_field(None,
+        ": score there (/v1/completions with echo and logprobs) instead of in this process; "
+        "--model then names its tokenizer")
     api_key: str | None = opt(None, "the server's API key, with --base-url")
 
 
 @dataclass(frozen=True)
 class ReferenceOptions:
+    """What kld compares against: one of the two is required."""
+
     CLI_GROUP = "Reference"
 
     reference: str | None = opt(None,
         "the reference: a .npz from --save-logits, or another model file of the same "
         "vocabulary, run with the same engine flags; default: --model")
-    reference_dtype: str | None = opt(None,
+    reference_dtype: Literal["float32"] | None = opt(None,
         "float32: run the reference with float32 activations, --batched-matmul native and a "
         "float32 KV cache (loom's most exact); default: the tested flags")
 
@@ -87,9 +89,6 @@ def kld(args: argparse.Namespace) -> int:
     if ref.reference is None and ref.reference_dtype is None:
         raise ValueError("kld needs a reference: --reference (a model or a --save-logits "
                          ".npz) or --reference-dtype float32")
-    if ref.reference_dtype not in (None, "float32"):
-        raise ValueError(f"--reference-dtype: only float32 is a reference, got "
-                         f"{ref.reference_dtype!r}")
     if ref.reference is not None and logits_file.is_logits_file(ref.reference):
         saved = logits_file.load(ref.reference)
         meta = saved.meta

@@ -141,6 +141,13 @@ def concurrencies(text: str) -> tuple[int, ...]:
     return tuple(users)
 
 
+def overlap() -> Any:
+    """--overlap, declared once for the commands that sweep a closed loop (`loom bench
+    sweep | compare`, `loom simulate`)."""
+    return opt(None, "closed loop at these concurrencies, e.g. 1,2,4,8; default: none",
+               parse=concurrencies)
+
+
 def price(text: str) -> float:
     try:
         value = float(text)

@@ -29,6 +29,7 @@ from loom.cli.flags import (
     command_line,
     opt,
     option,
+    overlap,
 )
 from loom.cli.main import help_of
 from loom.cli.plan import model_help
@@ -113,8 +114,7 @@ class SimFlags:
         "offered req/s ('inf': all at once, 'trace': arrival_s as recorded); a list (e.g. "
         "0.5,1,2,4) runs a sweep; give it, --max-concurrency or --overlap (no default)",
         flag="--rate", parse=sim_rates), "aliases": ("--rates",)})
-    overlap: tuple[int, ...] | None = opt(None,
-        "closed loop at these concurrencies, e.g. 1,2,4,8; default: none", parse=csv_ints)
+    overlap: tuple[int, ...] | None = overlap()
     scrape_interval_s: float = opt(1.0,
         "simulated seconds between timeline samples", flag="--scrape-interval")
     output: str | None = opt(None, "result JSON (one profile, one load); default: none written")
@@ -127,9 +127,6 @@ class SimFlags:
         all) and would still exit 0."""
         if not self.trace:
             raise ValueError("loom simulate needs --trace (or the calibrate sub-command)")
-        bad = [c for c in self.overlap or () if c < 1]
-        if bad:
-            raise ValueError(f"--overlap must be >= 1, got {bad[0]}")
         if not self.scrape_interval_s > 0:
             raise ValueError(f"--scrape-interval must be > 0, got {self.scrape_interval_s:g}")
         bad_rates = [r for r in self.rates or () if r != "trace" and not r > 0]

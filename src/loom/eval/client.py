@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from loom.config import server_root
 from loom.eval.scores import ChunkScores
 from loom.eval.text import Chunk
 from loom.model.tokenizer import Tokenizer
@@ -26,7 +27,7 @@ from loom.model.tokenizer import Tokenizer
 class ServerScorer:
     def __init__(self, base_url: str, tokenizer: Tokenizer, top_n: int,
                  api_key: str | None = None, timeout: float = 600.0) -> None:
-        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.base_url = server_root(base_url)
         self.tokenizer = tokenizer
         self.top_n = top_n
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
