@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import jsonschema
 import pytest
@@ -70,6 +71,25 @@ def exact_llm() -> LLM:
     paths moves a recomputed request's logits (on an AVX-512 EPYC that flipped a near-tie of
     these prompts after a preemption)."""
     return LLM(**EXACT)
+
+
+@dataclass(frozen=True)
+class Answers:
+    schemas: list[dict]
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    texts: list[str]
+
+
+@pytest.fixture(scope="module")
+def exact_answers(exact_llm: LLM) -> Answers:
+    """Four constrained greedy answers on `exact_llm`, generated once for every mode compared
+    with them."""
+    schemas = [SCHEMAS[n] for n in ("person", "order", "nested", "reading")]
+    prompts = [chat_prompt(exact_llm, n) for n in ("cook", "order", "book", "sensor")]
+    params = [constrained(s, temperature=0) for s in schemas]
+    texts = [o.outputs[0].text for o in exact_llm.generate(prompts, params)]
+    return Answers(schemas, prompts, params, texts)
 
 
 def chat_prompt(llm: LLM, what: str) -> list[int]:
@@ -248,22 +268,19 @@ def test_a_grammar_that_needs_unwritable_text_fails_alone_as_the_clients_error(
     {"num_kv_blocks": 14, "block_size": 16,  # four answers cannot all fit: preemption
      "enable_prefix_caching": False},  # (the shared system prompt would save blocks)
 ], ids=["async", "ngram", "preempted"])
-def test_scheduling_modes_keep_constrained_answers_valid(exact_llm: LLM, options: dict) -> None:
+def test_scheduling_modes_keep_constrained_answers_valid(exact_answers: Answers,
+                                                        options: dict) -> None:
     """Greedy answers equal the plain engine's: constrained requests wait for their previous
     token (async), verify drafts under the grammar's mask at every position (n-gram), and a
     recomputed request's matcher stays where it was (preemption). Both on `exact_llm`'s
     settings, where the modes' different batch shapes change no greedy choice."""
-    schemas = [SCHEMAS[n] for n in ("person", "order", "nested", "reading")]
-    prompts = [chat_prompt(exact_llm, n) for n in ("cook", "order", "book", "sensor")]
-    params = [constrained(s, temperature=0) for s in schemas]
-    expected = [o.outputs[0].text for o in exact_llm.generate(prompts, params)]
     other = LLM(max_num_seqs=4, **(EXACT | options))
-    outs = other.generate(prompts, params)
-    for out, schema in zip(outs, schemas):
+    outs = other.generate(exact_answers.prompts, exact_answers.params)
+    for out, schema in zip(outs, exact_answers.schemas):
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
     if "num_kv_blocks" in options:
         assert other.get_metrics()["loom:num_preemptions_total"] > 0
-    assert [o.outputs[0].text for o in outs] == expected
+    assert [o.outputs[0].text for o in outs] == exact_answers.texts
 
 
 @pytest.mark.integration
