@@ -85,6 +85,15 @@ def test_every_figure_of_the_readme_speed_table_is_on_the_page() -> None:
     assert [x for x in readme if x not in page] == []
 
 
+def test_every_ratio_the_readme_quotes_is_on_the_page() -> None:
+    """Every "1.39x" anywhere in the README (prose too, not only the speed tables) is a figure
+    BENCHMARKS.md holds with its command: a README rounding of its own ("about 1.25x") fails."""
+    page = flat((ROOT / "BENCHMARKS.md").read_text())
+    ratios = set(re.findall(r"(?<![\w.])\d+(?:\.\d+)?x\b", (ROOT / "README.md").read_text()))
+    assert len(ratios) >= 40
+    assert sorted(x for x in ratios if x not in page) == []
+
+
 def test_the_table_check_reads_only_table_cells() -> None:
     text = "a 9.99x claim\n| 1 | **1.94x**, 0.38x |\n|--:|--:|"
     assert table_figures(text) == ["1.94x", "0.38x"]
