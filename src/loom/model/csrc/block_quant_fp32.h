@@ -10,14 +10,24 @@
 // Input 4g + j of a panel's 8 channels as fp32, from the words of code group g (its 32-byte
 // chunk g / 2 for 4-bit codes, low nibbles for even g): word c of a code group holds channel
 // c's 4 inputs, one per byte (a nibble of it for 4-bit codes), so input j's 8 channels are the
-// group's 8 words shifted and masked, no byte shuffles.
+// group's 8 words shifted and masked, no byte shuffles. Q6_K's words are six_bit_group's, the
+// codes joined, one a byte.
 template <int Bits>
 static LOOM_INLINE __m256 decoded_input(__m256i words, int g, int j, __m256 d, __m256 m) {
   const __m256i q =
-      Bits == 4 ? _mm256_and_si256(_mm256_srli_epi32(words, 8 * j + 4 * (g % 2)),
-                                   _mm256_set1_epi32(0x0F))
-                : _mm256_srai_epi32(_mm256_slli_epi32(words, 24 - 8 * j), 24);
+      Bits == 4   ? _mm256_and_si256(_mm256_srli_epi32(words, 8 * j + 4 * (g % 2)),
+                                     _mm256_set1_epi32(0x0F))
+      : Bits == 6 ? _mm256_and_si256(_mm256_srli_epi32(words, 8 * j), _mm256_set1_epi32(0xFF))
+                  : _mm256_srai_epi32(_mm256_slli_epi32(words, 24 - 8 * j), 24);
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
+}
+
+// The words of code group g of a record, as decoded_input takes them.
+template <int F>
+static LOOM_INLINE __m256i group_words(const uint8_t* rec, int g) {
+  if constexpr (F == kQ6K) return six_bit_group(rec, g);
+  return _mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(rec + 32 * (code_bits(F) == 4 ? g / 2 : g)));
 }
 
 // One 8-channel panel to fp32, into columns half * 8 .. half * 8 + 7 of w [K, 16].
@@ -28,16 +38,16 @@ static void decode_panel(const uint8_t* panel, int64_t nb, int half, float* w) {
   Super super;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec = panel + b * record;
-    __m256 d, m;
+    __m256 d[2], m[2];
     super_scales<F>(panel, b, super);
-    block_scales<F>(panel, b, super, d, m);
+    half_scales<F>(panel, b, super, d, m);
     float* wb = w + b * kQuantBlock * 16 + 8 * half;
     for (int g = 0; g < 8; ++g) {
-      const __m256i words = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(rec + 32 * (Bits == 4 ? g / 2 : g)));
+      const __m256i words = group_words<F>(rec, g);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j)
-        _mm256_store_ps(wb + (4 * g + j) * 16, decoded_input<Bits>(words, g, j, d, m));
+        _mm256_store_ps(wb + (4 * g + j) * 16,
+                        decoded_input<Bits>(words, g, j, d[g / 4], m[g / 4]));
     }
   }
 }
@@ -87,21 +97,19 @@ static inline void decoding_tile(const uint8_t* pair, int64_t nb, float* w, cons
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec0 = pair + b * record;
     const uint8_t* rec1 = pair + (nb + b) * record;
-    __m256 d0, m0, d1, m1;
+    __m256 d0[2], m0[2], d1[2], m1[2];
     super_scales<F>(pair, b, super0);
     super_scales<F>(pair + nb * record, b, super1);
-    block_scales<F>(pair, b, super0, d0, m0);
-    block_scales<F>(pair + nb * record, b, super1, d1, m1);
+    half_scales<F>(pair, b, super0, d0, m0);
+    half_scales<F>(pair + nb * record, b, super1, d1, m1);
 #pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {
-      const int chunk = 32 * (Bits == 4 ? g / 2 : g);
-      const __m256i words0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec0 + chunk));
-      const __m256i words1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec1 + chunk));
+      const __m256i words0 = group_words<F>(rec0, g), words1 = group_words<F>(rec1, g);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         const int64_t k = b * kQuantBlock + 4 * g + j;
-        const __m256 w0 = decoded_input<Bits>(words0, g, j, d0, m0);
-        const __m256 w1 = decoded_input<Bits>(words1, g, j, d1, m1);
+        const __m256 w0 = decoded_input<Bits>(words0, g, j, d0[g / 4], m0[g / 4]);
+        const __m256 w1 = decoded_input<Bits>(words1, g, j, d1[g / 4], m1[g / 4]);
         _mm256_store_ps(w + k * 16, w0);
         _mm256_store_ps(w + k * 16 + 8, w1);
         accumulate_input<R>(x, K, k, w0, w1, a0, a1);

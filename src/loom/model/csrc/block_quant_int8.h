@@ -14,6 +14,9 @@
 // of x, and the centring term 8 * (sum x - sum of its quantized values) for 4-bit codes (see
 // int_tile). For 4-bit codes the two parts' 32 codes are stored one after the other, as
 // bytes; for 8-bit codes the block is the 32 int16 values 256 q1 + q2 (the same 64 bytes).
+// Q6_K's 6-bit codes (Bits 6) take the bytes as 4-bit ones do, and in place of the sum and
+// the centring term the offset of each half of 16, -32 * (the sum of its 256 q1 + q2): the
+// codes' -32, on x's quantized values (exact, in integers under 2^24).
 template <int Bits>
 static void quantize_row(const float* x, int64_t K, int8_t* qx, float* scale, float* sum,
                          float* centre) {
@@ -30,7 +33,7 @@ static void quantize_row(const float* x, int64_t K, int8_t* qx, float* scale, fl
     const float m = hmax(amax);
     const __m256 inv = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
     __m256i q1[4], q2[4], joined[4];
-    __m256 total = _mm256_setzero_ps();  // sum of 256 q1 + q2, exact in fp32
+    __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // of 256 q1 + q2 per 16
     for (int i = 0; i < 4; ++i) {
       const __m256 t = _mm256_mul_ps(v[i], inv);
       const __m256 r1 = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -38,15 +41,20 @@ static void quantize_row(const float* x, int64_t K, int8_t* qx, float* scale, fl
           _mm256_mul_ps(_mm256_sub_ps(t, r1), _mm256_set1_ps(256.0f)),
           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
       const __m256 both = _mm256_fmadd_ps(r1, _mm256_set1_ps(256.0f), r2);
-      total = _mm256_add_ps(total, both);
+      total[i / 2] = _mm256_add_ps(total[i / 2], both);  // exact in fp32
       q1[i] = _mm256_cvtps_epi32(r1);
       q2[i] = _mm256_cvtps_epi32(r2);
       joined[i] = _mm256_cvtps_epi32(both);
     }
     const float s = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
     scale[b] = m / (127.0f * 256.0f);
-    sum[b] = s;
-    centre[b] = 8.0f * (s - scale[b] * hsum(total));
+    if constexpr (Bits == 6) {
+      sum[b] = -32.0f * hsum(total[0]);
+      centre[b] = -32.0f * hsum(total[1]);
+    } else {
+      sum[b] = s;
+      centre[b] = 8.0f * (s - scale[b] * hsum(_mm256_add_ps(total[0], total[1])));
+    }
     // the packs interleave 128-bit lanes; the permutes put the values back in order
     if constexpr (Bits == 8) {
       for (int half = 0; half < 2; ++half)
@@ -65,7 +73,6 @@ static void quantize_row(const float* x, int64_t K, int8_t* qx, float* scale, fl
     }
   }
 }
-
 
 // t[r] = 256 sum(q * q1) + sum(q * q2) over one block, per channel, as fp32 (exact): for
 // 4-bit codes two byte products per code group (_mm256_maddubs_epi16, unsigned codes, pair
@@ -141,11 +148,54 @@ static LOOM_INLINE void block_sums(const uint8_t* rec, const int8_t* qx, int64_t
   }
 }
 
+// Q6_K's block_sums: t[h][r] = 256 sum(q * q1) + sum(q * q2) over inputs 16h .. 16h + 15 of
+// one block, per channel (int32 exact; as fp32 rounded where it passes 2^24, far below the
+// rounding of x). Codes 0..63 take the byte products of 4-bit ones; without VNNI a pair sum is
+// at most 2 * 63 * 127, so two code groups' fit in int16 before they are widened.
+template <int R>
+static LOOM_INLINE void six_bit_sums(const uint8_t* rec, const int8_t* qx, int64_t K, int64_t b,
+                                     __m256 (&t)[2][R]) {
+#ifndef LOOM_HAVE_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    __m256i s1[R], s2[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int g = 4 * h; g < 4 * h + 4; g += 2) {
+      const __m256i c0 = six_bit_group(rec, g), c1 = six_bit_group(rec, g + 1);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = qx + r * 2 * K + 2 * b * kQuantBlock + 4 * g;
+#ifdef LOOM_HAVE_VNNI
+        s1[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s1[r], c0, broadcast4(q)), c1,
+                                    broadcast4(q + 4));
+        s2[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s2[r], c0, broadcast4(q + kQuantBlock)),
+                                    c1, broadcast4(q + kQuantBlock + 4));
+#else
+        s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(_mm256_add_epi16(
+            _mm256_maddubs_epi16(c0, broadcast4(q)), _mm256_maddubs_epi16(c1, broadcast4(q + 4))),
+            ones));
+        s2[r] = _mm256_add_epi32(s2[r], _mm256_madd_epi16(_mm256_add_epi16(
+            _mm256_maddubs_epi16(c0, broadcast4(q + kQuantBlock)),
+            _mm256_maddubs_epi16(c1, broadcast4(q + kQuantBlock + 4))), ones));
+#endif
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+      t[h][r] = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(s1[r], 8), s2[r]));
+  }
+}
+
 // y[r, 0..7] = x[r] . panel (+ bias) for R <= 4 rows, from the two-part int8 activations.
 // Per block, with the integer dot products t1 = sum(q * q1), t2 = sum(q * q2) and a = dx / 256:
 // y += d * (a * (256 t1 + t2) + centre) + m * sum(x). For 4-bit codes the centring term
 // weighs the rounding error of x by q - 8 instead of q (0..15), a smaller weight; 8-bit codes
-// are signed already and take no centring.
+// are signed already and take no centring. Q6_K's, per half of 16 with its own d and the
+// offset quantize_row<6> left in sum and centre: y += d_h * a * (256 t1 + t2 + offset_h).
 // `ahead`, where not null, is a panel of the work unit this thread takes next: each block's
 // record there is prefetched as the same block is computed here.
 template <int F, int R>
@@ -166,10 +216,25 @@ static inline void int_tile(const uint8_t* panel, int64_t nb, const int8_t* qx,
       for (int64_t offset = 0; offset < record; offset += 64)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + b * record + offset), _MM_HINT_T0);
     }
+    super_scales<F>(panel, b, super);
+    if constexpr (F == kQ6K) {
+      __m256 t[2][R], d[2], m[2];
+      six_bit_sums<R>(rec, qx, K, b, t);
+      half_scales<F>(panel, b, super, d, m);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = r * nb + b;
+        const __m256 a = _mm256_set1_ps(scale[i]);
+        acc[r] = _mm256_fmadd_ps(
+            _mm256_mul_ps(_mm256_add_ps(t[0][r], _mm256_set1_ps(sum[i])), a), d[0], acc[r]);
+        acc[r] = _mm256_fmadd_ps(
+            _mm256_mul_ps(_mm256_add_ps(t[1][r], _mm256_set1_ps(centre[i])), a), d[1], acc[r]);
+      }
+      continue;
+    }
     __m256 t[R];
     block_sums<Bits, R>(rec, qx, K, b, t);
     __m256 d, m;
-    super_scales<F>(panel, b, super);
     block_scales<F>(panel, b, super, d, m);
     if (Bits == 8) {
       d = swap_middle_pairs(d);

@@ -15,6 +15,12 @@
 //   records hold all 8 channels'). w = q * (d sc) - dmin mn, both products exact in fp32, so
 //   the weights are the file's to the bit at 148 bytes a record (4.625 bits a weight; Q4_K's
 //   4.5, Q4_1's 5). K a multiple of 256.
+// - Q6_K's own: codes 0..63 (w = (q - 32) * d sc, a scale sc per 16 inputs): their low 4 bits
+//   as the 4-bit record's 128 bytes, then their high 2 bits, 64 bytes: bits 2 (g % 4) of byte
+//   4c + j of 32-byte chunk g / 4 belong to input 4g + j of channel c; then per channel the two
+//   int8 scales, sc[8] for inputs 0-15 and sc[8] for 16-31, then the share of the super-block's
+//   fp16 d as Q4_K's (2 bytes and 2 of padding). The file's weights to the bit, at 212 bytes a
+//   record (6.625 bits a weight; Q6_K's 6.5625, Q8_0's 8.5). K a multiple of 256.
 // A code group is one AVX2 register: 8 channels x 4 inputs, which is what _mm256_maddubs_epi16
 // + _mm256_madd_epi16 sum into 8 int32 lanes, one per channel (AVX512-VNNI's
 // _mm256_dpbusd_epi32 in one instruction, where the build has it).
@@ -73,20 +79,26 @@ bool vnni() {
 // j = input j low nibble and input j + 16 high, or 32 signed bytes). q4_0: the 4-bit codes
 // count from 8, so m = -8d.
 // header 6: Q4_K's blocks of 32 (weights.py: fp16 d, dmin, then the block's 6-bit scale and
-// min as bytes, then 4-bit codes) -> Q4_K records. One pass over the bytes at load time;
-// numpy's byte shuffles made this most of the start-up.
+// min as bytes, then 4-bit codes) -> Q4_K records. 24 bytes of codes after a header of 4:
+// Q6_K's blocks of 32 (weights.py: fp16 d, the two int8 scales, 16 bytes of low nibbles as
+// Q4_1's codes, 8 of high 2 bits, byte j holding inputs j, j + 8, j + 16, j + 24 from bit 0
+// up) -> Q6_K records. One pass over the bytes at load time; numpy's byte shuffles made this
+// most of the start-up.
 torch::Tensor panels_from_blocks(torch::Tensor blocks, int64_t header, bool q4_0) {
   TORCH_CHECK(supported(), "panels_from_blocks needs a CPU with AVX2, FMA and F16C");
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   blocks.size(0) % kPanel == 0 && (header == 2 || header == 4 || header == 6),
               "blocks must be contiguous uint8 [N, K / 32, block bytes], N a multiple of 8");
   const int64_t code_bytes = blocks.size(2) - header;
-  TORCH_CHECK(code_bytes == 16 || (code_bytes == 32 && header != 6),
-              "a block holds 16 or 32 bytes of codes (Q4_K's 16)");
-  const bool four = code_bytes == 16, k4 = header == 6;
+  TORCH_CHECK(code_bytes == 16 || (code_bytes == 32 && header != 6) ||
+                  (code_bytes == 24 && header == 4),
+              "a block holds 16 or 32 bytes of codes (Q4_K's 16, Q6_K's 24)");
+  const bool q6 = code_bytes == 24, k4 = header == 6;
+  const int64_t nibble_bytes = q6 ? 16 : code_bytes;
+  const bool four = nibble_bytes == 16;
   const int64_t P = blocks.size(0) / kPanel, nb = blocks.size(1), bytes = blocks.size(2);
-  TORCH_CHECK(!k4 || nb % kPanel == 0, "Q4_K rows hold whole blocks of 256");
-  const int64_t record = k4 ? kRecordK4 : four ? kRecord4 : kRecord8;
+  TORCH_CHECK(!(k4 || q6) || nb % kPanel == 0, "K-quant rows hold whole blocks of 256");
+  const int64_t record = q6 ? kRecordQ6K : k4 ? kRecordK4 : four ? kRecord4 : kRecord8;
   const int64_t codes_end = record - kScaleBytes;
   auto out = torch::empty({P, nb, record}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
@@ -99,7 +111,7 @@ torch::Tensor panels_from_blocks(torch::Tensor blocks, int64_t header, bool q4_0
           const uint8_t* blk = src + ((p * kPanel + c) * nb + b) * bytes;
           // One code group (4 inputs of this channel) is one 32-bit word of the record.
           uint32_t w[8];
-          std::memcpy(w, blk + header, code_bytes);
+          std::memcpy(w, blk + header, nibble_bytes);
           if (four) {  // word 2u + h: inputs 8u + 4h + j (low nibbles) and those + 16 (high)
             constexpr uint32_t lo4 = 0x0F0F0F0F;
             const uint32_t in[4] = {w[0], w[1], w[2], w[3]};
@@ -108,8 +120,24 @@ torch::Tensor panels_from_blocks(torch::Tensor blocks, int64_t header, bool q4_0
               w[u + 2] = ((in[2 * u] >> 4) & lo4) | (in[2 * u + 1] & ~lo4);
             }
           }
-          for (int64_t g = 0; g < code_bytes / 4; ++g)
+          for (int64_t g = 0; g < nibble_bytes / 4; ++g)
             std::memcpy(rec + g * 4 * kPanel + 4 * c, &w[g], 4);
+          if (q6) {
+            for (int h = 0; h < 2; ++h)
+              for (int j = 0; j < 4; ++j) {  // the high bits of inputs 4g + j, g = 4h .. 4h + 3
+                int byte = 0;
+                for (int s = 0, i = 16 * h + j; s < 4; ++s, i += 4)
+                  byte |= ((blk[20 + i % 8] >> (2 * (i / 8))) & 3) << (2 * s);
+                rec[128 + 32 * h + 4 * c + j] = static_cast<uint8_t>(byte);
+              }
+            rec[192 + c] = blk[2];
+            rec[192 + kPanel + c] = blk[3];
+            if (b % kPanel == c) {  // its d
+              std::memcpy(rec + kQ6ShareAt, blk, 2);
+              rec[kQ6ShareAt + 2] = rec[kQ6ShareAt + 3] = 0;
+            }
+            continue;
+          }
           if (k4) {
             rec[128 + c] = blk[4];
             rec[128 + kPanel + c] = blk[5];
@@ -131,7 +159,7 @@ torch::Tensor panels_from_blocks(torch::Tensor blocks, int64_t header, bool q4_0
   return out;
 }
 
-// x [M, K] float32; panels uint8 [N / 8, K / 32, record] (4-bit, 8-bit or Q4_K records, told
+// x [M, K] float32; panels uint8 [N / 8, K / 32, record] (4-bit, 8-bit or K-quant records, told
 // apart by their size); up to int8_rows rows take the int8 path, more the fp32 one.
 torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor panels,
                                  c10::optional<torch::Tensor> bias, int64_t int8_rows) {
@@ -139,7 +167,8 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor panels,
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
                   is_record(panels.size(2)) && panels.size(0) % 2 == 0 &&
-                  (panels.size(2) != kRecordK4 || panels.size(1) % kPanel == 0),
+                  ((panels.size(2) != kRecordK4 && panels.size(2) != kRecordQ6K) ||
+                   panels.size(1) % kPanel == 0),
               "panels must be contiguous uint8 [N / 8, K / 32, record], N a multiple of 16");
   const int64_t M = x.size(0), P = panels.size(0), K = panels.size(1) * kQuantBlock;
   const int64_t N = P * kPanel;
@@ -161,8 +190,10 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor panels,
     (int8 ? int8_path<kQ4> : fp32_path<kQ4>)(xp, M, K, wp, P, bp, yp);
   else if (format == kQ8)
     (int8 ? int8_path<kQ8> : fp32_path<kQ8>)(xp, M, K, wp, P, bp, yp);
-  else
+  else if (format == kQ4K)
     (int8 ? int8_path<kQ4K> : fp32_path<kQ4K>)(xp, M, K, wp, P, bp, yp);
+  else
+    (int8 ? int8_path<kQ6K> : fp32_path<kQ6K>)(xp, M, K, wp, P, bp, yp);
 #endif
   return out;
 }
@@ -189,7 +220,7 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor logits, int64_t top_k, 
   const auto check = [&](const torch::Tensor& gu, const torch::Tensor& dn, int64_t dims,
                          const char* what) {
     const auto record_ok = [](const torch::Tensor& t) {
-      return is_record(t.size(-1));
+      return is_record(t.size(-1)) && t.size(-1) != kRecordQ6K;  // Q6_K: dense layers'
     };
     TORCH_CHECK(gu.dim() == dims && dn.dim() == dims && gu.scalar_type() == at::kByte &&
                     dn.scalar_type() == at::kByte && gu.is_contiguous() && dn.is_contiguous() &&
