@@ -3,7 +3,7 @@
 One decode token must read every weight a token uses once: llama.cpp reads the file's own
 blocks (every tensor but the token embeddings, which it looks rows up in, unless tied: then
 they are the output layer too), loom the form it holds them in (its native kernel's panels:
-Q4_K in records of its own, 4.625 bits a weight, Q6_K as Q8_0), so the two read different
+Q4_K and Q6_K in records of their own, 4.625 and 6.625 bits a weight), so the two read different
 byte counts from the same file. roofline ITL = bytes / the host's best read bandwidth
 (roofline.measure_bandwidth, STREAM-like, every core); the fraction = roofline ITL / the
 measured one. Dense models only (a mixture's token reads its experts only). Run from the

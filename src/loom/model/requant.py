@@ -18,12 +18,16 @@ Two ways, by type:
       Q4_K block of 256: [ d, dmin (fp16) | sc_j, m_j (6 bits, j = 0..7) | 256 codes 0..15 ]
       -> 8 Q4_K blocks:  [ d, dmin | sc_j, m_j (a byte each) | codes 32j .. 32j + 31 ]
 
+  Q6_K too, with its int8 scale per 16 weights (two a block), in its records at 6.625 bits a
+  weight against the file's 6.5625 (Q8_0 took 8.5); but a mixture of experts' 3-D tensors,
+  whose kernel has no Q6_K records, are quantized again to Q8_0 as below.
+
   Q5_K's products are rounded to fp16 (at most 2^-11 of each). Its 5-bit codes and Q5_1's go
   to I8 blocks (int8 codes with an offset), Q5_0's, counted
   from 16, to Q8_0 blocks. IQ4_NL and IQ4_XS hold 4-bit indices into a table of 16 int8
   levels: the levels are Q8_0 codes, with IQ4_NL's scale as it is and IQ4_XS's (d times a
   6-bit scale less 32, per 32 weights) rounded to fp16.
-- **Quantized again.** Q6_K, Q3_K and Q2_K scale every 16 weights, the IQ1-IQ3 types pick
+- **Quantized again.** Q3_K and Q2_K scale every 16 weights, the IQ1-IQ3 types pick
   their weights from grids, the TQ types are ternary: none is a block of 32 with one scale.
   Their exact weights are quantized again per 32, to 8-bit codes and one scale,
   max |w| / 127 (Q8_0), which moves each weight by at most half that step.
@@ -41,9 +45,9 @@ from loom.model.kernels import gguf_blocks_ops
 from loom.model.weights import BlockQuantWeight
 
 FILE_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the GGUF types the native matmul reads as they are
-SAME_CODES = {"Q4_K": "Q4_K", "Q5_K": "I8", "Q5_1": "I8", "Q5_0": "Q8_0", "IQ4_NL": "Q8_0",
-              "IQ4_XS": "Q8_0"}
-QUANTIZED_AGAIN = ("Q6_K", "Q3_K", "Q2_K", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS",
+SAME_CODES = {"Q4_K": "Q4_K", "Q6_K": "Q6_K", "Q5_K": "I8", "Q5_1": "I8", "Q5_0": "Q8_0",
+              "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0"}
+QUANTIZED_AGAIN = ("Q3_K", "Q2_K", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS",
                    "IQ1_M", "IQ1_S", "TQ2_0", "TQ1_0")
 CONVERTED_KINDS = (*SAME_CODES, *QUANTIZED_AGAIN)
 
@@ -75,6 +79,8 @@ def native_blocks(kind: str, data: np.ndarray, shape: tuple[int, ...]) -> BlockQ
     if ops is None:
         raise RuntimeError("converting GGUF blocks needs loom's compiled gguf_blocks.cpp")
     native = SAME_CODES.get(kind, "Q8_0")
+    if kind == "Q6_K" and len(shape) == 3:  # experts: the MoE kernel has no Q6_K records
+        kind, native = "Q6_K as Q8_0", "Q8_0"
     rows, cols = int(np.prod(shape[:-1])), shape[-1]
     data = data.reshape(rows, -1)
     if kind not in QUANTIZED_AGAIN or kind in ops.kinds:  # the kernel reads the bytes

@@ -18,8 +18,12 @@ from loom.model.tokenizer import Tokenizer
 # Q4_K's blocks of 32 keep its own numbers (requant.py): the header is its super-block's fp16
 # d and dmin, then the block's 6-bit scale and min as a byte each; scale d * scale and offset
 # -dmin * min, both exact in fp32 (not fp16 values: a stack with other kinds rounds them).
+# Q6_K's too, with a scale per 16 weights: the header is its super-block's fp16 d and the two
+# int8 scales; the codes 0..63 (w = d * scale * (code - 32)) are 16 bytes of low nibbles as
+# Q4_1's, then 8 of high 2 bits, byte j holding inputs j, j + 8, j + 16 and j + 24 from bit 0.
 BLOCK_LAYOUT = {"Q4_0": (2, 16), "Q4_1": (4, 16), "Q8_0": (2, 32), "I8": (4, 32),
-                "Q4_K": (6, 16)}
+                "Q4_K": (6, 16), "Q6_K": (4, 24)}
+K_QUANT_KINDS = ("Q4_K", "Q6_K")  # a GGUF's own, not made from codes (requant.native_blocks)
 FOUR_BIT_KINDS = ("Q4_0", "Q4_1", "Q4_K")
 
 
@@ -31,7 +35,8 @@ class BlockQuantWeight:
     (csrc/block_quant_linear.cpp) re-lays them out once and computes with the file's own
     numbers, and nothing on the way unpacks the codes (which was most of the start-up).
     4-bit codes: byte j of a block holds input j in its low nibble and input j + 16 in its
-    high one; Q4_0's count from 8. (Q4_K's scales and offsets are products: BLOCK_LAYOUT.)"""
+    high one; Q4_0's count from 8. (Q4_K's scales and offsets are products, Q6_K's per 16
+    weights: BLOCK_LAYOUT.)"""
 
     blocks: torch.Tensor  # uint8 [out, in // 32, header + code bytes]
     kind: str  # a key of BLOCK_LAYOUT
@@ -64,8 +69,8 @@ class BlockQuantWeight:
         the smallest kind that holds them."""
         if not all(torch.equal(t.half().float(), t) for t in (scale, offset)):
             raise ValueError("block scales and offsets must be fp16 values")
-        if kind == "Q4_K":
-            raise ValueError("Q4_K blocks are a GGUF's own (requant.native_blocks), not made "
+        if kind in K_QUANT_KINDS:
+            raise ValueError(f"{kind} blocks are a GGUF's own (requant.native_blocks), not made "
                              "from codes")
         kind = kind or _smallest_kind(codes, offset)
         stored = codes + 8 if kind == "Q4_0" else codes
@@ -82,12 +87,24 @@ class BlockQuantWeight:
         """Stacked along the output rows, as the fused qkv and gate_up projections are. Parts
         of different kinds go to one kind that holds them all, with fp16 scales and offsets:
         Q4_K's round to fp16 there (at most 2^-11 of each), as they did before Q4_K had blocks
-        of its own."""
+        of its own, and Q6_K's weights, a scale per 16, are quantized again to Q8_0 first."""
         if len({p.kind for p in parts}) == 1:
             return BlockQuantWeight(torch.cat([p.blocks for p in parts]), parts[0].kind)
+        parts = [p.as_q8_0() if p.kind == "Q6_K" else p for p in parts]
         codes, scale, offset = (torch.cat([getattr(p, f) for p in parts])
                                 for f in ("codes", "scale", "offset"))
         return BlockQuantWeight.from_codes(codes, scale.half().float(), offset.half().float())
+
+    def as_q8_0(self) -> BlockQuantWeight:
+        """The weights quantized again per 32, to Q8_0 (as every Q6_K tensor was before Q6_K
+        had blocks of its own): for a stack with other kinds, which holds one scale a block."""
+        from loom.model.kernels import gguf_blocks_ops
+
+        ops = gguf_blocks_ops()
+        if ops is None:
+            raise RuntimeError("quantizing again needs loom's compiled gguf_blocks.cpp")
+        return BlockQuantWeight(torch.from_numpy(ops.requantized_q8_0(
+            self.dequantize().numpy())), "Q8_0")
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The fp32 rows `ids` of the weight, as dequantize() has them: an embedding lookup
@@ -113,6 +130,10 @@ def _dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """[rows, in // 32, block bytes] -> fp32 [rows, in]: codes * scale (+ offset), in gguf's
     order of operations."""
     rows, num_blocks, _ = blocks.shape
+    if kind == "Q6_K":  # a scale per 16
+        scale = (_half(blocks, 0) * blocks[..., 2:4].view(torch.int8).float()).repeat_interleave(
+            16, dim=-1)
+        return (scale * _codes(blocks, kind).float()).view(rows, num_blocks * 32)
     w = _codes(blocks, kind).float().mul_(_scale(blocks, kind))
     offset = _offset(blocks, kind)
     if offset is not None:
@@ -122,6 +143,8 @@ def _dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
 
 def _scale(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """float32 [..., 1]: each block's scale (Q4_K's d * scale, exact in fp32)."""
+    if kind == "Q6_K":
+        raise ValueError("Q6_K blocks have two scales, one per 16 weights")
     if kind == "Q4_K":
         return _half(blocks, 0) * blocks[..., 4:5].float()
     return _half(blocks, 0)
@@ -132,12 +155,16 @@ def _offset(blocks: torch.Tensor, kind: str) -> torch.Tensor | None:
     without one."""
     if kind == "Q4_K":
         return -(_half(blocks, 2) * blocks[..., 5:6].float())
-    return _half(blocks, 2) if BLOCK_LAYOUT[kind][0] == 4 else None
+    return _half(blocks, 2) if BLOCK_LAYOUT[kind][0] == 4 and kind != "Q6_K" else None
 
 
 def _codes(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """int8 [..., 32] codes of each block."""
     raw = blocks[..., BLOCK_LAYOUT[kind][0]:]
+    if kind == "Q6_K":  # (code - 32), the low nibbles and the high 2 bits joined
+        low = torch.cat([raw[..., :16] & 0x0F, raw[..., :16] >> 4], dim=-1)
+        high = torch.cat([(raw[..., 16:24] >> (2 * s)) & 3 for s in range(4)], dim=-1)
+        return (low | (high << 4)).view(torch.int8) - 32
     if kind not in FOUR_BIT_KINDS:
         return raw.view(torch.int8)
     codes = torch.cat([raw & 0x0F, raw >> 4], dim=-1).view(torch.int8)

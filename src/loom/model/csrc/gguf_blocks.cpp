@@ -10,6 +10,9 @@
 //   I8    [ d, m (fp16) | 32 int8 codes ]
 //   Q4_K  [ d, dmin (fp16, the super-block's) | scale, min (6 bits, a byte each) | 16 bytes
 //           of codes as Q4_1's ]: Q4_K's own numbers, w = (d scale) q - dmin min exactly
+//   Q6_K  [ d (fp16, the super-block's) | scale 0, scale 1 (int8, inputs 0-15, 16-31) | 16
+//           bytes of the codes' low nibbles as Q4_1's | 8 of their high 2 bits: byte j holds
+//           inputs j, j + 8, j + 16, j + 24 from bit 0 up ]: Q6_K's own, w = (d scale) (q - 32)
 //
 // numpy arrays in and out, and none of torch's headers but its fp16 type: a module of its own
 // that compiles in seconds, called where requant.py already holds the file's bytes as numpy.
@@ -33,11 +36,11 @@ namespace {
 
 constexpr int kGroup = 32;
 
-enum class Native { Q4_1, Q8_0, I8, Q4_K };
+enum class Native { Q4_1, Q8_0, I8, Q4_K, Q6_K };
 
 constexpr int64_t native_bytes(Native kind) {
   return kind == Native::Q4_1 ? 4 + 16 : kind == Native::Q8_0 ? 2 + 32
-         : kind == Native::I8 ? 4 + 32 : 6 + 16;
+         : kind == Native::I8 ? 4 + 32 : kind == Native::Q4_K ? 6 + 16 : 4 + 24;
 }
 
 uint16_t fp16_bits(float value) { return c10::Half(value).x; }
@@ -198,10 +201,12 @@ void iq4_xs_block(const uint8_t* src, uint8_t* dst) {
   }
 }
 
-// Q6_K [128 bytes of low nibbles | 64 of high 2 bits | 16 int8 scales | d] -> 8 x Q8_0, its
-// weights (gguf's: (d * scale) * (code - 32), a scale per 16) quantized again per 32. Group u
-// of half h (weights 128h + 32u ..): low nibble u / 2 of low bytes 64h + 32 (u % 2) .., bits
-// 2u of high bytes 32h ...
+// Q6_K [128 bytes of low nibbles | 64 of high 2 bits | 16 int8 scales | d] -> 8 x its own
+// blocks of 32 above (Q8_0: 8 x Q8_0, its weights, gguf's (d * scale) * (code - 32), quantized
+// again per 32, for the mixture-of-experts kernel, which has no Q6_K records). Group u of half
+// h (weights 128h + 32u ..): low nibble u / 2 of low bytes 64h + 32 (u % 2) .., bits 2u of
+// high bytes 32h ...
+template <Native Kind>
 void q6_k_block(const uint8_t* src, uint8_t* dst) {
   const int8_t* scales = reinterpret_cast<const int8_t*>(src + 192);
   const float d = fp16_value(src + 208);
@@ -209,14 +214,28 @@ void q6_k_block(const uint8_t* src, uint8_t* dst) {
     for (int u = 0; u < 4; ++u) {
       const uint8_t* low = src + 64 * h + 32 * (u % 2);
       const uint8_t* high = src + 128 + 32 * h;
-      const float first = d * static_cast<float>(scales[8 * h + 2 * u]);
-      const float second = d * static_cast<float>(scales[8 * h + 2 * u + 1]);
-      float w[kGroup];
-      for (int j = 0; j < kGroup; ++j) {
-        const int code = ((low[j] >> (4 * (u / 2))) & 0x0F) | (((high[j] >> (2 * u)) & 3) << 4);
-        w[j] = (j < 16 ? first : second) * static_cast<float>(code - 32);
+      const int first = 8 * h + 2 * u;  // the scale of the group's first 16 weights
+      int8_t codes[kGroup];
+      for (int j = 0; j < kGroup; ++j)
+        codes[j] = static_cast<int8_t>(((low[j] >> (4 * (u / 2))) & 0x0F) |
+                                       (((high[j] >> (2 * u)) & 3) << 4));
+      uint8_t* out = dst + (4 * h + u) * native_bytes(Kind);
+      if constexpr (Kind == Native::Q6_K) {
+        std::memcpy(out, src + 208, 2);
+        out[2] = static_cast<uint8_t>(scales[first]);
+        out[3] = static_cast<uint8_t>(scales[first + 1]);
+        pack_nibbles(codes, out + 4);
+        for (int j = 0; j < 8; ++j) {
+          int byte = 0;
+          for (int s = 0; s < 4; ++s) byte |= ((codes[j + 8 * s] >> 4) & 3) << (2 * s);
+          out[20 + j] = static_cast<uint8_t>(byte);
+        }
+        continue;
       }
-      requantize_group(w, dst + (4 * h + u) * native_bytes(Native::Q8_0));
+      float w[kGroup];
+      for (int j = 0; j < kGroup; ++j)
+        w[j] = d * static_cast<float>(scales[first + j / 16]) * static_cast<float>(codes[j] - 32);
+      requantize_group(w, out);
     }
 }
 
@@ -267,7 +286,8 @@ constexpr SourceKind kSourceKinds[] = {
     {"Q5_K", 256, 176, Native::I8, k_block<true>},
     {"IQ4_NL", 32, 18, Native::Q8_0, iq4_nl_block},
     {"IQ4_XS", 256, 136, Native::Q8_0, iq4_xs_block},
-    {"Q6_K", 256, 210, Native::Q8_0, q6_k_block},
+    {"Q6_K", 256, 210, Native::Q6_K, q6_k_block<Native::Q6_K>},
+    {"Q6_K as Q8_0", 256, 210, Native::Q8_0, q6_k_block<Native::Q8_0>},
     {"Q3_K", 256, 110, Native::Q8_0, low_k_block<true>},
     {"Q2_K", 256, 84, Native::Q8_0, low_k_block<false>},
 };
@@ -328,7 +348,7 @@ Bytes requantized_q8_0(const Floats& weights) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("native_blocks", &native_blocks);
   m.def("requantized_q8_0", &requantized_q8_0);
-  py::list kinds;  // the GGUF types native_blocks reads
+  py::list kinds;  // the GGUF types native_blocks reads (and "Q6_K as Q8_0")
   for (const SourceKind& kind : kSourceKinds) kinds.append(kind.name);
   m.attr("kinds") = py::tuple(kinds);
 }
