@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from loom.engine.detokenizer import IncrementalDetokenizer
+from loom.model.logits import NUCLEUS_CANDIDATES
 from loom.model.sampler import (
     Sampler,
     apply_token_bitmask,
@@ -229,3 +230,54 @@ def test_the_grammar_bitmask_leaves_only_allowed_tokens() -> None:
     assert masked[0, 2] == logits[0, 2] and masked[1, 63] == logits[1, 63]
     greedy = Sampler()(masked, [SamplingParams(temperature=0)] * 2, [None, None])
     assert greedy.tolist() == [2, 63]
+
+
+def _kept_by_full_sort(logits: torch.Tensor, top_k: list[int], top_p: list[float]
+                       ) -> list[set[int]]:
+    """The kept sets by the definition, one row at a time over its whole sorted row."""
+    kept = []
+    for row, k, p in zip(logits, top_k, top_p):
+        order = row.sort(descending=True).indices.tolist()
+        order = order[:k] if k > 0 else order
+        probs = row[order].softmax(dim=-1).tolist()
+        keep, before = set(), 0.0
+        for i, (token, prob) in enumerate(zip(order, probs)):
+            if i > 0 and before >= p:
+                break
+            keep.add(token)
+            before += prob
+        kept.append(keep)
+    return kept
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 20.0])  # 0.5: nuclei wider than the candidates
+def test_top_k_top_p_keep_what_a_full_sort_keeps(scale: float) -> None:
+    """Deciding among the likeliest NUCLEUS_CANDIDATES tokens, or sorting the whole batch when
+    a row's nucleus reaches past them, keeps each row's set as sorting its whole row does."""
+    generator = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(6, 5000, generator=generator) * scale
+    top_k = [-1, 40, -1, 700, 3, -1]
+    top_p = [0.9, 0.95, 0.5, 1.0, 0.2, 0.99]
+    masked = apply_top_k_top_p(logits, top_k, top_p)
+    kept = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in masked]
+    expected = _kept_by_full_sort(logits, top_k, top_p)
+    for got, want in zip(kept, expected):
+        assert len(got ^ want) <= 1, (len(got), len(want))  # one float32 boundary at most
+    assert max(map(len, expected)) > NUCLEUS_CANDIDATES or scale > 0.5  # the fallback ran
+    assert masked[torch.isfinite(masked)].tolist() == logits[torch.isfinite(masked)].tolist()
+
+
+def test_sampled_tokens_stay_in_their_rows_kept_sets() -> None:
+    """A batch mixing rows with and without limits: each drawn token is one its row keeps."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, 3000, generator=generator) * 4
+    params = [SamplingParams(temperature=0.7, top_p=0.5), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=2)] * 2
+    kept = _kept_by_full_sort(logits / torch.tensor([[max(p.temperature, 1e-9)] for p in params]),
+                              [p.top_k for p in params], [p.top_p for p in params])
+    for trial in range(20):
+        gens = [torch.Generator().manual_seed(trial * 8 + i) for i in range(8)]
+        tokens = Sampler()(logits, params, gens).tolist()
+        for i in (0, 3, 4, 7):
+            assert tokens[i] in kept[i]
+        assert tokens[2] == int(logits[2].argmax()) and tokens[6] == int(logits[6].argmax())

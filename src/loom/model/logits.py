@@ -4,6 +4,8 @@ its cumulative distribution)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -30,22 +32,78 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.where(drawn < cdf.shape[-1], drawn, cdf.argmax(dim=-1))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask logits outside each row's top-k and nucleus (top-p) set with -inf."""
-    if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p):
-        return logits
+# How many of a row's likeliest tokens top-k / top-p look at first. A sampled row's nucleus is
+# almost always a few of them (at temperature 0.2 a handful); a full sort of a 49k vocabulary
+# cost 3-4 ms a row on one core (117 ms for 32 rows, more than a 32-sequence decode step's
+# forward pass), the 256 largest 0.18 ms. A batch with a row whose kept set reaches past them
+# is sorted whole.
+NUCLEUS_CANDIDATES = 256
+
+
+@dataclass(frozen=True)
+class KeptTokens:
+    """Each row's candidates, likeliest first: their logits, -inf for those top-k / top-p
+    drop, and their token ids (both [rows, width])."""
+
+    logits: torch.Tensor
+    token_ids: torch.Tensor
+
+    def draw(self, uniform: torch.Tensor) -> torch.Tensor:
+        """One token id per row, by its uniform draw ([rows, 1]) in the kept distribution."""
+        drawn = inverse_cdf(self.logits.softmax(dim=-1), uniform)
+        return self.token_ids.gather(1, drawn.unsqueeze(1)).squeeze(1)
+
+
+def has_limits(top_k: int, top_p: float) -> bool:
+    return top_k > 0 or top_p < 1.0
+
+
+def keep_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> KeptTokens:
+    """Each row's top-k and nucleus (top-p) set: of the tokens in its top k, by falling
+    probability (renormalised over those k), each one whose mass before it is below top_p,
+    and always the likeliest. Decided among the NUCLEUS_CANDIDATES likeliest tokens where
+    that decides every row, else over the whole sorted row."""
     vocab = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    drop = ranks >= ks.unsqueeze(1)
-    ps = torch.tensor(top_p, device=logits.device, dtype=logits.dtype).unsqueeze(1)
-    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= mass_before >= ps
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    width = min(vocab, max(NUCLEUS_CANDIDATES, *(k for k in ks if k < vocab), 1))
+    if width < vocab:
+        kept, decided = _keep_among_likeliest(logits, width, ks, top_p)
+        if decided:
+            return kept
+    return _keep_among_likeliest(logits, vocab, ks, top_p)[0]
+
+
+def _keep_among_likeliest(logits: torch.Tensor, width: int, ks: list[int], top_p: list[float]
+                          ) -> tuple[KeptTokens, bool]:
+    """The kept sets among each row's `width` likeliest tokens, and whether that decided every
+    row: its top k lie among them, or its nucleus closes there (their mass reaches top_p, so
+    the next token would be dropped too)."""
+    if width < logits.shape[-1]:
+        values, token_ids = logits.topk(width, dim=-1)
+    else:
+        values, token_ids = logits.sort(dim=-1, descending=True)
+    k = torch.tensor(ks, device=logits.device).unsqueeze(1)
+    p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype).unsqueeze(1)
+    drop = torch.arange(width, device=logits.device).unsqueeze(0) >= k
+    masked = values.masked_fill(drop, float("-inf"))
+    # normalised over the row's top k: these tokens where k fits among them, else the whole row
+    probs = masked.softmax(dim=-1)
+    if bool((k > width).any()):
+        probs = torch.where(k <= width, probs, logits.softmax(dim=-1).gather(1, token_ids))
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= p
     drop[:, 0] = False  # the likeliest token stays, whatever top_p rounds to in float32
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+    decided = bool(((k <= width) | (probs.sum(dim=-1, keepdim=True) >= p)).all())
+    return KeptTokens(values.masked_fill(drop, float("-inf")), token_ids), decided
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """`logits` with -inf outside each row's kept set (keep_top_k_top_p); rows of a batch
+    without limits (top_k -1, top_p 1) are left as they are."""
+    if not any(has_limits(k, p) for k, p in zip(top_k, top_p)):
+        return logits
+    kept = keep_top_k_top_p(logits, top_k, top_p)
+    return torch.full_like(logits, float("-inf")).scatter_(-1, kept.token_ids, kept.logits)
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],

@@ -14,7 +14,9 @@ from loom.model.logits import (
     adjust_logits,
     apply_token_bitmask,
     apply_top_k_top_p,
+    has_limits,
     inverse_cdf,
+    keep_top_k_top_p,
     row_argmax,
 )
 from loom.model.spec_verify import verify_drafts
@@ -117,17 +119,31 @@ class Sampler:
         if not random_rows:
             return greedy_ids
         device = logits.device
-        rows = torch.tensor(random_rows, device=device)
-        temps = torch.tensor([params[i].temperature for i in random_rows], device=device)
-        sub = apply_top_k_top_p(logits[rows] / temps.unsqueeze(1),
-                                 [params[i].top_k for i in random_rows],
-                                 [params[i].top_p for i in random_rows])
-        uniform = torch.rand(len(random_rows), 1, device=device)
-        for j, i in enumerate(random_rows):
+        uniform = torch.empty(len(logits), 1, device=device)
+        uniform[random_rows] = torch.rand(len(random_rows), 1, device=device)
+        for i in random_rows:
             if generators[i] is not None:
-                uniform[j] = torch.rand(1, device=device, generator=generators[i])
-        greedy_ids[rows] = inverse_cdf(sub.softmax(dim=-1), uniform)
+                uniform[i] = torch.rand(1, device=device, generator=generators[i])
+        limited = [i for i in random_rows if has_limits(params[i].top_k, params[i].top_p)]
+        unlimited = [i for i in random_rows if not has_limits(params[i].top_k, params[i].top_p)]
+        if unlimited:
+            rows = torch.tensor(unlimited, device=device)
+            greedy_ids[rows] = inverse_cdf(self._scaled(logits, rows, params).softmax(dim=-1),
+                                           uniform[rows])
+        if limited:
+            rows = torch.tensor(limited, device=device)
+            kept = keep_top_k_top_p(self._scaled(logits, rows, params),
+                                    [params[i].top_k for i in limited],
+                                    [params[i].top_p for i in limited])
+            greedy_ids[rows] = kept.draw(uniform[rows])
         return greedy_ids
+
+    @staticmethod
+    def _scaled(logits: torch.Tensor, rows: torch.Tensor, params: list[SamplingParams]
+                ) -> torch.Tensor:
+        """The rows' logits divided by their temperatures."""
+        temps = torch.tensor([params[i].temperature for i in rows.tolist()], device=logits.device)
+        return logits[rows] / temps.unsqueeze(1)
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop finished requests' state (the runner calls this in order with the steps)."""
