@@ -83,8 +83,23 @@ class BlockQuantWeight:
         return BlockQuantWeight(torch.cat(parts, dim=-1), kind)
 
     @staticmethod
+    def runs(parts: list[BlockQuantWeight]) -> list[BlockQuantWeight]:
+        """Parts stacked along the output rows (a fused qkv or gate_up) as runs of one kind
+        each, in order: adjacent parts of a kind joined, each run kept in its own kind for a
+        Linear of several (a Q4_K_M's qkv with a Q6_K v: [q k] Q4_K, [v] Q6_K, at 4.625 and
+        6.625 bits a weight, where `cat` takes all three to I8's 9)."""
+        runs: list[list[BlockQuantWeight]] = []
+        for part in parts:
+            if runs and runs[-1][0].kind == part.kind:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        return [BlockQuantWeight.cat(run) for run in runs]
+
+    @staticmethod
     def cat(parts: list[BlockQuantWeight]) -> BlockQuantWeight:
-        """Stacked along the output rows, as the fused qkv and gate_up projections are. Parts
+        """Stacked along the output rows, as one weight (where its rows are reordered, or for a
+        mixture's gate_up: `runs` keeps a dense stack's kinds). Parts
         of different kinds go to one kind that holds them all, with fp16 scales and offsets:
         Q4_K's round to fp16 there (at most 2^-11 of each), as they did before Q4_K had blocks
         of its own, and Q6_K's weights, a scale per 16, are quantized again to Q8_0 first."""

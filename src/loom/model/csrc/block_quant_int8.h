@@ -257,12 +257,13 @@ static inline void int_tile(const uint8_t* panel, int64_t nb, const int8_t* qx,
   }
 }
 
+// y's rows are N floats apart (N >= the panels' P * 8 outputs: a part of a stacked output).
 template <int F>
 static void int8_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P,
-                      const float* bp, float* yp) {
+                      const float* bp, float* yp, int64_t N) {
   constexpr int Bits = code_bits(F);
   constexpr int64_t record = record_bytes(F);
-  const int64_t nb = K / kQuantBlock, N = P * kPanel;
+  const int64_t nb = K / kQuantBlock;
   std::vector<int8_t> qx(M * 2 * K);
   std::vector<float> scale(M * nb), sum(M * nb), centre(M * nb);
   for (int64_t r = 0; r < M; ++r)
