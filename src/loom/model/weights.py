@@ -14,7 +14,8 @@ from loom.model.tokenizer import Tokenizer
 
 # Bytes of one block of 32 weights: (header, codes). The header is the fp16 scale, then, for
 # the kinds with one, the fp16 offset. Q4_0, Q4_1 and Q8_0 are the GGUF's own; I8 (int8 codes
-# with an offset) holds any of them, for a projection stacked from parts of different kinds.
+# with an offset) holds any of them, for a stack of parts of different kinds that must be one
+# kind (BlockQuantWeight.cat: a reordered qkv, a mixture's gate_up).
 # Q4_K's blocks of 32 keep its own numbers (requant.py): the header is its super-block's fp16
 # d and dmin, then the block's 6-bit scale and min as a byte each; scale d * scale and offset
 # -dmin * min, both exact in fp32 (not fp16 values: a stack with other kinds rounds them).
