@@ -112,8 +112,7 @@ def _linear(w: Mapping[str, torch.Tensor], names: list[str], bias: torch.Tensor 
     (and then, by `matmul`, a bf16 copy for wide calls: model/linear.py), each run of one
     kind in its own (BlockQuantWeight.runs), a reordered stack in one kind. The fp32
     parts are stacked only when the layer will use them."""
-    quant: list[BlockQuantWeight] | None = None
-    ops = None
+    quant, ops = None, None
     if all(n in block_quant for n in names):
         parts = [block_quant[n] for n in names]
         ops = block_quant_linear_ops()
