@@ -103,8 +103,8 @@ def test_the_avx2_build_computes_with_the_files_weights(avx2_ops: ModuleType, ki
 @needs_kernel
 def test_odd_widths_and_mixed_stacks_keep_their_weights() -> None:
     """A layer whose rows are no whole panel pair runs on the exact fp32 weights; a stack of
-    Q4_K with another kind (a fused qkv of Q4_K and Q6_K, which goes to Q8_0 there) rounds the
-    Q4_K scales to fp16 and no further."""
+    Q4_K with another kind in one kind (BlockQuantWeight.cat, as a reordered stack takes it:
+    the Q6_K part goes to Q8_0 there) rounds the Q4_K scales to fp16 and no further."""
     bq, weights = k_quant(40, 256, seed=3)
     assert not Linear.uses_panels(bq, ops)
     x = torch.randn(3, 256)
@@ -122,6 +122,30 @@ def test_odd_widths_and_mixed_stacks_keep_their_weights() -> None:
     with pytest.raises(ValueError, match="Q4_K"):
         BlockQuantWeight.from_codes(bq.codes, bq.scale.half().float(),
                                     bq.offset.half().float(), kind="Q4_K")
+
+
+@pytest.mark.unit
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7])  # the int8 path and the fp32 one
+def test_a_stack_of_kinds_runs_each_part_in_its_own_records(rows: int) -> None:
+    """A fused qkv of Q4_K q, k and a Q6_K v keeps [q k] in Q4_K and v in Q6_K records (not
+    one kind for all, I8's 9 bits a weight): its bytes are each part's own, and its output,
+    bias and all, is each part's own matmul side by side, bit for bit."""
+    q, k = (k_quant(32, 256, seed=s)[0] for s in (5, 6))
+    v = native_blocks("Q6_K", random_blocks("Q6_K", 16, 256, seed=7), (16, 256))
+    runs = BlockQuantWeight.runs([q, k, v])
+    assert [(r.kind, r.shape[0]) for r in runs] == [("Q4_K", 64), ("Q6_K", 16)]
+    bias, path = torch.randn(80), INT8 if rows == 1 else FP32
+    layer = Linear(None, bias, block_quant=runs, block_quant_ops=ops,
+                   int8_max_rows={4: path, 8: path})
+    assert [t.shape[-1] for t in layer.panel_tensors()] == [148, 212]
+    assert sum(t.numel() for t in layer.panel_tensors()) * 8 == 256 * (64 * 4.625 + 16 * 6.625)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    want = torch.cat([ops.block_quant_linear(x, to_panels(r, ops), b, path)
+                      for r, b in zip(runs, bias.split([64, 16]), strict=True)], dim=1)
+    assert torch.equal(layer(x), want)
+    with pytest.raises(RuntimeError, match="one int8 row limit per part"):
+        ops.block_quant_linear_parts(x, layer.panel_tensors(), None, [INT8])
 
 
 @pytest.mark.integration
@@ -146,6 +170,8 @@ def test_a_q4_k_m_model_runs_as_its_dequantized_weights(tmp_path: Path) -> None:
             model = llm.engine.runner.model
             assert model.layers[0].gate_up.panels.shape[-1] == 148  # Q4_K records
             assert {layer.down.panels.shape[-1] for layer in model.layers} == {148, 212}
+            # layer 1's v is Q6_K: its qkv holds [q k] and v each in their own records
+            assert [t.shape[-1] for t in model.layers[1].qkv.panel_tensors()] == [148, 212]
         runs[backend] = llm.generate([prompt], params)[0]
     native, torch_run = runs["native"], runs["torch"]
     assert native.outputs[0].token_ids == torch_run.outputs[0].token_ids

@@ -162,7 +162,7 @@ def model_figures(model: DecoderModel, kv_dtype: torch.dtype) -> dict[str, Any]:
     norm_bytes = sum(w.numel() for w in norms) * itemsize
     # The native kernel's bytes: its panels (codes, scales and offsets) where a Linear has them.
     block_quant_bytes = sum(
-        lin.panels.numel() * lin.panels.element_size()
+        sum(t.numel() * t.element_size() for t in lin.panel_tensors())
         if lin.panels is not None else lin.num_params * itemsize
         for lin in linears)
     batched = [w for lin in linears for w in lin.bf16_copy_tensors()]

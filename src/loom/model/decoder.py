@@ -109,14 +109,18 @@ def _linear(w: Mapping[str, torch.Tensor], names: list[str], bias: torch.Tensor 
             matmul: MatmulRows, rows: torch.Tensor | None = None) -> Linear:
     """One projection from the named weights, stacked along the output rows (then reordered
     by `rows` where given); with the GGUF's block-quantized form too when every part has one
-    (and then, by `matmul`, a bf16 copy for wide calls: model/linear.py). The fp32
+    (and then, by `matmul`, a bf16 copy for wide calls: model/linear.py), each run of one
+    kind in its own (BlockQuantWeight.runs), a reordered stack in one kind. The fp32
     parts are stacked only when the layer will use them."""
     quant, ops = None, None
     if all(n in block_quant for n in names):
-        quant = BlockQuantWeight.cat([block_quant[n] for n in names])
+        parts = [block_quant[n] for n in names]
         ops = block_quant_linear_ops()
-        if rows is not None:
-            quant = BlockQuantWeight(quant.blocks[rows], quant.kind)
+        if rows is None:
+            quant = BlockQuantWeight.runs(parts)
+        else:
+            stacked = BlockQuantWeight.cat(parts)
+            quant = [BlockQuantWeight(stacked.blocks[rows], stacked.kind)]
     if rows is not None and bias is not None:
         bias = bias[rows]
     if Linear.uses_panels(quant, ops):

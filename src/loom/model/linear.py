@@ -30,7 +30,7 @@ oneDNN's matmul on oneDNN-packed slices of the output columns, one per thread
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -144,26 +144,43 @@ def amx_fits(weight_shape: torch.Size | tuple[int, int]) -> bool:
     return all(size % AMX_BLOCK == 0 for size in weight_shape)
 
 
+BlockQuantParts = BlockQuantWeight | Sequence[BlockQuantWeight]
+
+
+def _parts(block_quant: BlockQuantParts | None) -> list[BlockQuantWeight]:
+    if block_quant is None:
+        return []
+    return [block_quant] if isinstance(block_quant, BlockQuantWeight) else list(block_quant)
+
+
 class Linear:
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
-                 prepack: bool = False, block_quant: BlockQuantWeight | None = None,
+                 prepack: bool = False, block_quant: BlockQuantParts | None = None,
                  block_quant_ops: ModuleType | None = None,
                  bf16_above_rows: int | None = None,
                  int8_max_rows: Mapping[int, int] = INT8_MAX_ROWS) -> None:
         """block_quant (with the compiled block_quant_ops): the same weight in the GGUF's
-        format; when `uses_panels` says so, every matmul uses it and `weight` is not kept
-        (it may then be None). bf16_above_rows: calls of more rows than this run in
-        bf16 on a copy of that weight instead (module docstring); int8_max_rows: calls of up
-        to this many rows (by code width) take the kernel's int8 path."""
+        format, or its rows as parts stacked in order, each in its own kind (a fused qkv of
+        Q4_K q, k and Q6_K v: BlockQuantWeight.runs); when `uses_panels` says so, every matmul
+        uses it and `weight` is not kept (it may then be None). bf16_above_rows: calls of more
+        rows than this run in bf16 on a copy of that weight instead (module docstring);
+        int8_max_rows: calls of up to this many rows (by code width) take the kernel's int8
+        path, part by part."""
         self.bias = bias
-        self.panels: torch.Tensor | None = None
+        # the kernel's panels: one tensor, or one per part (a tuple) for parts of several kinds
+        self.panels: torch.Tensor | tuple[torch.Tensor, ...] | None = None
         self.batched_slices: list[torch.Tensor] | None = None  # oneDNN's, or:
         self.batched_tiles: torch.Tensor | None = None  # the AMX kernel's
         if self.uses_panels(block_quant, block_quant_ops):
-            self.out_features, self.in_features = block_quant.shape
-            self.panels = to_panels(block_quant, block_quant_ops)
+            parts = _parts(block_quant)
+            self.out_features = sum(p.shape[0] for p in parts)
+            self.in_features = parts[0].shape[1]
+            self._panel_parts = [to_panels(p, block_quant_ops) for p in parts]
+            self.panels = (self._panel_parts[0] if len(parts) == 1
+                           else tuple(self._panel_parts))
             self._block_quant_ops = block_quant_ops
-            self._int8_max_rows = int8_max_rows[4 if block_quant.kind in FOUR_BIT_KINDS else 8]
+            self._int8_max_rows = [int8_max_rows[4 if p.kind in FOUR_BIT_KINDS else 8]
+                                   for p in parts]
             self.weight, self.prepacked = None, False
             if bf16_above_rows is not None:
                 self._bf16_above_rows = bf16_above_rows
@@ -171,7 +188,7 @@ class Linear:
                 if self._bf16_ops is None:
                     raise RuntimeError("bf16 matmuls need loom's compiled bf16_linear "
                                        "(fused_ops.cpp)")
-                copy = block_quant.dequantize().to(torch.bfloat16)
+                copy = torch.cat([p.dequantize() for p in parts]).to(torch.bfloat16)
                 if amx_kernel_runs() and amx_fits(copy.shape):
                     self.batched_tiles = amx_tiles(copy)
                 else:
@@ -185,11 +202,13 @@ class Linear:
                        if prepack else weight)
 
     @staticmethod
-    def uses_panels(block_quant: BlockQuantWeight | None,
+    def uses_panels(block_quant: BlockQuantParts | None,
                     block_quant_ops: ModuleType | None) -> bool:
-        """Whether the native kernel takes this weight: compiled, and whole pairs of panels."""
-        return (block_quant is not None and block_quant_ops is not None
-                and block_quant.shape[0] % (2 * PANEL_CHANNELS) == 0)
+        """Whether the native kernel takes this weight: compiled, and whole pairs of panels
+        in every part."""
+        parts = _parts(block_quant)
+        return (bool(parts) and block_quant_ops is not None
+                and all(p.shape[0] % (2 * PANEL_CHANNELS) == 0 for p in parts))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
@@ -202,8 +221,8 @@ class Linear:
                        self._bf16_ops.bf16_linear(rows.contiguous(), self.batched_slices,
                                                   self.bias))
             else:
-                out = self._block_quant_ops.block_quant_linear(
-                    rows, self.panels, self.bias, self._int8_max_rows)
+                out = self._block_quant_ops.block_quant_linear_parts(
+                    rows, self._panel_parts, self.bias, self._int8_max_rows)
             return out if flat else out.view(*x.shape[:-1], self.out_features)
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -220,6 +239,11 @@ class Linear:
         if self.batched_slices is not None:
             return torch.cat([w.to_dense() if w.is_mkldnn else w for w in self.batched_slices])
         return None
+
+    def panel_tensors(self) -> list[torch.Tensor]:
+        """The tensors that hold the native kernel's panels (for counting the bytes a call
+        streams); none where the layer has no panels."""
+        return list(self._panel_parts) if self.panels is not None else []
 
     def bf16_copy_tensors(self) -> list[torch.Tensor]:
         """The tensors that hold the bf16 copy (for counting its bytes)."""

@@ -14,7 +14,8 @@ from loom.model.tokenizer import Tokenizer
 
 # Bytes of one block of 32 weights: (header, codes). The header is the fp16 scale, then, for
 # the kinds with one, the fp16 offset. Q4_0, Q4_1 and Q8_0 are the GGUF's own; I8 (int8 codes
-# with an offset) holds any of them, for a projection stacked from parts of different kinds.
+# with an offset) holds any of them, for a stack of parts of different kinds that must be one
+# kind (BlockQuantWeight.cat: a reordered qkv, a mixture's gate_up).
 # Q4_K's blocks of 32 keep its own numbers (requant.py): the header is its super-block's fp16
 # d and dmin, then the block's 6-bit scale and min as a byte each; scale d * scale and offset
 # -dmin * min, both exact in fp32 (not fp16 values: a stack with other kinds rounds them).
@@ -83,8 +84,23 @@ class BlockQuantWeight:
         return BlockQuantWeight(torch.cat(parts, dim=-1), kind)
 
     @staticmethod
+    def runs(parts: list[BlockQuantWeight]) -> list[BlockQuantWeight]:
+        """Parts stacked along the output rows (a fused qkv or gate_up) as runs of one kind
+        each, in order: adjacent parts of a kind joined, each run kept in its own kind for a
+        Linear of several (a Q4_K_M's qkv with a Q6_K v: [q k] Q4_K, [v] Q6_K, at 4.625 and
+        6.625 bits a weight, where `cat` takes all three to I8's 9)."""
+        runs: list[list[BlockQuantWeight]] = []
+        for part in parts:
+            if runs and runs[-1][0].kind == part.kind:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        return [BlockQuantWeight.cat(run) for run in runs]
+
+    @staticmethod
     def cat(parts: list[BlockQuantWeight]) -> BlockQuantWeight:
-        """Stacked along the output rows, as the fused qkv and gate_up projections are. Parts
+        """Stacked along the output rows, as one weight (where its rows are reordered, or for a
+        mixture's gate_up: `runs` keeps a dense stack's kinds). Parts
         of different kinds go to one kind that holds them all, with fp16 scales and offsets:
         Q4_K's round to fp16 there (at most 2^-11 of each), as they did before Q4_K had blocks
         of its own, and Q6_K's weights, a scale per 16, are quantized again to Q8_0 first."""

@@ -154,11 +154,12 @@ static void decoding_rows(int64_t R, const uint8_t* pair, int64_t nb, float* w, 
 // over kTileRows (1-5 rows) and decodes the pair as it goes (decoding_tile):
 // 32 = 2 + 6 + 6 + 6 + 6 + 6. Where M is a multiple of kTileRows the pair is decoded by a pass
 // of its own (decode_panel) before the tiles.
+// y's rows are N floats apart, as int8_path's.
 template <int F>
 static void fp32_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P,
-                      const float* bp, float* yp) {
+                      const float* bp, float* yp, int64_t N) {
   constexpr int64_t record = record_bytes(F);
-  const int64_t nb = K / kQuantBlock, N = P * kPanel, pairs = P / 2;
+  const int64_t nb = K / kQuantBlock, pairs = P / 2;
   const int64_t pair_bytes = 2 * nb * record, pair_lines = (pair_bytes + 63) / 64;
   const int64_t first = M % kTileRows;  // the decoding tile's rows; none: decode_panel
   const bool decoding = first > 0;

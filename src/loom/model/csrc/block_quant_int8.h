@@ -212,9 +212,13 @@ static inline void int_tile(const uint8_t* panel, int64_t nb, const int8_t* qx,
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec = panel + b * record;
     if (ahead != nullptr) {
+      // into L2 (T1): a unit ahead is up to kUnitWeights weights (~150 KB of Q4_K records),
+      // far more than L1 holds, and prefetched into L1 (T0) it pushed out the lines in use:
+      // one user's matmul chain on the Qwen3-8B-shaped Q4_K_M took 184 ms (24 GB/s) with T0,
+      // 143 ms (31 GB/s, this host's read bandwidth) with T1 (docs/benchmark-log.md, dense49)
 #pragma GCC unroll 8
       for (int64_t offset = 0; offset < record; offset += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + b * record + offset), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + b * record + offset), _MM_HINT_T1);
     }
     super_scales<F>(panel, b, super);
     if constexpr (F == kQ6K) {
@@ -257,12 +261,13 @@ static inline void int_tile(const uint8_t* panel, int64_t nb, const int8_t* qx,
   }
 }
 
+// y's rows are N floats apart (N >= the panels' P * 8 outputs: a part of a stacked output).
 template <int F>
 static void int8_path(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P,
-                      const float* bp, float* yp) {
+                      const float* bp, float* yp, int64_t N) {
   constexpr int Bits = code_bits(F);
   constexpr int64_t record = record_bytes(F);
-  const int64_t nb = K / kQuantBlock, N = P * kPanel;
+  const int64_t nb = K / kQuantBlock;
   std::vector<int8_t> qx(M * 2 * K);
   std::vector<float> scale(M * nb), sum(M * nb), centre(M * nb);
   for (int64_t r = 0; r < M; ++r)

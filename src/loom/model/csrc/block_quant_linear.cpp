@@ -159,20 +159,31 @@ torch::Tensor panels_from_blocks(torch::Tensor blocks, int64_t header, bool q4_0
   return out;
 }
 
-// x [M, K] float32; panels uint8 [N / 8, K / 32, record] (4-bit, 8-bit or K-quant records, told
-// apart by their size); up to int8_rows rows take the int8 path, more the fp32 one.
-torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor panels,
-                                 c10::optional<torch::Tensor> bias, int64_t int8_rows) {
+// x [M, K] float32; parts: the panels (uint8 [N_i / 8, K / 32, record]: 4-bit, 8-bit or K-quant
+// records, told apart by their size) of a projection's outputs stacked in order, each part in
+// its own record kind (a fused qkv of Q4_K q, k and Q6_K v reads each at its own size: one kind
+// for the stack took I8 at 9 bits a weight); y [M, sum N_i], part i's columns written in place.
+// Part i takes the int8 path up to int8_rows[i] rows, the fp32 one above.
+torch::Tensor block_quant_linear_parts(torch::Tensor x, const std::vector<torch::Tensor>& parts,
+                                       c10::optional<torch::Tensor> bias,
+                                       const std::vector<int64_t>& int8_rows) {
   TORCH_CHECK(supported(), "block_quant_linear needs a CPU with AVX2, FMA and F16C");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
-                  is_record(panels.size(2)) && panels.size(0) % 2 == 0 &&
-                  ((panels.size(2) != kRecordK4 && panels.size(2) != kRecordQ6K) ||
-                   panels.size(1) % kPanel == 0),
-              "panels must be contiguous uint8 [N / 8, K / 32, record], N a multiple of 16");
-  const int64_t M = x.size(0), P = panels.size(0), K = panels.size(1) * kQuantBlock;
-  const int64_t N = P * kPanel;
-  TORCH_CHECK(x.size(1) == K, "x must be [rows, K] with K = 32 * the panels' blocks");
+  TORCH_CHECK(!parts.empty() && parts.size() == int8_rows.size(),
+              "one int8 row limit per part of panels");
+  int64_t N = 0;
+  for (const torch::Tensor& panels : parts) {
+    TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kByte &&
+                    panels.is_contiguous() && is_record(panels.size(2)) &&
+                    panels.size(0) % 2 == 0 &&
+                    ((panels.size(2) != kRecordK4 && panels.size(2) != kRecordQ6K) ||
+                     panels.size(1) % kPanel == 0),
+                "panels must be contiguous uint8 [N / 8, K / 32, record], N a multiple of 16");
+    TORCH_CHECK(x.size(1) == panels.size(1) * kQuantBlock,
+                "x must be [rows, K] with K = 32 * the panels' blocks");
+    N += panels.size(0) * kPanel;
+  }
+  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(!bias.has_value() || (bias->numel() == N && bias->scalar_type() == at::kFloat),
               "bias must be float32 [N]");
   x = x.contiguous();
@@ -180,22 +191,33 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor panels,
   if (M == 0) return out;
 #ifdef LOOM_HAVE_AVX2
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
-  const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = panels.data_ptr<uint8_t>();
-  float* yp = out.data_ptr<float>();
-  const int format = format_of(panels.size(2));
-  const bool int8 = M <= int8_rows;
-  if (format == kQ4)
-    (int8 ? int8_path<kQ4> : fp32_path<kQ4>)(xp, M, K, wp, P, bp, yp);
-  else if (format == kQ8)
-    (int8 ? int8_path<kQ8> : fp32_path<kQ8>)(xp, M, K, wp, P, bp, yp);
-  else if (format == kQ4K)
-    (int8 ? int8_path<kQ4K> : fp32_path<kQ4K>)(xp, M, K, wp, P, bp, yp);
-  else
-    (int8 ? int8_path<kQ6K> : fp32_path<kQ6K>)(xp, M, K, wp, P, bp, yp);
+  for (size_t i = 0, column = 0; i < parts.size(); ++i) {
+    const torch::Tensor& panels = parts[i];
+    const int64_t P = panels.size(0);
+    const uint8_t* wp = panels.data_ptr<uint8_t>();
+    const float* bp = bias.has_value() ? b.data_ptr<float>() + column : nullptr;
+    float* yp = out.data_ptr<float>() + column;
+    const int format = format_of(panels.size(2));
+    const bool int8 = M <= int8_rows[i];
+    if (format == kQ4)
+      (int8 ? int8_path<kQ4> : fp32_path<kQ4>)(xp, M, K, wp, P, bp, yp, N);
+    else if (format == kQ8)
+      (int8 ? int8_path<kQ8> : fp32_path<kQ8>)(xp, M, K, wp, P, bp, yp, N);
+    else if (format == kQ4K)
+      (int8 ? int8_path<kQ4K> : fp32_path<kQ4K>)(xp, M, K, wp, P, bp, yp, N);
+    else
+      (int8 ? int8_path<kQ6K> : fp32_path<kQ6K>)(xp, M, K, wp, P, bp, yp, N);
+    column += P * kPanel;
+  }
 #endif
   return out;
+}
+
+// One part: x [M, K] float32, panels uint8 [N / 8, K / 32, record].
+torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor panels,
+                                 c10::optional<torch::Tensor> bias, int64_t int8_rows) {
+  return block_quant_linear_parts(x, {panels}, bias, {int8_rows});
 }
 
 
@@ -262,6 +284,8 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor logits, int64_t top_k, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: the HTTP server's event loop runs on while a step's matmuls do.
   m.def("block_quant_linear", &block_quant_linear, py::call_guard<py::gil_scoped_release>());
+  m.def("block_quant_linear_parts", &block_quant_linear_parts,
+        py::call_guard<py::gil_scoped_release>());
   m.def("panels_from_blocks", &panels_from_blocks, py::call_guard<py::gil_scoped_release>());
   m.def("moe_experts", &moe_experts, py::call_guard<py::gil_scoped_release>());
   m.def("supported", &supported);
