@@ -131,6 +131,14 @@ def test_serve_help_has_server_and_admission_sections() -> None:
     serve = parser._subparsers._group_actions[0].choices["serve"]
     titles = {group.title for group in serve._action_groups}
     assert {"Server", "Admission", "Model", "KV cache", "Scheduling"} <= titles
+    # each field under the heading of the class that declares it: ServerConfig is built on
+    # HttpLimits, built on AdmissionConfig, and names no group on any field
+    flags = {group.title: {a.option_strings[-1] for a in group._group_actions}
+             for group in serve._action_groups}
+    assert {"--max-num-queued-reqs", "--queue-timeout", "--max-connections",
+            "--max-concurrent-per-client", "--max-tokens-default"} <= flags["Admission"]
+    assert {"--host", "--api-key", "--read-timeout"} <= flags["Server"]
+    assert not flags["Server"] & flags["Admission"]
 
 
 def test_bench_run_help_says_rate_or_concurrency_is_required(capsys) -> None:

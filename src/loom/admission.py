@@ -11,15 +11,12 @@ from loom.config import option, require_at_least
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    # the group named on each field: a class built on this one (ServerConfig) files them
-    # under Admission in --help too
     max_num_queued_reqs: int | None = option(None,
         "answer 503 (with Retry-After) to a request that would make more than this many "
-        "engine requests (prompts x n) wait for a sequence slot; none = no limit",
-        "Admission")
+        "engine requests (prompts x n) wait for a sequence slot; none = no limit")
     queue_timeout_s: float | None = option(None,
         "answer 503 for a request not scheduled within this many seconds; none = wait",
-        "Admission", flag="--queue-timeout")
+        flag="--queue-timeout")
 
     def __post_init__(self) -> None:
         """Below these ranges every request would be refused, and a run would look like a

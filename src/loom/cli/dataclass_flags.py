@@ -1,8 +1,8 @@
 """The flag generator: a dataclass's fields as argparse flags (`max_num_seqs` ->
-`--max-num-seqs`, booleans as `--x/--no-x`), grouped in `--help` by what a user tunes (a class's
-`CLI_GROUP`, or a field's own `group`), each stating its default, and the parsed flags back
-into the dataclass. The fields' names, help and parse functions are the libraries'
-(`loom.config.flag_help`); only the command line knows argparse.
+`--max-num-seqs`, booleans as `--x/--no-x`), grouped in `--help` by what a user tunes (the
+`CLI_GROUP` of the class that declares a field, or the field's own `group`), each stating its
+default, and the parsed flags back into the dataclass. The fields' names, help and parse
+functions are the libraries' (`loom.config.flag_help`); only the command line knows argparse.
 """
 
 from __future__ import annotations
@@ -37,6 +37,16 @@ def help_group(parser: argparse.ArgumentParser, title: str) -> argparse._Argumen
     return parser.add_argument_group(title)
 
 
+def group_title(cls: type, name: str) -> str:
+    """The `--help` heading of field `name`: the `CLI_GROUP` the dataclass that declares it
+    sets, else that class's name less "Config" (AdmissionConfig: Admission). The declaring
+    class, not `cls`: a class built on another (ServerConfig on AdmissionConfig) lists the
+    base's fields under the base's heading."""
+    declaring = next(c for c in reversed(cls.__mro__)
+                     if name in getattr(c, "__dataclass_fields__", {}))
+    return vars(declaring).get("CLI_GROUP", declaring.__name__.removesuffix("Config"))
+
+
 def default_text(value: Any) -> str:
     """A default as `--help` states it: on/off for switches, LOW-HIGH for a range, the value
     otherwise."""
@@ -54,12 +64,11 @@ def add_cli_args(parser: argparse.ArgumentParser, cls: type,
 
     Flags default to argparse.SUPPRESS, so `from_cli_args` sees only those a user gave and
     the dataclass keeps the one copy of each default."""
-    title = getattr(cls, "CLI_GROUP", cls.__name__.removesuffix("Config"))
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if only is not None and f.name not in only:
             continue
-        group = help_group(parser, f.metadata.get("group", title))
+        group = help_group(parser, f.metadata.get("group") or group_title(cls, f.name))
         help_text = f.metadata.get("help", "")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if f.default is not None and not required and f.default is not dataclasses.MISSING:

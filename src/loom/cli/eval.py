@@ -8,7 +8,7 @@ import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from loom.cli.dataclass_flags import add_engine_args, engine_config, from_cli_args
 from loom.cli.flags import add_command, check_writable, opt
@@ -38,8 +38,9 @@ class EvalOptions:
 
 
 @dataclass(frozen=True)
-class ReferenceOptions:
-    """What kld compares against: one of the two is required."""
+class KldOptions(EvalOptions):
+    """kld's options: eval's and what it compares against, one of the two required (listed
+    under their own heading: the class that declares a field names its group)."""
 
     CLI_GROUP = "Reference"
 
@@ -49,6 +50,14 @@ class ReferenceOptions:
     reference_dtype: Literal["float32"] | None = opt(None,
         "float32: run the reference with float32 activations, --batched-matmul native and a "
         "float32 KV cache (loom's most exact); default: the tested flags")
+
+    def __post_init__(self) -> None:
+        if self.reference is None and self.reference_dtype is None:
+            raise ValueError("kld needs a reference: --reference (a model or a --save-logits "
+                             ".npz) or --reference-dtype float32")
+
+
+Options = TypeVar("Options", bound=EvalOptions)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                 add_engine_args, help="perplexity over a text",
                 description="Perplexity over a text file, chunk by chunk and in total, as "
                             "llama-perplexity computes it.")
-    add_command(commands, "kld", kld, EvalOptions, ReferenceOptions, ScoringConfig,
+    add_command(commands, "kld", kld, KldOptions, ScoringConfig,
                 add_engine_args,
                 help="KL divergence and top-1 agreement against a reference",
                 description="KL divergence of the model's predictions from a reference's, "
@@ -72,7 +81,7 @@ def perplexity(args: argparse.Namespace) -> int:
     from loom.eval import metrics
     from loom.eval.run import score_text
 
-    options, scoring, config = _read(args)
+    options, scoring, config = _read(args, EvalOptions)
     run = score_text(options.text, scoring, config, options.base_url, options.api_key)
     _print(metrics.perplexity(_saved(options, scoring, config, run.scored), scoring.context),
            options.json)
@@ -84,22 +93,18 @@ def kld(args: argparse.Namespace) -> int:
     from loom.eval.offline import float32_reference
     from loom.eval.run import score_text
 
-    options, scoring, config = _read(args)
-    ref = from_cli_args(ReferenceOptions, args)
-    if ref.reference is None and ref.reference_dtype is None:
-        raise ValueError("kld needs a reference: --reference (a model or a --save-logits "
-                         ".npz) or --reference-dtype float32")
-    if ref.reference is not None and logits_file.is_logits_file(ref.reference):
-        saved = logits_file.load(ref.reference)
+    options, scoring, config = _read(args, KldOptions)
+    if options.reference is not None and logits_file.is_logits_file(options.reference):
+        saved = logits_file.load(options.reference)
         meta = saved.meta
         if (meta.context, meta.stride) != (scoring.context, scoring.stride or scoring.context):
-            raise ValueError(f"--reference {ref.reference} was scored with --context "
+            raise ValueError(f"--reference {options.reference} was scored with --context "
                              f"{meta.context} --stride {meta.stride}; give the same")
         reference, vocab = iter(saved), saved.vocab_size
     else:
         ref_config = dataclasses.replace(config, model=dataclasses.replace(
-            config.model, model=ref.reference or config.model.model))
-        if ref.reference_dtype == "float32":
+            config.model, model=options.reference or config.model.model))
+        if options.reference_dtype == "float32":
             ref_config = float32_reference(ref_config)
         scored = score_text(options.text, scoring, ref_config)
         reference, vocab = scored.scored, scored.vocab_size
@@ -111,8 +116,9 @@ def kld(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read(args: argparse.Namespace) -> tuple[EvalOptions, ScoringConfig, EngineConfig]:
-    options = from_cli_args(EvalOptions, args)
+def _read(args: argparse.Namespace, options_class: type[Options]
+          ) -> tuple[Options, ScoringConfig, EngineConfig]:
+    options = from_cli_args(options_class, args)
     scoring = from_cli_args(ScoringConfig, args)
     config = engine_config(args)
     check_device(config.model.device)

@@ -16,7 +16,43 @@ API_KEY_ENV = "LOOM_API_KEY"
 
 
 @dataclass(frozen=True)
-class ServerConfig(AdmissionConfig):
+class HttpLimits(AdmissionConfig):
+    """What the HTTP front door allows a request before it reaches the engine's queue (its
+    connections, body, client share, grammar time, answer budget): the limits `loom serve`
+    adds to the engine's admission, declared together so that --help lists them with it."""
+
+    CLI_GROUP = "Admission"
+
+    max_concurrent_per_client: int | None = option(None,
+        "answer 429 (with Retry-After) to a request that would give one client (its API key "
+        "among several, else its address) more than this many engine requests (prompts x n) "
+        "running or queued; none = no limit")
+    max_tokens_default: int = option(2048,
+        "the answer's budget for chat and /v1/responses requests that give none (max_tokens, "
+        "max_completion_tokens, max_output_tokens), at most what the context has left; "
+        "0 = whatever the context has left (vLLM's)")
+    grammar_compile_timeout: float = option(10.0,
+        "seconds a structured-output constraint (schema, regex, grammar, tools) may take to "
+        "compile before it is refused with a 400")
+    max_request_body_bytes: int = option(4 * 2**20,
+        "largest request body accepted (413 beyond)")
+    max_connections: int = option(512,
+        "open connections at most (one more is answered 503 and closed); lowered to fit the "
+        "file-descriptor limit")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_at_least(1, {"max_request_body_bytes": self.max_request_body_bytes,
+                             "max_connections": self.max_connections,
+                             "max_concurrent_per_client": self.max_concurrent_per_client})
+        require_at_least(0, {"max_tokens_default": self.max_tokens_default})
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got "
+                             f"{self.grammar_compile_timeout}")
+
+
+@dataclass(frozen=True)
+class ServerConfig(HttpLimits):
     CLI_GROUP = "Server"
 
     host: str = option("127.0.0.1",
@@ -58,25 +94,9 @@ class ServerConfig(AdmissionConfig):
     allowed_origins: str | None = option(None,
         "comma-separated origins whose web pages may call the API (CORS), or '*'; "
         "none = no cross-origin access")
-    max_concurrent_per_client: int | None = option(None,
-        "answer 429 (with Retry-After) to a request that would give one client (its API key "
-        "among several, else its address) more than this many engine requests (prompts x n) "
-        "running or queued; none = no limit", "Admission")
-    max_tokens_default: int = option(2048,
-        "the answer's budget for chat and /v1/responses requests that give none (max_tokens, "
-        "max_completion_tokens, max_output_tokens), at most what the context has left; "
-        "0 = whatever the context has left (vLLM's)", "Admission")
-    grammar_compile_timeout: float = option(10.0,
-        "seconds a structured-output constraint (schema, regex, grammar, tools) may take to "
-        "compile before it is refused with a 400", "Admission")
-    max_request_body_bytes: int = option(4 * 2**20,
-        "largest request body accepted (413 beyond)", "Admission")
     read_timeout: float = option(10.0,
         "seconds a client has to send its request (head and body; 408 after the head), and "
         "that an idle connection stays open")
-    max_connections: int = option(512,
-        "open connections at most (one more is answered 503 and closed); lowered to fit the "
-        "file-descriptor limit", "Admission")
     max_stored_responses: int = option(1024,
         "finished /v1/responses answers kept in memory for a later previous_response_id and "
         "GET /v1/responses/{id}, oldest dropped first; 0 = keep none")
@@ -90,22 +110,15 @@ class ServerConfig(AdmissionConfig):
         super().__post_init__()
         if not 0 <= self.port <= 65535:  # else bind() raises OverflowError, not an OSError
             raise ValueError(f"port must be in 0-65535, got {self.port}")
-        require_at_least(1, {"stream_interval": self.stream_interval,
-                             "max_request_body_bytes": self.max_request_body_bytes,
-                             "max_connections": self.max_connections,
-                             "max_concurrent_per_client": self.max_concurrent_per_client})
-        require_at_least(0, {"max_tokens_default": self.max_tokens_default})
+        require_at_least(1, {"stream_interval": self.stream_interval})
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile are given together (or neither)")
         for name in ("ssl_keyfile", "ssl_certfile"):
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{name}: no such file {path!r}")
-        timeouts = {"read_timeout": self.read_timeout,
-                    "grammar_compile_timeout": self.grammar_compile_timeout}
-        for name, value in timeouts.items():
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
+        if not self.read_timeout > 0:
+            raise ValueError(f"read_timeout must be > 0, got {self.read_timeout}")
         if self.max_stored_responses < 0:
             raise ValueError(f"max_stored_responses must be >= 0, got "
                              f"{self.max_stored_responses}")

@@ -74,6 +74,50 @@ static void quantize_row(const float* x, int64_t K, int8_t* qx, float* scale, fl
   }
 }
 
+// One step of group_pair_sums: acc plus one row's byte products with code groups c0 and c1
+// (x's part at q, four values a group). With VNNI two _mm256_dpbusd_epi32 into int32 sums;
+// without, two _mm256_maddubs_epi16 pair sums added as int16 (4-bit codes: at most 2 * 15 *
+// 127 a group, so eight groups' fit) or, for 6-bit codes (2 * 63 * 127: two groups' fit),
+// widened to int32 first.
+template <bool SixBit>
+static LOOM_INLINE __m256i add_products(__m256i acc, __m256i c0, __m256i c1, const int8_t* q) {
+#ifdef LOOM_HAVE_VNNI
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, c0, broadcast4(q)), c1, broadcast4(q + 4));
+#else
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(q)),
+                                         _mm256_maddubs_epi16(c1, broadcast4(q + 4)));
+  if constexpr (SixBit)
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  else
+    return _mm256_add_epi16(acc, pairs);
+#endif
+}
+
+// s1[r], s2[r]: the byte products of code groups g0 .. g1 - 1 of one block with row r's q1 and
+// q2 parts, from zero; 4-bit codes (nibble_group) or Q6_K's 0..63 ones (six_bit_group). The
+// one loop both block_sums (4-bit) and six_bit_sums run, so their VNNI and AVX2 products
+// cannot drift apart; add_products says what the sums hold.
+template <bool SixBit, int R>
+static LOOM_INLINE void group_pair_sums(const uint8_t* rec, const int8_t* qx, int64_t K,
+                                        int64_t b, int g0, int g1, __m256i (&s1)[R],
+                                        __m256i (&s2)[R]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm256_setzero_si256();
+  // two code groups (one 32-byte load) per iteration, not unrolled further: fully
+  // unrolled, GCC computed every group's products first and spilled them
+#pragma GCC unroll 1
+  for (int g = g0; g < g1; g += 2) {
+    const __m256i c0 = SixBit ? six_bit_group(rec, g) : nibble_group(rec, g);
+    const __m256i c1 = SixBit ? six_bit_group(rec, g + 1) : nibble_group(rec, g + 1);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int8_t* q = qx + r * 2 * K + 2 * b * kQuantBlock + 4 * g;
+      s1[r] = add_products<SixBit>(s1[r], c0, c1, q);
+      s2[r] = add_products<SixBit>(s2[r], c0, c1, q + kQuantBlock);
+    }
+  }
+}
+
 // t[r] = 256 sum(q * q1) + sum(q * q2) over one block, per channel, as fp32 (exact): for
 // 4-bit codes two byte products per code group (_mm256_maddubs_epi16, unsigned codes, pair
 // sums of at most 2 * 15 * 127, so eight groups' worth fit in int16), for 8-bit codes one
@@ -86,34 +130,11 @@ template <int Bits, int R>
 static LOOM_INLINE void block_sums(const uint8_t* rec, const int8_t* qx, int64_t K, int64_t b,
                                    __m256* t) {
   if constexpr (Bits == 4) {
+    __m256i s1[R], s2[R];  // int32 per channel with VNNI, int16 pair sums without
+    group_pair_sums<false>(rec, qx, K, b, 0, 8, s1, s2);
 #ifndef LOOM_HAVE_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
-    __m256i s1[R], s2[R];  // int32 per channel with VNNI, int16 pair sums without
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm256_setzero_si256();
-    // two code groups (one 32-byte load) per iteration, not unrolled further: fully
-    // unrolled, GCC computed every group's products first and spilled them
-#pragma GCC unroll 1
-    for (int g = 0; g < 8; g += 2) {
-      const __m256i c0 = nibble_group(rec, g), c1 = nibble_group(rec, g + 1);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const int8_t* q = qx + r * 2 * K + 2 * b * kQuantBlock + 4 * g;
-#ifdef LOOM_HAVE_VNNI
-        s1[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s1[r], c0, broadcast4(q)), c1,
-                                    broadcast4(q + 4));
-        s2[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s2[r], c0, broadcast4(q + kQuantBlock)),
-                                    c1, broadcast4(q + kQuantBlock + 4));
-#else
-        s1[r] = _mm256_add_epi16(s1[r], _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(q)),
-                                                         _mm256_maddubs_epi16(c1, broadcast4(q + 4))));
-        s2[r] = _mm256_add_epi16(
-            s2[r], _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(q + kQuantBlock)),
-                                    _mm256_maddubs_epi16(c1, broadcast4(q + kQuantBlock + 4))));
-#endif
-      }
-    }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
 #ifdef LOOM_HAVE_VNNI
@@ -155,35 +176,10 @@ static LOOM_INLINE void block_sums(const uint8_t* rec, const int8_t* qx, int64_t
 template <int R>
 static LOOM_INLINE void six_bit_sums(const uint8_t* rec, const int8_t* qx, int64_t K, int64_t b,
                                      __m256 (&t)[2][R]) {
-#ifndef LOOM_HAVE_VNNI
-  const __m256i ones = _mm256_set1_epi16(1);
-#endif
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
     __m256i s1[R], s2[R];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-    for (int g = 4 * h; g < 4 * h + 4; g += 2) {
-      const __m256i c0 = six_bit_group(rec, g), c1 = six_bit_group(rec, g + 1);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const int8_t* q = qx + r * 2 * K + 2 * b * kQuantBlock + 4 * g;
-#ifdef LOOM_HAVE_VNNI
-        s1[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s1[r], c0, broadcast4(q)), c1,
-                                    broadcast4(q + 4));
-        s2[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s2[r], c0, broadcast4(q + kQuantBlock)),
-                                    c1, broadcast4(q + kQuantBlock + 4));
-#else
-        s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(_mm256_add_epi16(
-            _mm256_maddubs_epi16(c0, broadcast4(q)), _mm256_maddubs_epi16(c1, broadcast4(q + 4))),
-            ones));
-        s2[r] = _mm256_add_epi32(s2[r], _mm256_madd_epi16(_mm256_add_epi16(
-            _mm256_maddubs_epi16(c0, broadcast4(q + kQuantBlock)),
-            _mm256_maddubs_epi16(c1, broadcast4(q + kQuantBlock + 4))), ones));
-#endif
-      }
-    }
+    group_pair_sums<true>(rec, qx, K, b, 4 * h, 4 * h + 4, s1, s2);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
       t[h][r] = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(s1[r], 8), s2[r]));
