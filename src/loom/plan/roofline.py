@@ -83,7 +83,10 @@ class StepWork:
 class StepModel:
     """t = step_s + seq_s * seqs + token_s * tokens + combine(memory time, compute time), with
     memory time = byte_s * (weight_bytes + KV bytes read) and compute time = flop_s * FLOPs.
-    combine is max for a GPU (memory and compute overlap) and sum where the fit says so."""
+    combine is sum where the CPU fit says so; "max" overlaps the two by `overlap`, the share
+    of the shorter one hidden under the longer: 1 is the ideal roofline, 0 a step whose
+    kernels each wait on memory or on math in turn (what TensorRT-LLM's published rows fit
+    to: a step runs matmuls, attention and the rest one after another, none at its ridge)."""
 
     shape: ModelShape
     step_s: float
@@ -92,6 +95,7 @@ class StepModel:
     byte_s: float
     flop_s: float
     combine: Literal["max", "sum"] = "max"
+    overlap: float = 1.0
 
     def flops(self, work: StepWork) -> float:
         s = self.shape
@@ -105,7 +109,8 @@ class StepModel:
     def time(self, work: StepWork) -> float:
         memory = self.byte_s * self.memory_bytes(work)
         compute = self.flop_s * self.flops(work)
-        bound = max(memory, compute) if self.combine == "max" else memory + compute
+        bound = (max(memory, compute) + (1 - self.overlap) * min(memory, compute)
+                 if self.combine == "max" else memory + compute)
         return self.step_s + self.seq_s * work.seqs + self.token_s * work.tokens + bound
 
     def to_json(self) -> dict[str, Any]:
@@ -129,6 +134,7 @@ class Efficiency:
     bandwidth: float = 0.8        # of memory bandwidth, in a decode step's weight + KV reads
     compute: float = 0.6          # of dense tensor FLOP/s, in prefill matmuls (MFU)
     interconnect: float = 0.7     # of one direction of the GPU-to-GPU link, in all-reduces
+    overlap: float = 1.0          # of the shorter of memory and compute time, hidden (0: sum)
     step_overhead_s: float = 0.002  # scheduling, launch and sampling per step
     seq_overhead_s: float = 2e-5    # per scheduled sequence (bookkeeping, streaming)
     allreduce_latency_s: float = 1e-5  # per all-reduce (two per layer under TP)
@@ -137,6 +143,8 @@ class Efficiency:
         for name in ("bandwidth", "compute", "interconnect"):
             if not 0 < getattr(self, name) <= 1:
                 raise PlanError(f"efficiency {name} must be in (0, 1], got {getattr(self, name)}")
+        if not 0 <= self.overlap <= 1:
+            raise PlanError(f"efficiency overlap must be in [0, 1], got {self.overlap}")
         for name in ("step_overhead_s", "seq_overhead_s", "allreduce_latency_s"):
             if getattr(self, name) < 0:
                 raise PlanError(f"efficiency {name} must be >= 0")
@@ -171,4 +179,5 @@ def roofline_step_model(gpu: GpuSpec, arch: ModelArch, tp: int, shape: ModelShap
         step_s += allreduces * eff.allreduce_latency_s
     return StepModel(shape=shape, step_s=step_s, seq_s=eff.seq_overhead_s, token_s=token_s,
                      byte_s=1 / (gpu.memory_bandwidth_gbs * 1e9 * eff.bandwidth),
-                     flop_s=1 / (gpu.tflops(weight_dtype) * 1e12 * eff.compute))
+                     flop_s=1 / (gpu.tflops(weight_dtype) * 1e12 * eff.compute),
+                     overlap=eff.overlap)
