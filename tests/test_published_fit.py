@@ -84,6 +84,11 @@ def test_the_joint_fit_shares_overheads_and_keeps_each_gpus_fractions():
     assert min(h100, h200, gh200) <= trt["hopper"]["efficiency"]["compute"] <= max(
         h100, h200, gh200)
     assert trt["hopper"]["from"] == "geometric mean of gh200, h100-sxm, h200"
+    # L40S trains at TP1 only: its link terms are borrowed from the GPUs with TP rows
+    lenders = ("a100-80gb", "h100-sxm", "h200")
+    assert trt["l40s"]["tp_terms_from"] == "geometric mean of " + ", ".join(lenders)
+    hops = [trt[g]["efficiency"]["allreduce_hop_s"] for g in lenders]
+    assert min(hops) <= trt["l40s"]["efficiency"]["allreduce_hop_s"] <= max(hops)
 
 
 def _roofline_only():

@@ -137,7 +137,7 @@ class Efficiency:
     overlap: float = 1.0          # of the shorter of memory and compute time, hidden (0: sum)
     step_overhead_s: float = 0.002  # scheduling, launch and sampling per step
     seq_overhead_s: float = 2e-5    # per scheduled sequence (bookkeeping, streaming)
-    allreduce_latency_s: float = 1e-5  # per all-reduce (two per layer under TP)
+    allreduce_hop_s: float = 5e-6  # per ring step of an all-reduce (2 (tp - 1) of them)
 
     def __post_init__(self) -> None:
         for name in ("bandwidth", "compute", "interconnect"):
@@ -145,7 +145,7 @@ class Efficiency:
                 raise PlanError(f"efficiency {name} must be in (0, 1], got {getattr(self, name)}")
         if not 0 <= self.overlap <= 1:
             raise PlanError(f"efficiency overlap must be in [0, 1], got {self.overlap}")
-        for name in ("step_overhead_s", "seq_overhead_s", "allreduce_latency_s"):
+        for name in ("step_overhead_s", "seq_overhead_s", "allreduce_hop_s"):
             if getattr(self, name) < 0:
                 raise PlanError(f"efficiency {name} must be >= 0")
 
@@ -167,7 +167,9 @@ class Efficiency:
 def roofline_step_model(gpu: GpuSpec, arch: ModelArch, tp: int, shape: ModelShape,
                         weight_dtype: str, eff: Efficiency) -> StepModel:
     """The roofline StepModel of `arch` split over `tp` GPUs of kind `gpu`. Under TP each
-    layer all-reduces its attention and MLP outputs (ring: 2 (tp-1)/tp of the data per GPU)."""
+    layer all-reduces its attention and MLP outputs as a ring: 2 (tp-1)/tp of the data per GPU
+    at the link's bandwidth, in 2 (tp-1) steps that each pay a latency (the alpha-beta model of
+    a ring all-reduce: fitted on TP2, the latency must grow with the ring at TP4)."""
     token_s, step_s = 0.0, eff.step_overhead_s
     if tp > 1:
         if not gpu.interconnect_gbs:
@@ -176,7 +178,7 @@ def roofline_step_model(gpu: GpuSpec, arch: ModelArch, tp: int, shape: ModelShap
         link = gpu.interconnect_gbs / 2 * 1e9 * eff.interconnect
         allreduces = 2 * arch.num_layers
         token_s = allreduces * 2 * (tp - 1) / tp * arch.hidden_size * ACTIVATION_BYTES / link
-        step_s += allreduces * eff.allreduce_latency_s
+        step_s += allreduces * 2 * (tp - 1) * eff.allreduce_hop_s
     return StepModel(shape=shape, step_s=step_s, seq_s=eff.seq_overhead_s, token_s=token_s,
                      byte_s=1 / (gpu.memory_bandwidth_gbs * 1e9 * eff.bandwidth),
                      flop_s=1 / (gpu.tflops(weight_dtype) * 1e12 * eff.compute),

@@ -30,10 +30,10 @@ MIN_ROWS = 5                  # fewer training rows: the GPU borrows its generat
 # fitted per GPU (or generation): fractions of its datasheet peaks, and what one all-reduce
 # costs beyond its bytes; shared by every GPU of an engine: what a step and a sequence cost
 # the engine's scheduler and sampler, which no GPU's datasheet changes
-GPU_TERMS = ("bandwidth", "compute", "interconnect", "allreduce_latency_s")
+GPU_TERMS = ("bandwidth", "compute", "interconnect", "allreduce_hop_s")
 SHARED_TERMS = ("step_overhead_s", "seq_overhead_s")
 BOUNDS = {"bandwidth": (0.05, 1.0), "compute": (0.02, 1.0), "interconnect": (0.05, 1.0),
-          "allreduce_latency_s": (0.0, 1e-4), "step_overhead_s": (0.0, 0.02),
+          "allreduce_hop_s": (0.0, 5e-5), "step_overhead_s": (0.0, 0.02),
           "seq_overhead_s": (0.0, 2e-4)}
 # how much of a step's shorter time (memory or compute) hides under the longer, per engine:
 # each joint fit runs at both ends and keeps the one with the lower training loss (fitted as a
@@ -183,11 +183,25 @@ def fit_group(rows: list[tuple[PublishedRow, GpuSpec]]) -> tuple[Efficiency, flo
     return effs["group"], errors["group"]
 
 
+TP_TERMS = ("interconnect", "allreduce_hop_s")  # what only rows at TP > 1 determine
+
+
+def _geomean(effs: dict[str, Efficiency], weights: dict[str, float], names: tuple[str, ...]
+             ) -> dict[str, float]:
+    """The weighted geometric mean of each named term over `effs` (a typical fraction of a
+    peak, or a typical latency, of several GPUs)."""
+    total = sum(weights.values())
+    return {n: math.exp(sum(w / total * math.log(max(getattr(effs[k], n), 1e-12))
+                            for k, w in weights.items())) for n in names}
+
+
 def fit(train: list[PublishedRow], catalogue: dict[str, GpuSpec] | None = None
         ) -> FittedProfiles:
     """Per engine, one joint fit: a GPU with >= MIN_ROWS rows gets its own terms, the rest of
-    a generation's rows share the generation's. A generation whose GPUs all have their own
-    terms gets, for what-ifs on its other GPUs, the row-weighted geometric mean of theirs."""
+    a generation's rows share the generation's. A GPU without rows at TP > 1 borrows its link
+    terms (row-weighted geometric mean) from the GPUs that have them, since its own rows leave
+    them at the starting guess. A generation whose GPUs all have their own terms gets, for
+    what-ifs on its other GPUs, the row-weighted geometric mean of theirs."""
     catalogue = catalogue or builtin_catalogue()
     usable = [r for r in train if r.gpu in catalogue and _known(r, catalogue[r.gpu])]
     profiles: dict[str, dict[str, dict]] = {}
@@ -201,16 +215,20 @@ def fit(train: list[PublishedRow], catalogue: dict[str, GpuSpec] | None = None
         effs, errors, _ = min((fit_joint(groups, o) for o in OVERLAPS),
                               key=lambda fitted: fitted[2])
         out = profiles.setdefault(engine, {})
+        linked = {k: float(sum(r.tp > 1 for r, _ in rows)) for k, rows in groups.items()}
+        lenders = {k: n for k, n in linked.items() if n}
         for key in sorted(groups):
-            out[key] = {"efficiency": vars(effs[key]), "train_rows": len(groups[key]),
+            out[key] = {"train_rows": len(groups[key]),
                         "train_mean_abs_pct": round(errors[key], 2)}
+            if lenders and not linked[key]:
+                effs[key] = dataclasses.replace(effs[key], **_geomean(effs, lenders, TP_TERMS))
+                out[key]["tp_terms_from"] = "geometric mean of " + ", ".join(sorted(lenders))
+            out[key]["efficiency"] = vars(effs[key])
         for gen in sorted({generation(g) for g in counts} - set(groups)):
-            members = [k for k in groups if generation(k) == gen]
+            members = {k: float(len(groups[k])) for k in groups if generation(k) == gen}
+            eff = dataclasses.replace(effs[next(iter(members))],
+                                      **_geomean(effs, members, GPU_TERMS))
             rows = [x for k in members for x in groups[k]]
-            weights = {k: len(groups[k]) / len(rows) for k in members}
-            eff = dataclasses.replace(effs[members[0]], **{n: math.exp(sum(
-                w * math.log(max(getattr(effs[k], n), 1e-12)) for k, w in weights.items()))
-                for n in GPU_TERMS})
             out[gen] = {"efficiency": vars(eff), "train_rows": len(rows),
                         "train_mean_abs_pct": round(_mean_abs_pct(rows, eff), 2),
                         "from": "geometric mean of " + ", ".join(sorted(members))}
