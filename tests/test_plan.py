@@ -4,6 +4,7 @@ config.json values, the split rules, bad input, and the CLI's JSON (torch-free).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -141,6 +142,22 @@ def test_decode_roofline_is_memory_bound_and_scales_with_bandwidth():
     overhead = m.step_s + m.seq_s
     ratio = (h100.step_model.time(work) - overhead) / (h200.step_model.time(work) - overhead)
     assert ratio == pytest.approx(4800 / 3350)
+
+
+def test_overlap_runs_between_the_roofline_and_the_sum():
+    cap = capacity(_known("llama-3.1-8b"), builtin_catalogue()["h100-sxm"], 1,
+                   PlanSettings(max_model_len=4096))
+    work = StepWork.of([(512, 0, True)] + [(1, 2000, True)] * 64)
+    m = cap.step_model
+    memory, compute = m.byte_s * m.memory_bytes(work), m.flop_s * m.flops(work)
+    fixed = m.step_s + m.seq_s * work.seqs
+    assert m.overlap == 1 and m.time(work) == pytest.approx(fixed + max(memory, compute))
+    summed = dataclasses.replace(m, overlap=0.0)
+    assert summed.time(work) == pytest.approx(fixed + memory + compute)
+    half = dataclasses.replace(m, overlap=0.5).time(work)
+    assert m.time(work) < half < summed.time(work)
+    with pytest.raises(PlanError, match="overlap must be in"):
+        Efficiency.parse("overlap=1.5")
 
 
 def test_step_work_counts_attention_pairs():

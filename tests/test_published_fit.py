@@ -66,6 +66,31 @@ def test_fit_terms_stay_physical_and_improve_on_the_start():
     assert err < sum(start) / len(start)
 
 
+def test_the_joint_fit_shares_overheads_and_keeps_each_gpus_fractions():
+    """One scheduler's per-step and per-sequence costs for every GPU; what differs between
+    GPUs is their datasheet fractions, each within its physical bounds."""
+    from loom.sim.published_fit import BOUNDS, OVERLAPS, SHARED_TERMS
+
+    trt = shipped_profiles().profiles["trtllm"]
+    for name in (*SHARED_TERMS, "overlap"):
+        assert len({entry["efficiency"][name] for entry in trt.values()}) == 1, name
+    assert trt["h100-sxm"]["efficiency"]["overlap"] in OVERLAPS
+    assert trt["h100-sxm"]["efficiency"]["bandwidth"] != trt["h200"]["efficiency"]["bandwidth"]
+    for entry in trt.values():
+        for name, (lo, hi) in BOUNDS.items():
+            assert lo <= entry["efficiency"][name] <= hi, name
+    # a generation whose GPUs all have their own rows is their row-weighted geometric mean
+    h100, h200, gh200 = (trt[g]["efficiency"]["compute"] for g in ("h100-sxm", "h200", "gh200"))
+    assert min(h100, h200, gh200) <= trt["hopper"]["efficiency"]["compute"] <= max(
+        h100, h200, gh200)
+    assert trt["hopper"]["from"] == "geometric mean of gh200, h100-sxm, h200"
+    # L40S trains at TP1 only: its link terms are borrowed from the GPUs with TP rows
+    lenders = ("a100-80gb", "h100-sxm", "h200")
+    assert trt["l40s"]["tp_terms_from"] == "geometric mean of " + ", ".join(lenders)
+    hops = [trt[g]["efficiency"]["allreduce_hop_s"] for g in lenders]
+    assert min(hops) <= trt["l40s"]["efficiency"]["allreduce_hop_s"] <= max(hops)
+
+
 def _roofline_only():
     from loom.plan.fitted import FittedProfiles
 

@@ -54,6 +54,9 @@ def _ratios(preds: list[Prediction]) -> list[tuple[str, float, float]]:
 
 
 def _markdown(preds: list[Prediction]) -> None:
+    """Throughput rows only: vLLM's batch-8 latency rows publish no throughput (the summary
+    lines give them)."""
+    preds = [p for p in preds if p.ratio is not None]
     lengths = sorted({(p.row.isl, p.row.osl) for p in preds})
     print("| held-out rows (tok/s) | " + " | ".join(f"{i}/{o}" for i, o in lengths) + " |")
     print("|---" * (len(lengths) + 1) + "|")

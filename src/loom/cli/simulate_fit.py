@@ -47,8 +47,10 @@ def calibrate_published(output: str | None) -> int:
         for key, entry in per_gpu.items():
             e = entry["efficiency"]
             print(f"{engine} {key}: bandwidth {e['bandwidth']:.2f}, compute {e['compute']:.2f}, "
-                  f"interconnect {e['interconnect']:.2f}, {e['step_overhead_s'] * 1e3:.2f} "
-                  f"ms/step, {e['seq_overhead_s'] * 1e6:.1f} us/seq; train error "
+                  f"interconnect {e['interconnect']:.2f}, overlap {e['overlap']:.0f}, "
+                  f"{e['allreduce_hop_s'] * 1e6:.1f} us/all-reduce hop, "
+                  f"{e['step_overhead_s'] * 1e3:.2f} ms/step, "
+                  f"{e['seq_overhead_s'] * 1e6:.1f} us/seq; train error "
                   f"{entry['train_mean_abs_pct']:.1f}% mean over {entry['train_rows']} rows")
     for engine, band in fitted.held_out.items():
         print(f"{engine}: {band.describe()}")

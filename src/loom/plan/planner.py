@@ -117,7 +117,7 @@ class PlanFlags:
         "fixed framework memory per GPU (CUDA context, workspaces, allocator)"))
     efficiency: str | None = field(default=None, metadata=flag_help(
         "roofline factors, e.g. bandwidth=0.8,compute=0.6,interconnect=0.7,"
-        "step_overhead_s=0.002,seq_overhead_s=2e-5,allreduce_latency_s=1e-5; default: those "
+        "step_overhead_s=0.002,seq_overhead_s=2e-5,allreduce_hop_s=5e-6; default: those "
         "values"))
     gpu_spec: list[str] | None = field(default=None, metadata=flag_help(
         'extra GPUs: JSON {"gpus": {"name": {"memory_gb": .., "memory_bandwidth_gbs": .., '

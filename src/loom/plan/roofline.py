@@ -83,7 +83,10 @@ class StepWork:
 class StepModel:
     """t = step_s + seq_s * seqs + token_s * tokens + combine(memory time, compute time), with
     memory time = byte_s * (weight_bytes + KV bytes read) and compute time = flop_s * FLOPs.
-    combine is max for a GPU (memory and compute overlap) and sum where the fit says so."""
+    combine is sum where the CPU fit says so; "max" overlaps the two by `overlap`, the share
+    of the shorter one hidden under the longer: 1 is the ideal roofline, 0 a step whose
+    kernels each wait on memory or on math in turn (what TensorRT-LLM's published rows fit
+    to: a step runs matmuls, attention and the rest one after another, none at its ridge)."""
 
     shape: ModelShape
     step_s: float
@@ -92,6 +95,7 @@ class StepModel:
     byte_s: float
     flop_s: float
     combine: Literal["max", "sum"] = "max"
+    overlap: float = 1.0
 
     def flops(self, work: StepWork) -> float:
         s = self.shape
@@ -105,7 +109,8 @@ class StepModel:
     def time(self, work: StepWork) -> float:
         memory = self.byte_s * self.memory_bytes(work)
         compute = self.flop_s * self.flops(work)
-        bound = max(memory, compute) if self.combine == "max" else memory + compute
+        bound = (max(memory, compute) + (1 - self.overlap) * min(memory, compute)
+                 if self.combine == "max" else memory + compute)
         return self.step_s + self.seq_s * work.seqs + self.token_s * work.tokens + bound
 
     def to_json(self) -> dict[str, Any]:
@@ -129,15 +134,18 @@ class Efficiency:
     bandwidth: float = 0.8        # of memory bandwidth, in a decode step's weight + KV reads
     compute: float = 0.6          # of dense tensor FLOP/s, in prefill matmuls (MFU)
     interconnect: float = 0.7     # of one direction of the GPU-to-GPU link, in all-reduces
+    overlap: float = 1.0          # of the shorter of memory and compute time, hidden (0: sum)
     step_overhead_s: float = 0.002  # scheduling, launch and sampling per step
     seq_overhead_s: float = 2e-5    # per scheduled sequence (bookkeeping, streaming)
-    allreduce_latency_s: float = 1e-5  # per all-reduce (two per layer under TP)
+    allreduce_hop_s: float = 5e-6  # per ring step of an all-reduce (2 (tp - 1) of them)
 
     def __post_init__(self) -> None:
         for name in ("bandwidth", "compute", "interconnect"):
             if not 0 < getattr(self, name) <= 1:
                 raise PlanError(f"efficiency {name} must be in (0, 1], got {getattr(self, name)}")
-        for name in ("step_overhead_s", "seq_overhead_s", "allreduce_latency_s"):
+        if not 0 <= self.overlap <= 1:
+            raise PlanError(f"efficiency overlap must be in [0, 1], got {self.overlap}")
+        for name in ("step_overhead_s", "seq_overhead_s", "allreduce_hop_s"):
             if getattr(self, name) < 0:
                 raise PlanError(f"efficiency {name} must be >= 0")
 
@@ -159,7 +167,9 @@ class Efficiency:
 def roofline_step_model(gpu: GpuSpec, arch: ModelArch, tp: int, shape: ModelShape,
                         weight_dtype: str, eff: Efficiency) -> StepModel:
     """The roofline StepModel of `arch` split over `tp` GPUs of kind `gpu`. Under TP each
-    layer all-reduces its attention and MLP outputs (ring: 2 (tp-1)/tp of the data per GPU)."""
+    layer all-reduces its attention and MLP outputs as a ring: 2 (tp-1)/tp of the data per GPU
+    at the link's bandwidth, in 2 (tp-1) steps that each pay a latency (the alpha-beta model of
+    a ring all-reduce: fitted on TP2, the latency must grow with the ring at TP4)."""
     token_s, step_s = 0.0, eff.step_overhead_s
     if tp > 1:
         if not gpu.interconnect_gbs:
@@ -168,7 +178,8 @@ def roofline_step_model(gpu: GpuSpec, arch: ModelArch, tp: int, shape: ModelShap
         link = gpu.interconnect_gbs / 2 * 1e9 * eff.interconnect
         allreduces = 2 * arch.num_layers
         token_s = allreduces * 2 * (tp - 1) / tp * arch.hidden_size * ACTIVATION_BYTES / link
-        step_s += allreduces * eff.allreduce_latency_s
+        step_s += allreduces * 2 * (tp - 1) * eff.allreduce_hop_s
     return StepModel(shape=shape, step_s=step_s, seq_s=eff.seq_overhead_s, token_s=token_s,
                      byte_s=1 / (gpu.memory_bandwidth_gbs * 1e9 * eff.bandwidth),
-                     flop_s=1 / (gpu.tflops(weight_dtype) * 1e12 * eff.compute))
+                     flop_s=1 / (gpu.tflops(weight_dtype) * 1e12 * eff.compute),
+                     overlap=eff.overlap)
