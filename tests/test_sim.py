@@ -455,13 +455,12 @@ def test_cli_help_shows_calibrate_as_optional_and_the_shipped_models(capsys):
 
 def test_served_calibration_recovers_the_servers_overheads(tmp_path):
     """The served path end to end with the server stood in for by a simulation whose steps
-    cost 3 ms + 0.1 ms a sequence more (no timing): the profile it writes adds those terms."""
-    import dataclasses
-
+    cost 3 ms + 0.1 ms a sequence + 50 us a token fed more (no timing): the profile it writes
+    adds those terms, and its simulation reproduces the server's TPOT and TTFT."""
     from loom.sim import served
 
-    slower = dataclasses.replace(_profile(), step_model=dataclasses.replace(
-        STEP, step_s=STEP.step_s + 0.003, seq_s=STEP.seq_s + 1e-4))
+    true = {"step_s": 0.003, "seq_s": 1e-4, "token_s": 5e-5}
+    slower = served.with_overheads(_profile(), true)
     trace = _trace(24)
     ids = prompt_token_ids(trace, None, 0)
 
@@ -471,13 +470,38 @@ def test_served_calibration_recovers_the_servers_overheads(tmp_path):
 
     points = served.measure_points(_profile(), trace, ids, (1, 16), 2048, tmp_path,
                                    fake_server)
-    fitted = served.fit_overheads(_profile(), points)
+    fitted = served.fit_overheads(_profile(), points, trace, ids, 2048)
     added = fitted.meta["served"]
-    assert added["added_step_s"] == pytest.approx(0.003, rel=0.35)
-    assert added["added_seq_s"] == pytest.approx(1e-4, rel=0.35)
+    for name, value in true.items():
+        assert added[f"added_{name}"] == pytest.approx(value, rel=0.1), name
     assert fitted.step_model.step_s > STEP.step_s and fitted.source == "calibrated"
+    for p in points:
+        tpot, ttft = added["fitted_tpot_ttft_s"][str(p.users)]
+        assert tpot == pytest.approx(p.served_tpot_s, rel=0.02)
+        assert ttft == pytest.approx(p.served_ttft_s, rel=0.02)
     path = tmp_path / "served.json"
     fitted.save(path)
     assert Profile.load(path).meta["served"]["points"][1]["users"] == 16
     with pytest.raises(ValueError, match="two or more loads"):
-        served.fit_overheads(_profile(), points[:1])
+        served.fit_overheads(_profile(), points[:1], trace, ids, 2048)
+
+
+def test_served_token_term_is_fitted_from_ttft_and_lengthens_it(tmp_path):
+    """A server whose only extra cost is per token fed (slower prefill, decode as offline):
+    the fit puts it in token_s, not in the per-step or per-sequence terms, and the served
+    profile's TTFT moves up from the offline one's to the server's."""
+    from loom.sim import served
+
+    slower = served.with_overheads(_profile(), {"token_s": 2e-4})
+    trace = _trace(24)
+    ids = prompt_token_ids(trace, None, 0)
+    points = served.measure_points(
+        _profile(), trace, ids, (1, 16), 2048, tmp_path,
+        lambda flags, trace, load, log: simulate_run(served.sim_config(slower, 2048), trace,
+                                                     ids, load))
+    fitted = served.fit_overheads(_profile(), points, trace, ids, 2048).meta["served"]
+    assert fitted["added_token_s"] == pytest.approx(2e-4, rel=0.1)
+    assert fitted["added_step_s"] < 2e-4 and fitted["added_seq_s"] < 2e-5
+    one = points[0]
+    assert one.simulated_ttft_s < fitted["fitted_tpot_ttft_s"]["1"][1] == pytest.approx(
+        one.served_ttft_s, rel=0.02)

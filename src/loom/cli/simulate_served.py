@@ -56,7 +56,7 @@ def calibrate_served(offline: str, output: str, num_requests: int = NUM_REQUESTS
     work.mkdir(parents=True, exist_ok=True)
     points = measure_points(profile, trace, ids, USERS, profile.max_model_len, work,
                             serve_and_replay)
-    served = fit_overheads(profile, points)
+    served = fit_overheads(profile, points, trace, ids, profile.max_model_len)
     served.save(output)
     for p in points:
         print(f"{p.users} users: TPOT served {p.served_tpot_s * 1e3:.1f} ms, simulated "
@@ -64,5 +64,8 @@ def calibrate_served(offline: str, output: str, num_requests: int = NUM_REQUESTS
               f"{p.served_ttft_s * 1e3:.0f} ms, simulated {p.simulated_ttft_s * 1e3:.0f} ms")
     added = served.meta["served"]
     print(f"added {added['added_step_s'] * 1e3:.2f} ms/step + {added['added_seq_s'] * 1e6:.1f} "
-          f"us/seq; wrote {output}")
+          f"us/seq + {added['added_token_s'] * 1e6:.1f} us/token fed; wrote {output}")
+    for users, (tpot, ttft) in added["fitted_tpot_ttft_s"].items():
+        print(f"{users} users, served profile: TPOT {tpot * 1e3:.1f} ms, median TTFT "
+              f"{ttft * 1e3:.0f} ms")
     return 0
