@@ -58,17 +58,24 @@ def random_block_quant(out_features: int, in_features: int, seed: int,
         offset=offset.half().float())
 
 
-def two_part_reference(x: torch.Tensor, bq: BlockQuantWeight) -> torch.Tensor:
-    """What the int8 path computes, in float64: per row and block of 32, t = x * 127 / max|x|,
-    q1 = round(t), q2 = round(256 (t - q1)) clipped to +-127, x ~ (256 q1 + q2) max|x| / 32512;
-    the codes' part with those, the offset's with the exact sum of x. 4-bit codes count from 8
-    (q - 8 with offset + 8 * scale: the same weights)."""
+def two_part_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 path holds it, in float64 [rows, in // 32, 32]: per row and block of 32,
+    t = x * 127 / max|x|, q1 = round(t), q2 = round(256 (t - q1)) clipped to +-127,
+    x ~ (256 q1 + q2) max|x| / 32512."""
     blocks = x.view(x.shape[0], x.shape[1] // 32, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     t = blocks * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q1 = torch.round(t)
     q2 = torch.round((t - q1) * 256).clamp(-127, 127)
-    xq = (256 * q1.double() + q2.double()) * (amax.double() / (127 * 256))
+    return (256 * q1.double() + q2.double()) * (amax.double() / (127 * 256))
+
+
+def two_part_reference(x: torch.Tensor, bq: BlockQuantWeight) -> torch.Tensor:
+    """What the int8 path computes, in float64: the codes' part with x's two-part values
+    (two_part_x), the offset's with the exact sum of x. 4-bit codes count from 8
+    (q - 8 with offset + 8 * scale: the same weights)."""
+    blocks = x.view(x.shape[0], x.shape[1] // 32, 32)
+    xq = two_part_x(x)
     codes, offset, scale = bq.codes.double(), bq.offset.double(), bq.scale.double()
     if int(bq.codes.min()) >= -8 and int(bq.codes.max()) <= 15:
         shift = 8.0 if int(bq.codes.min()) >= 0 else 0.0  # Q4_0's are signed already

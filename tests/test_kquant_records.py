@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from llama_cpp_tree import llama_cpp_tree
-from test_block_quant import FP32, INT8, needs_kernel, ops, two_part_reference
+from test_block_quant import FP32, INT8, needs_kernel, ops, two_part_reference, two_part_x
 from test_other_simd import _build
 from test_requant import exact, random_blocks
 
@@ -44,13 +44,7 @@ def int8_reference(x: torch.Tensor, bq: BlockQuantWeight) -> torch.Tensor:
     quantized values times the exact weights (its codes less 32 on the quantized x)."""
     if bq.kind != "Q6_K":
         return two_part_reference(x, bq)
-    blocks = x.view(x.shape[0], x.shape[1] // 32, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    t = blocks * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q1 = torch.round(t)
-    q2 = torch.round((t - q1) * 256).clamp(-127, 127)
-    xq = (256 * q1.double() + q2.double()) * (amax.double() / (127 * 256))
-    return (xq.view(x.shape) @ bq.dequantize().double().T).float()
+    return (two_part_x(x).view(x.shape) @ bq.dequantize().double().T).float()
 
 
 def check_both_paths(kernel: ModuleType, kind: str, rows: int, out_features: int,
