@@ -64,9 +64,7 @@ class LLM:
     def default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no SamplingParams: the model's
         own defaults (vLLM's `get_default_sampling_params`)."""
-        d = self.engine.sampling_defaults
-        return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k,
-                              repetition_penalty=d.repetition_penalty)
+        return self.engine.sampling_defaults.params()
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -44,6 +44,13 @@ class SamplingDefaults:
     repetition_penalty: float = 1.0
     source: str = "loom's defaults"
 
+    def params(self, **fields_set: Any) -> SamplingParams:
+        """SamplingParams with these defaults and `fields_set` over them (a request that
+        names only its length, say)."""
+        return SamplingParams(**{"temperature": self.temperature, "top_p": self.top_p,
+                                 "top_k": self.top_k,
+                                 "repetition_penalty": self.repetition_penalty, **fields_set})
+
     def overridden(self) -> dict[str, float | int]:
         """The fields whose value is not loom's own default."""
         loom = LOOM_DEFAULTS

@@ -8,7 +8,7 @@ The engine runs through its public surface: `EngineCore(config)`, its `add_reque
 `step()` (synchronous, as `LLM` drives it). Each measured step is the scheduler's own output,
 read as it leaves `schedule()`, so the fit sees exactly the work that was timed. Requests
 sample with the engine's defaults (what a served request that sets none gets), since the
-sampler's cost is per sequence and varies with them (greedy is far cheaper than top-p).
+sampler's cost is per sequence and varies with them (greedy is cheaper than top-p).
 """
 
 from __future__ import annotations
@@ -68,18 +68,13 @@ class _Bench:
         self.engine.scheduler.schedule = spy
 
     def add(self, num_tokens: int, max_tokens: int) -> str:
-        from loom.sampling import SamplingParams
-
         self._ids += 1
         request_id = f"calibrate-{self._ids}"
         prompt = [self.rng.randrange(100, self.vocab - 100) for _ in range(num_tokens)]
-        # Sampled as a served request that sets no sampling is, with the model's defaults: the
-        # bundled model's top_p 0.9 sorts the vocabulary per sequence, ~3 ms a sequence on the
-        # 2-core EPYC (decode 7 -> 12 ms at 1 sequence, 30 -> 77 ms at 16, against greedy).
-        d = self.engine.sampling_defaults
-        self.engine.add_request(request_id, prompt, SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True, temperature=d.temperature, top_p=d.top_p,
-            top_k=d.top_k, repetition_penalty=d.repetition_penalty))
+        # sampled as a served request that sets no sampling is, with the model's defaults:
+        # sampling costs per sequence, and top-k / top-p more than greedy
+        self.engine.add_request(request_id, prompt, self.engine.sampling_defaults.params(
+            max_tokens=max_tokens, ignore_eos=True))
         return request_id
 
     def step(self) -> tuple[StepWork, float]:

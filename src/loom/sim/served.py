@@ -11,9 +11,10 @@ What the terms stand for was measured with timestamps in the served engine proce
 EPYC, 2026-12-07): the server and the client used under 5% of a core between them, the pipe
 0.2-0.4 ms a step, the gap between steps 0.3-0.5 ms; the served steps themselves were what
 ran long. Most of that was the sampler: a served request that sets no sampling gets the
-model's defaults (top_p 0.9 for the bundled model, ~3 ms a sequence), which the offline
-calibration now times too. The rest is left to these terms; the profile keeps its offline fit
-and records the points, the terms and what the fitted profile simulates at each point.
+model's defaults (top_p 0.9 for the bundled model, then a sort of the whole vocabulary a
+sequence), which the offline calibration now times too. The rest is left to these terms; the
+profile keeps its offline fit and records the points, the terms and what the fitted profile
+simulates at each point.
 """
 
 from __future__ import annotations
