@@ -65,7 +65,7 @@ def keep_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float])
     that decides every row, else over the whole sorted row."""
     vocab = logits.shape[-1]
     ks = [k if 0 < k < vocab else vocab for k in top_k]
-    width = min(vocab, max(NUCLEUS_CANDIDATES, *(k for k in ks if k < vocab), 1))
+    width = min(vocab, max([NUCLEUS_CANDIDATES, *(k for k in ks if k < vocab)]))
     if width < vocab:
         kept, decided = _keep_among_likeliest(logits, width, ks, top_p)
         if decided:

@@ -125,24 +125,22 @@ class Sampler:
             if generators[i] is not None:
                 uniform[i] = torch.rand(1, device=device, generator=generators[i])
         limited = [i for i in random_rows if has_limits(params[i].top_k, params[i].top_p)]
-        unlimited = [i for i in random_rows if not has_limits(params[i].top_k, params[i].top_p)]
+        unlimited = [i for i in random_rows if i not in limited]
         if unlimited:
-            rows = torch.tensor(unlimited, device=device)
-            greedy_ids[rows] = inverse_cdf(self._scaled(logits, rows, params).softmax(dim=-1),
-                                           uniform[rows])
+            greedy_ids[unlimited] = inverse_cdf(
+                self._scaled(logits, unlimited, params).softmax(dim=-1), uniform[unlimited])
         if limited:
-            rows = torch.tensor(limited, device=device)
-            kept = keep_top_k_top_p(self._scaled(logits, rows, params),
+            kept = keep_top_k_top_p(self._scaled(logits, limited, params),
                                     [params[i].top_k for i in limited],
                                     [params[i].top_p for i in limited])
-            greedy_ids[rows] = kept.draw(uniform[rows])
+            greedy_ids[limited] = kept.draw(uniform[limited])
         return greedy_ids
 
     @staticmethod
-    def _scaled(logits: torch.Tensor, rows: torch.Tensor, params: list[SamplingParams]
+    def _scaled(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]
                 ) -> torch.Tensor:
         """The rows' logits divided by their temperatures."""
-        temps = torch.tensor([params[i].temperature for i in rows.tolist()], device=logits.device)
+        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
         return logits[rows] / temps.unsqueeze(1)
 
     def forget(self, request_ids: list[str]) -> None:
